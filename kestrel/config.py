@@ -1,0 +1,139 @@
+"""Engine configuration: what a user sets (`EngineArgs`, flags named as vLLM names them) and the
+frozen, validated configs each box reads (`EngineConfig`).
+
+Nothing here loads weights; `ModelConfig` is filled from the model's config once, at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30  # as vLLM's CPU backend: 4 GiB unless --kv-cache-memory says otherwise
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None
+    architecture: str          # "llama" or "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool              # Qwen3 normalises q and k per head before rotary
+    eos_token_id: int | None
+    bos_token_id: int | None
+    dtype: torch.dtype
+    max_model_len: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = DEFAULT_BLOCK_SIZE
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None     # bytes; overrides the budget on any device
+    num_kv_blocks: int | None = None       # exact pool size (tests use it to force preemption)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+    seed: int = 0
+    enforce_eager: bool = True
+    disable_log_stats: bool = True
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user may set, from Python (`LLM(**kwargs)`) or the command line."""
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"                     # auto | bfloat16 | float16 | float32
+    device: str = "auto"                    # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | None = None
+    num_kv_blocks: int | None = None
+    seed: int = 0
+    enforce_eager: bool = True
+    disable_log_stats: bool = True
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported; use cpu or cuda")
+    return dev
+
+
+def cpu_supports_bf16() -> bool:
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX512", "AMX"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+             "half": torch.float16, "fp16": torch.float16, "float32": torch.float32,
+             "float": torch.float32, "fp32": torch.float32}
+    if dtype not in names:
+        raise ValueError(f"dtype {dtype!r} is not supported; choose one of auto, {', '.join(names)}")
+    return names[dtype]

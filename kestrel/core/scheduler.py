@@ -1,0 +1,238 @@
+"""Continuous batching under a token budget.
+
+One rule: every request moves `num_computed_tokens` toward `num_tokens`, within the step's token
+budget. A new prompt, a prefill chunk, a decode step, a prefix-cache hit and a resumption after
+preemption are all that rule with different numbers.
+
+Order inside a step: running requests that decode (one token each) first, then running requests
+with prefill left (chunked), then waiting requests in arrival order while budget, sequence slots and
+blocks last. When blocks run out for a running request, the last request in that order is preempted
+(recompute: its blocks are freed, its progress reset, and it goes back to the head of the waiting
+queue); no waiting request is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from kestrel.config import SchedulerConfig
+from kestrel.core.kv_cache_manager import KVCacheManager
+from kestrel.core.request import Request, RequestStatus
+from kestrel.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, EventType,
+                              ModelRunnerOutput, NewRequestData, SchedulerOutput, SchedulerStats)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests the worker still holds state for but must drop at the next step.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions_total = 0
+        self._step_preemptions = 0
+        self._step_prompt_tokens = 0
+
+    # ---- requests in and out ----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.max_tokens is None:
+            request.max_tokens = self.config.max_model_len - request.num_prompt_tokens
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step loop (abort). Unknown or finished ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted: list[Request] = []
+
+        # Decodes first, then prefill chunks; preemption victims come from the end of this order.
+        order = ([r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+                 + [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1])
+        i = 0
+        while i < len(order) and budget > 0:
+            request = order[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self.kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = order.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                new_blocks = self.kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            i += 1
+
+        if not preempted:
+            budget = self._admit_waiting(budget, num_scheduled, new_reqs)
+
+        for request_id, n in num_scheduled.items():
+            request = self.requests[request_id]
+            self._step_prompt_tokens += max(0, min(request.num_computed_tokens + n, request.num_prompt_tokens)
+                                            - request.num_computed_tokens)
+            request.num_computed_tokens += n
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        self.finished_req_ids = set()
+        return output
+
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
+                       new_reqs: list[NewRequestData]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            request.record_event(EventType.SCHEDULED)
+            self.running.append(request)
+            new_reqs.append(NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                eos_token_id=request.eos_token_id,
+                block_ids=self.kv.get_block_ids(request.request_id),
+                num_computed_tokens=num_hit_tokens,
+            ))
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.record_event(EventType.PREEMPTED)
+        self.waiting.appendleft(request)
+        self.num_preemptions_total += 1
+        self._step_preemptions += 1
+
+    # ---- results of a step ------------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        outputs: list[EngineCoreOutput] = []
+        num_generated = 0
+        for request_id, token_ids, logprobs in zip(runner_output.req_ids,
+                                                   runner_output.sampled_token_ids,
+                                                   runner_output.logprobs):
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue  # aborted while its step ran
+            new_token_ids: list[int] = []
+            for token_id in token_ids:
+                request.append_output_token_ids([token_id])
+                new_token_ids.append(token_id)
+                if self._check_stop(request):
+                    break
+            num_generated += len(new_token_ids)
+            if request.is_finished:
+                self.running.remove(request)
+                self._free_request(request)
+            outputs.append(EngineCoreOutput(
+                request_id=request_id,
+                new_token_ids=new_token_ids,
+                new_logprobs=logprobs,
+                finish_reason=request.status.finish_reason,
+                stop_reason=request.stop_reason,
+                events=request.take_events(),
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+            ))
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(num_generated),
+                                 timestamp=time.monotonic())
+
+    def _check_stop(self, request: Request) -> bool:
+        """Set the finished status if the request's newest token ends it (vLLM's order: length
+        limits first, then EOS and stop token ids once min_tokens are out)."""
+        if (request.num_tokens >= self.config.max_model_len
+                or request.num_output_tokens >= request.max_tokens):
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
+            return False
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and last == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
+        return False
+
+    def _free_request(self, request: Request) -> None:
+        self.kv.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def make_stats(self, num_generated: int = 0) -> SchedulerStats:
+        queries, hits = self.kv.take_prefix_cache_stats()
+        stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_preemptions=self._step_preemptions,
+            num_prompt_tokens=self._step_prompt_tokens,
+            num_generation_tokens=num_generated,
+        )
+        self._step_preemptions = self._step_prompt_tokens = 0
+        return stats

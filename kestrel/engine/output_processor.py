@@ -1,0 +1,134 @@
+"""Output processing in the front end: token ids from the engine core → text and `RequestOutput`s.
+
+Owns one state per user request (its `n` samples are child requests in the engine core), the
+incremental detokenizers and stop strings. A stop string ends a sample here; the engine core is then
+told to abort that child.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kestrel.engine.detokenizer import IncrementalDetokenizer
+from kestrel.messages import EngineCoreOutput, FinishReason, Logprobs
+from kestrel.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kestrel.sampling_params import SamplingParams
+
+
+class RequestState:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, child_ids: list[str], tokenizer, arrival_time: float) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.tokenizer = tokenizer
+        self.child_index = {cid: i for i, cid in enumerate(child_ids)}
+        self.completions = [CompletionOutput(i, "", [], 0.0 if params.logprobs is not None else None,
+                                             [] if params.logprobs is not None else None)
+                            for i in range(len(child_ids))]
+        self.detokenizers = [IncrementalDetokenizer(tokenizer, params) for _ in child_ids]
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.num_cached_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+    def unfinished_child_ids(self) -> list[str]:
+        return [cid for cid, i in self.child_index.items() if not self.completions[i].finished]
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.completions,
+                             self.finished, self.num_cached_tokens, self.metrics)
+
+    def update(self, out: EngineCoreOutput) -> bool:
+        """Apply one engine-core output; True if the child ended here by a stop string (so the
+        engine core must abort it)."""
+        i = self.child_index[out.request_id]
+        completion, detok = self.completions[i], self.detokenizers[i]
+        if completion.finished:
+            return False
+        now = time.time()
+        if self.metrics.first_token_time is None and out.new_token_ids:
+            self.metrics.first_token_time = now
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        completion.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None and completion.logprobs is not None:
+            self._append_logprobs(completion, out.new_logprobs)
+        completion.text += detok.update(out.new_token_ids)
+        stopped_by_string = detok.stop_reason is not None and out.finish_reason is None
+        if detok.stop_reason is not None:
+            completion.finish_reason, completion.stop_reason = str(FinishReason.STOP), detok.stop_reason
+        elif out.finish_reason is not None:
+            completion.text += detok.flush()
+            completion.finish_reason, completion.stop_reason = str(out.finish_reason), out.stop_reason
+        if self.finished:
+            self.metrics.finished_time = now
+        return stopped_by_string
+
+    def _append_logprobs(self, completion: CompletionOutput, lp: Logprobs) -> None:
+        for ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+            entry: dict[int, Logprob] = {}
+            for j, (tid, value) in enumerate(zip(ids, values)):
+                if tid not in entry:
+                    entry[tid] = Logprob(value, rank if j == 0 else j,
+                                         self.tokenizer.decode([tid]))
+            completion.logprobs.append(entry)
+            completion.cumulative_logprob += values[0]
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    reqs_to_abort: list[str] = field(default_factory=list)   # child ids, for the engine core
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.parent_of: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, child_ids: list[str], arrival_time: float) -> None:
+        if request_id in self.states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, child_ids,
+                                               self.tokenizer, arrival_time)
+        for cid in child_ids:
+            self.parent_of[cid] = request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.states)
+
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forget user requests; returns the child ids the engine core must abort."""
+        children: list[str] = []
+        for rid in request_ids:
+            state = self.states.pop(rid, None)
+            if state is not None:
+                children.extend(state.unfinished_child_ids())
+                for cid in state.child_index:
+                    self.parent_of.pop(cid, None)
+        return children
+
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        result = ProcessedOutputs()
+        touched: dict[str, RequestState] = {}
+        for out in outputs:
+            parent = self.parent_of.get(out.request_id)
+            if parent is None:
+                continue  # aborted here while the engine core was still running it
+            state = self.states[parent]
+            if state.update(out):
+                result.reqs_to_abort.append(out.request_id)
+            touched[parent] = state
+        for rid, state in touched.items():
+            result.request_outputs.append(state.to_output())
+            if state.finished:
+                del self.states[rid]
+                for cid in state.child_index:
+                    self.parent_of.pop(cid, None)
+        return result

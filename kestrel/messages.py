@@ -1,0 +1,138 @@
+"""Every message that crosses a box boundary, in one module.
+
+    front end ──EngineCoreRequest──► engine core ──SchedulerOutput──► worker
+    front end ◄─EngineCoreOutputs─── engine core ◄─ModelRunnerOutput── worker
+
+Only token ids cross into the engine core, and only token ids, logprobs and stats come back. All are
+msgspec structs so that they can be sent between processes unchanged (`array_like` keeps the
+encoding compact).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from kestrel.sampling_params import SamplingParams
+
+
+# --------------------------------------------------------------------------------------------
+# front end ⇄ engine core
+# --------------------------------------------------------------------------------------------
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    arrival_time: float
+    priority: int = 0
+    trace_context: dict[str, str] | None = None
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0    # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or max_model_len
+    ABORT = 2   # the client went away or the request was cancelled
+    ERROR = 3   # the engine failed while running it
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EventType(enum.IntEnum):
+    QUEUED = 0
+    SCHEDULED = 1
+    PREEMPTED = 2
+
+
+class Logprobs(msgspec.Struct, array_like=True):
+    """Logprobs of the tokens generated in one step for one request, one row per token.
+
+    Row i holds the sampled token first, then the top-N tokens; `ranks[i]` is the sampled token's
+    rank (1 = most likely) in the full distribution.
+    """
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Logprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    events: list[tuple[EventType, float]] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up in this step
+    prefix_cache_hits: int = 0      # of which found cached
+    num_preemptions: int = 0        # in this step
+    num_prompt_tokens: int = 0      # computed in this step
+    num_generation_tokens: int = 0  # sampled in this step
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# engine core ⇄ worker
+# --------------------------------------------------------------------------------------------
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """A request the worker has not seen (or has dropped after a preemption)."""
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty when resuming after a preemption
+    sampling_params: SamplingParams
+    eos_token_id: int | None  # masked while fewer than min_tokens are generated
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(msgspec.Struct, array_like=True):
+    """Only what changed for requests the worker already holds."""
+    req_ids: list[str] = msgspec.field(default_factory=list)
+    new_block_ids: list[list[int]] = msgspec.field(default_factory=list)
+    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True):
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # Tokens to compute per request this step, in batch order: decodes first, then prefill chunks.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the worker must forget before this step (finished, aborted or preempted).
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True):
+    # Requests that sampled a token this step (a partial prefill chunk samples nothing).
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[Logprobs | None]
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])

@@ -1,0 +1,75 @@
+"""Models: which architectures Kestrel runs, and how a checkpoint's config becomes a `ModelConfig`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kestrel.config import ModelConfig
+from kestrel.model.llama import LlamaForCausalLM
+
+# model_type in the checkpoint's config → our module, and whether q/k are normalised per head.
+ARCHITECTURES: dict[str, tuple[type[nn.Module], bool]] = {
+    "llama": (LlamaForCausalLM, False),
+    "mistral": (LlamaForCausalLM, False),
+    "qwen3": (LlamaForCausalLM, True),
+}
+
+
+def rope_settings(hf_config) -> tuple[float, dict | None]:
+    """(theta, scaling) from either transformers 5's `rope_parameters` or the older fields."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        scaling = None if params.get("rope_type", "default") == "default" else dict(params)
+        return float(params["rope_theta"]), scaling
+    return float(getattr(hf_config, "rope_theta", 10000.0)), getattr(hf_config, "rope_scaling", None)
+
+
+def model_config_from_hf(hf_config, *, model: str | None, dtype: torch.dtype,
+                         max_model_len: int | None, eos_token_id: int | None,
+                         bos_token_id: int | None) -> ModelConfig:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"model type {model_type!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    theta, scaling = rope_settings(hf_config)
+    max_positions = int(getattr(hf_config, "max_position_embeddings", 2048))
+    if max_model_len is None:
+        max_model_len = max_positions
+    elif max_model_len < 2:
+        raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
+    elif max_model_len > max_positions:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the model's maximum of {max_positions} positions")
+    sliding_window = getattr(hf_config, "sliding_window", None)
+    if model_type == "mistral" and sliding_window and max_model_len > sliding_window:
+        raise ValueError(f"sliding-window attention is not supported yet: set --max-model-len to at most "
+                         f"{sliding_window} for this model")
+    num_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    return ModelConfig(
+        model=model,
+        architecture=model_type,
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(hf_config.rms_norm_eps),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(hf_config, "attention_bias", False)),
+        qk_norm=ARCHITECTURES[model_type][1],
+        eos_token_id=eos_token_id,
+        bos_token_id=bos_token_id,
+        dtype=dtype,
+        max_model_len=max_model_len,
+    )
+
+
+def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
+    cls = ARCHITECTURES[cfg.architecture][0]
+    with torch.device(device):
+        return cls(cfg).eval()

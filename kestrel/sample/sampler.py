@@ -1,0 +1,162 @@
+"""The vectorized sampler: logits [B, V] of one step → one token per row, plus logprobs if asked.
+
+Order, as in vLLM V1: raw logprobs → min_tokens mask → penalties → greedy argmax, or for random
+rows temperature → min_p → top_k → top_p → sample by the exponential race.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kestrel.sample.metadata import SamplingMetadata
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor          # [B] int64
+    # [B, N+1]: column 0 the sampled token, then the top-N tokens, N = max logprobs of any row.
+    logprob_token_ids: torch.Tensor | None   # int64
+    logprobs: torch.Tensor | None            # float32, raw log_softmax of the model's logits
+    sampled_ranks: torch.Tensor | None       # [B] int64, 1 = most likely
+
+
+class Sampler(torch.nn.Module):
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        assert logits.shape[-1] == metadata.vocab_size, (logits.shape, metadata.vocab_size)
+        # A float32 copy: every step below works in place without touching the caller's tensor.
+        logits = logits.to(torch.float32, copy=True)
+        raw_logprobs = (logits.log_softmax(dim=-1)
+                        if metadata.max_num_logprobs is not None else None)
+
+        apply_min_tokens(logits, metadata)
+        apply_penalties(logits, metadata)
+        sampled = sample(logits, metadata)
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None, None)
+        token_ids, logprobs, ranks = gather_logprobs(raw_logprobs, sampled,
+                                                     metadata.max_num_logprobs)
+        return SamplerOutput(sampled, token_ids, logprobs, ranks)
+
+
+def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """-inf on EOS and stop ids of rows that have not yet generated min_tokens tokens."""
+    if metadata.min_tokens_rows is not None:
+        logits[metadata.min_tokens_rows, metadata.min_tokens_token_ids] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt or output tokens), then frequency and presence (output tokens), in place."""
+    if metadata.no_penalties:
+        return logits
+    output_counts = count_token_ids(metadata.output_token_ids, metadata.vocab_size)
+    output_seen = output_counts > 0
+    if metadata.repetition_penalties is not None:
+        prompt_seen = count_token_ids(metadata.prompt_token_ids, metadata.vocab_size) > 0
+        apply_repetition_penalty(logits, prompt_seen | output_seen, metadata.repetition_penalties)
+    if metadata.frequency_penalties is not None:
+        logits -= metadata.frequency_penalties.unsqueeze(1) * output_counts
+    if metadata.presence_penalties is not None:
+        logits -= metadata.presence_penalties.unsqueeze(1) * output_seen
+    return logits
+
+
+def count_token_ids(padded_token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] int64 occurrence counts of each token in each row of a [B, L] tensor padded with
+    vocab_size (counted in an extra bin that is then dropped)."""
+    num_rows = padded_token_ids.shape[0]
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.int64,
+                         device=padded_token_ids.device)
+    counts.scatter_add_(1, padded_token_ids, torch.ones_like(padded_token_ids))
+    return counts[:, :vocab_size]
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor,
+                             penalties: torch.Tensor) -> torch.Tensor:
+    """On seen tokens: positive logits divided by the penalty, others multiplied (CTRL / vLLM)."""
+    penalties = penalties.unsqueeze(1).expand_as(logits)
+    penalized = torch.where(logits > 0, logits / penalties, logits * penalties)
+    return logits.copy_(torch.where(seen, penalized, logits))
+
+
+def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """[B] int64: argmax on greedy rows, a random draw on the others."""
+    greedy = None if metadata.all_random else logits.argmax(dim=-1)
+    if metadata.all_greedy:
+        return greedy
+    random = sample_random(logits, metadata)
+    if metadata.all_random:
+        return random
+    return torch.where(metadata.greedy_mask, greedy, random)
+
+
+def sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Temperature, min_p, top_k, top_p, then a draw from the softmax. Modifies `logits`."""
+    logits.div_(metadata.temperature.unsqueeze(1))
+    if metadata.min_p is not None:
+        apply_min_p(logits, metadata.min_p)
+    if metadata.top_k is not None or metadata.top_p is not None:
+        apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+    probs = logits.softmax(dim=-1)
+    return sample_by_exponential_race(probs, metadata.row_seeds)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """-inf on tokens whose probability is below min_p × the row's highest probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    """-inf outside each row's top_k, then outside the smallest most-likely set holding top_p of
+    the remaining mass. One ascending sort serves both filters; the most likely token is last."""
+    sorted_logits, sorted_ids = logits.sort(dim=-1)
+    vocab_size = logits.shape[-1]
+    if top_k is not None:
+        # Keeps every token tied with the k-th largest logit, as vLLM does.
+        kth_largest = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth_largest, float("-inf"))
+    if top_p is not None:
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Mass of this token and all less likely ones; the token is dropped when the more likely
+        # tokens alone already hold top_p. Written this way, top_p = 1 drops nothing with mass.
+        mass_up_to_here = sorted_probs.cumsum(dim=-1)
+        drop = mass_up_to_here <= 1 - top_p.unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(1, sorted_ids, sorted_logits)
+
+
+def sample_by_exponential_race(probs: torch.Tensor, row_seeds: dict[int, int]) -> torch.Tensor:
+    """argmax(probs / q) with q ~ Exp(1) draws a token with probability probs (Gumbel-max in
+    disguise). Seeded rows draw q from their own generator, so their token depends only on their
+    seed, output position and logits; the other rows share one batched draw. Modifies `probs`."""
+    q = torch.empty_like(probs)
+    if len(row_seeds) < probs.shape[0]:
+        q.exponential_()
+    for row, seed in row_seeds.items():
+        generator = torch.Generator(device=probs.device)
+        generator.manual_seed(seed)
+        q[row].exponential_(generator=generator)
+    # A zero draw would turn a zero probability into 0/0 = NaN, which argmax would pick.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(dim=-1)
+
+
+def gather_logprobs(raw_logprobs: torch.Tensor, sampled: torch.Tensor,
+                    num_top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids [B, N+1], logprobs [B, N+1] (sampled token first, then the top N, descending)
+    and the sampled token's rank [B] (1 + number of strictly more likely tokens)."""
+    num_top = min(num_top, raw_logprobs.shape[-1])
+    sampled = sampled.unsqueeze(1)
+    sampled_logprobs = raw_logprobs.gather(1, sampled)
+    top_logprobs, top_ids = raw_logprobs.topk(num_top, dim=-1)
+    ranks = (raw_logprobs > sampled_logprobs).sum(dim=-1) + 1
+    return (torch.cat([sampled, top_ids], dim=1),
+            torch.cat([sampled_logprobs, top_logprobs], dim=1),
+            ranks)

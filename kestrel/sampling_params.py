@@ -1,0 +1,95 @@
+"""Per-request sampling settings, shaped like vLLM's and OpenAI's.
+
+`SamplingParams` crosses the API-server → engine-core boundary inside `EngineCoreRequest`, so it is a
+msgspec struct. `validate()` raises `ValueError` naming the bad field; the front end calls it before a
+request reaches the engine core, so the core never sees a bad request.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import msgspec
+
+# Below this temperature sampling is greedy (argmax), as in vLLM.
+GREEDY_TEMPERATURE = 1e-5
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    stop: list[str] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # top-N logprobs per generated token, plus the sampled one
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        return SamplingType.GREEDY if self.temperature < GREEDY_TEMPERATURE else SamplingType.RANDOM
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+        def bad(field: str, why: str) -> None:
+            raise ValueError(f"{field} {why}, got {getattr(self, field)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if self.temperature < 0.0:
+            bad("temperature", "must be non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if self.top_k < 0:
+            bad("top_k", "must be 0 or -1 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", "must be at least 1")
+        if self.min_tokens < 0:
+            bad("min_tokens", "must be non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0.0:
+            bad("repetition_penalty", "must be positive")
+        if self.logprobs is not None and self.logprobs < 0:
+            bad("logprobs", "must be non-negative")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad("prompt_logprobs", "must be non-negative")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+
+    def clone(self, **changes) -> "SamplingParams":
+        return msgspec.structs.replace(self, **changes)

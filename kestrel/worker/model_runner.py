@@ -1,0 +1,227 @@
+"""Turns a `SchedulerOutput` into one forward pass and sampled tokens.
+
+The runner keeps each request's tokens and block ids between steps (the scheduler sends only what
+changed) and appends the tokens it samples, so a decode step needs nothing from the engine core but
+the request's id. Batch order: requests with one token this step first (decodes), then prefill
+chunks; only rows that end a request's known tokens are turned into logits and sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from kestrel.config import EngineConfig
+from kestrel.messages import (EMPTY_MODEL_RUNNER_OUTPUT, Logprobs, ModelRunnerOutput,
+                              NewRequestData, SchedulerOutput)
+from kestrel.model.attention import AttentionMetadata, KVCache, PrefillChunk
+from kestrel.sample import Sampler, SamplerOutput, SamplingMetadata
+from kestrel.sampling_params import SamplingParams
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor. On CPU its pages are mapped lazily (calloc via numpy), so a large KV pool
+    costs RAM only as it fills. Zeros matter: masked padding slots must not hold NaN."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]            # prompt, then every token sampled so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> "CachedRequestState":
+        return cls(new.req_id, list(new.prompt_token_ids) + list(new.output_token_ids),
+                   len(new.prompt_token_ids), new.sampling_params, new.eos_token_id,
+                   list(new.block_ids), new.num_computed_tokens)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_req_ids: list[str]        # requests that sample this step, in logits-row order
+    sample_rows: torch.Tensor        # their last token's row in the flattened batch
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: nn.Module) -> None:
+        self.config = config
+        self.model = model
+        self.device = config.device.device
+        self.block_size = config.cache.block_size
+        self.vocab_size = config.model.vocab_size
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[KVCache] = []
+
+    # ---- KV memory ---------------------------------------------------------------------------
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        m = self.config.model
+        shape = (num_blocks * self.block_size, m.num_kv_heads, m.head_dim)
+        self.kv_caches = [(zeroed(shape, m.dtype, self.device), zeroed(shape, m.dtype, self.device))
+                          for _ in range(m.num_layers)]
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward pass at the largest batch the scheduler can send (no KV cache), then logits and
+        sampling for the most sequences, so that peak activation memory can be measured."""
+        sched = self.config.scheduler
+        num_tokens = sched.max_num_batched_tokens
+        chunks, start = [], 0
+        while start < num_tokens:
+            end = min(start + sched.max_model_len, num_tokens)
+            chunks.append(PrefillChunk(start, end, None, None))
+            start = end
+        meta = AttentionMetadata(slot_mapping=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
+                                 num_decodes=0, decode_slots=None, decode_mask=None, prefills=chunks)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(c.token_end - c.token_start, device=self.device) for c in chunks])
+        hidden = self.model(ids, positions, None, meta)
+        num_rows = min(sched.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:num_rows])
+        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)] * num_rows
+        metadata = SamplingMetadata.build(params, [[0]] * num_rows, [[]] * num_rows, [None] * num_rows,
+                                          self.vocab_size, self.device)
+        self.sampler(logits, metadata)
+        del hidden, logits
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.is_empty:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        batch = self._prepare_inputs(so)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        if not batch.sample_req_ids:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+        states = [self.requests[r] for r in batch.sample_req_ids]
+        metadata = SamplingMetadata.build(
+            [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states], [s.eos_token_id for s in states],
+            self.vocab_size, self.device)
+        sampled = self.sampler(logits, metadata)
+        return self._make_output(states, sampled)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = CachedRequestState.from_new(new)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                    cached.num_computed_tokens):
+            state = self.requests[req_id]
+            state.block_ids.extend(new_blocks)
+            state.num_computed_tokens = num_computed
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
+        bs = self.block_size
+        scheduled = so.num_scheduled_tokens
+        order = ([r for r, n in scheduled.items() if n == 1] + [r for r, n in scheduled.items() if n > 1])
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        sample_req_ids: list[str] = []
+        sample_rows: list[int] = []
+        decode_seq_lens: list[int] = []
+        decode_tables: list[list[int]] = []
+        prefills: list[PrefillChunk] = []
+        row = 0
+        for req_id in order:
+            state = self.requests[req_id]
+            n, start = scheduled[req_id], state.num_computed_tokens
+            end = start + n
+            input_ids.extend(state.token_ids[start:end])
+            pos = np.arange(start, end)
+            positions.append(pos)
+            table = np.asarray(state.block_ids, dtype=np.int64)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            if n == 1:
+                decode_seq_lens.append(end)
+                decode_tables.append(state.block_ids[:-(-end // bs)])
+            else:
+                prefills.append(self._prefill_chunk(row, start, end, table))
+            if end == len(state.token_ids):
+                sample_req_ids.append(req_id)
+                sample_rows.append(row + n - 1)
+            row += n
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            num_decodes=len(decode_seq_lens),
+            decode_slots=None, decode_mask=None, prefills=prefills)
+        if decode_seq_lens:
+            meta.decode_slots, meta.decode_mask = self._decode_context(decode_tables, decode_seq_lens)
+        return BatchInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            meta=meta,
+            sample_req_ids=sample_req_ids,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+        )
+
+    def _decode_context(self, tables: list[list[int]], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        bs, dev = self.block_size, self.device
+        max_len = max(seq_lens)
+        max_blocks = -(-max_len // bs)
+        padded = np.zeros((len(tables), max_blocks), dtype=np.int64)  # block 0: the null block
+        for i, t in enumerate(tables):
+            padded[i, :len(t)] = t
+        slots = (padded[:, :, None] * bs + np.arange(bs)).reshape(len(tables), -1)[:, :max_len]
+        lens = torch.tensor(seq_lens, device=dev)
+        mask = torch.arange(max_len, device=dev)[None, :] < lens[:, None]
+        return torch.from_numpy(np.ascontiguousarray(slots)).to(dev), mask.view(len(tables), 1, 1, max_len)
+
+    def _prefill_chunk(self, row: int, start: int, end: int, table: np.ndarray) -> PrefillChunk:
+        n = end - start
+        if start == 0:
+            return PrefillChunk(row, row + n, None, None)
+        bs, dev = self.block_size, self.device
+        pos = np.arange(end)
+        context = torch.from_numpy(table[pos // bs] * bs + pos % bs).to(dev)
+        # Query i sits at position start + i and sees keys 0 .. start + i.
+        mask = (torch.arange(end, device=dev)[None, :]
+                <= torch.arange(start, end, device=dev)[:, None])
+        return PrefillChunk(row, row + n, context, mask)
+
+    def _make_output(self, states: list[CachedRequestState], sampled: SamplerOutput) -> ModelRunnerOutput:
+        token_ids = sampled.sampled_token_ids.tolist()
+        logprobs: list[Logprobs | None] = [None] * len(states)
+        if sampled.logprobs is not None:
+            ids, lps, ranks = (sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist(),
+                               sampled.sampled_ranks.tolist())
+            for i, state in enumerate(states):
+                n = state.sampling_params.logprobs
+                if n is not None:
+                    logprobs[i] = Logprobs([ids[i][:n + 1]], [lps[i][:n + 1]], [ranks[i]])
+        for state, token_id in zip(states, token_ids):
+            state.token_ids.append(token_id)
+        return ModelRunnerOutput(req_ids=[s.req_id for s in states],
+                                 sampled_token_ids=[[t] for t in token_ids], logprobs=logprobs)

@@ -1,0 +1,43 @@
+"""One worker per device: sets the device up, holds the weights and the KV memory, runs steps."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kestrel.config import EngineConfig
+from kestrel.messages import ModelRunnerOutput, SchedulerOutput
+from kestrel.model import build_model
+from kestrel.model.loader import ModelSource, iter_weights
+from kestrel.worker.memory import MemoryProfile, num_blocks_for, profile_cpu, profile_cuda
+from kestrel.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        self.config = config
+        self.device = config.device.device
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(config.seed)
+        start = time.perf_counter()
+        self.model = build_model(config.model, self.device)
+        self.model.load_weights(iter_weights(source))
+        logger.info("loaded %s in %.1f s", source.name, time.perf_counter() - start)
+        self.runner = ModelRunner(config, self.model)
+        self.memory_profile: MemoryProfile | None = None
+
+    def determine_num_kv_blocks(self) -> int:
+        profile = profile_cuda if self.device.type == "cuda" else profile_cpu
+        self.memory_profile = profile(self.config, self.runner.profile_run)
+        return num_blocks_for(self.config, self.memory_profile)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
