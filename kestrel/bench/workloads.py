@@ -1,0 +1,70 @@
+"""Workload generators for the benchmarks (see bench/WORKLOADS.md in the shared folder).
+
+Every workload is random token ids drawn from a fixed seed, so every engine and every peer gets the
+same requests. The draw order is part of the definition, so that another tool can reproduce it:
+one `numpy.random.default_rng(seed)`; first the input lengths, then the output lengths (both
+uniform over inclusive ranges), then each prompt's token ids in request order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+TOKEN_ID_RANGE = (100, 40000)   # inclusive; inside every supported model's vocabulary
+
+# W1: offline throughput.
+W1_NUM_REQUESTS = 64
+W1_INPUT_LEN_RANGE = (64, 512)
+W1_OUTPUT_LEN_RANGE = (32, 256)
+W1_SEED = 0
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int   # tokens to generate (greedy, ignore_eos, max_tokens = output_len)
+
+    @property
+    def input_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+def uniform_lengths(rng: np.random.Generator, n: int, length_range: tuple[int, int]) -> list[int]:
+    """n lengths drawn uniformly from the inclusive range."""
+    low, high = length_range
+    if not 1 <= low <= high:
+        raise ValueError(f"a length range must satisfy 1 <= low <= high, got {low}..{high}")
+    return [int(x) for x in rng.integers(low, high + 1, size=n)]
+
+
+def random_token_ids(rng: np.random.Generator, length: int,
+                     id_range: tuple[int, int] = TOKEN_ID_RANGE) -> list[int]:
+    low, high = id_range
+    return [int(x) for x in rng.integers(low, high + 1, size=length)]
+
+
+def random_requests(num_requests: int, input_len_range: tuple[int, int],
+                    output_len_range: tuple[int, int], seed: int) -> list[BenchRequest]:
+    """Requests with random token-id prompts; lengths and ids all come from one seeded generator."""
+    if num_requests < 1:
+        raise ValueError(f"the number of requests must be at least 1, got {num_requests}")
+    rng = np.random.default_rng(seed)
+    input_lens = uniform_lengths(rng, num_requests, input_len_range)
+    output_lens = uniform_lengths(rng, num_requests, output_len_range)
+    return [BenchRequest(random_token_ids(rng, n_in), n_out) for n_in, n_out in zip(input_lens, output_lens)]
+
+
+def w1_offline_throughput(num_requests: int = W1_NUM_REQUESTS,
+                          input_len_range: tuple[int, int] = W1_INPUT_LEN_RANGE,
+                          output_len_range: tuple[int, int] = W1_OUTPUT_LEN_RANGE,
+                          seed: int = W1_SEED) -> list[BenchRequest]:
+    """W1: all requests submitted at once; the defaults are the workload as defined."""
+    return random_requests(num_requests, input_len_range, output_len_range, seed)
+
+
+def is_standard_w1(num_requests: int, input_len_range: tuple[int, int],
+                   output_len_range: tuple[int, int]) -> bool:
+    return (num_requests == W1_NUM_REQUESTS and tuple(input_len_range) == W1_INPUT_LEN_RANGE
+            and tuple(output_len_range) == W1_OUTPUT_LEN_RANGE)

@@ -1,0 +1,124 @@
+"""Tests of the `kestrel` command line (kestrel.entrypoints.cli) and `kestrel bench throughput`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kestrel.bench.workloads import w1_offline_throughput
+from kestrel.config import EngineArgs
+from kestrel.entrypoints.cli import ENGINE_FLAGS, SERVE_NOT_BUILT, build_parser, engine_kwargs, main, parse_bytes
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+SLOW_TIMEOUT_S = 600  # the machine is shared; a busy neighbour can triple a run
+
+
+def run_kestrel(*args: str, stdin: str | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kestrel.entrypoints.cli", *args], input=stdin,
+                          capture_output=True, text=True, cwd=cwd, timeout=SLOW_TIMEOUT_S,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+# ---- fast -----------------------------------------------------------------------------------------
+
+def test_every_engine_flag_sets_an_engine_args_field():
+    assert {f.field for f in ENGINE_FLAGS} <= EngineArgs.field_names()
+    assert len({f.flag for f in ENGINE_FLAGS}) == len(ENGINE_FLAGS)
+
+
+def test_only_flags_given_reach_engine_args():
+    args = build_parser().parse_args(["generate", "hi", "--dtype", "float32", "--no-enable-prefix-caching",
+                                      "--no-enable-chunked-prefill", "--kv-cache-memory", "512MiB",
+                                      "--max-num-seqs", "8", "--enforce-eager"])
+    assert engine_kwargs(args) == {"dtype": "float32", "enable_prefix_caching": False,
+                                   "enable_chunked_prefill": False, "kv_cache_memory": 512 << 20,
+                                   "max_num_seqs": 8, "enforce_eager": True}
+    assert engine_kwargs(build_parser().parse_args(["generate", "hi"])) == {}
+
+
+@pytest.mark.parametrize("text,expected", [("4096", 4096), ("2GiB", 2 << 30), ("512MiB", 512 << 20),
+                                           ("512 mib", 512 << 20), ("1.5GB", 1_500_000_000), ("1k", 1000)])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "2 GiBs", "-1", "1e9"])
+def test_parse_bytes_rejects_nonsense(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes(text)
+
+
+def test_serve_is_not_built_yet(capsys):
+    assert main(["serve"]) == 2
+    assert SERVE_NOT_BUILT in capsys.readouterr().err
+    assert "issue 3" in SERVE_NOT_BUILT
+
+
+def test_bad_model_path_is_an_error_without_traceback(tmp_path):
+    result = run_kestrel("generate", "hello", "--model", str(tmp_path / "missing.gguf"))
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: ")
+    assert "does not exist" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_bad_engine_value_is_an_error(capsys, tmp_path):
+    assert main(["generate", "hello", "--model", str(tmp_path)]) == 1  # an empty folder is not a model
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "not a model folder" in err
+
+
+def test_w1_workload_is_fixed_by_its_seed():
+    a, b = w1_offline_throughput(), w1_offline_throughput()
+    assert a == b and len(a) == 64
+    assert all(64 <= r.input_len <= 512 and 32 <= r.output_len <= 256 for r in a)
+    assert all(100 <= t <= 40000 for r in a for t in r.prompt_token_ids)
+
+
+# ---- slow: the real default model -----------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_generate_prints_the_completion():
+    result = run_kestrel("generate", "The capital of France is", "--max-tokens", "8", "--temperature", "0",
+                         "--dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "Paris" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_bench_throughput_writes_json(tmp_path):
+    result = run_kestrel("bench", "throughput", "--num-prompts", "4", "--input-len-range", "16", "32",
+                         "--output-len-range", "4", "8", "--runs", "1", "--output-json", "tmp.json",
+                         "--append-md", "BENCHMARKS.md", cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "tmp.json").read_text())
+    kestrel = report["kestrel"]
+    assert report["workload"]["num_requests"] == 4
+    assert 4 * 4 <= kestrel["output_tokens"] <= 4 * 8
+    assert kestrel["output_tok_s"] > 0 and kestrel["total_tok_s"] > kestrel["output_tok_s"]
+    assert kestrel["wall_s"] > 0 and len(kestrel["run_wall_s"]) == 1
+    assert kestrel["peak_rss_bytes"] > 0
+    assert report["peer"] is None
+    assert report["command"].startswith("kestrel bench throughput --num-prompts 4")
+    assert report["machine"]["logical_cpus"] >= 1
+    assert "offline throughput" in (tmp_path / "BENCHMARKS.md").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_chat_answers_a_line_and_exits_on_eof():
+    result = run_kestrel("chat", "--max-tokens", "16", "--dtype", "float32",
+                         stdin="What is the capital of France?\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("> ")
+    reply = result.stdout.split("> ")[1].strip()
+    assert "Paris" in reply
