@@ -71,7 +71,19 @@ def tiny(request, tmp_path_factory, tokenizer):
 KW = dict(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
 
 
-def test_alone_and_batched(tiny, engine_check):
+@pytest.fixture(params=["compiled-kernels", "pytorch-path"])
+def kernel_mode(request, monkeypatch):
+    """Run the engine with the compiled CPU kernels (when this machine builds them) and with the
+    pure-PyTorch reference path."""
+    from kestrel.ops import cpu_kernels
+    if request.param == "pytorch-path":
+        monkeypatch.setenv("KESTREL_DISABLE_CPU_KERNELS", "1")
+    cpu_kernels.cache_clear()
+    yield request.param
+    cpu_kernels.cache_clear()
+
+
+def test_alone_and_batched(tiny, kernel_mode, engine_check):
     folder, prompts, reference, _ = tiny
     llm = LLM(str(folder), **KW)
     alone = [kestrel_greedy(llm, [p], NEW_TOKENS)[0] for p in prompts]
@@ -81,7 +93,7 @@ def test_alone_and_batched(tiny, engine_check):
     engine_check(llm)
 
 
-def test_chunked_prefill_and_preemption(tiny, engine_check):
+def test_chunked_prefill_and_preemption(tiny, kernel_mode, engine_check):
     folder, prompts, reference, _ = tiny
     # A 20-token budget splits every long prompt; 17 blocks of 16 barely hold one 256-token sequence.
     llm = LLM(str(folder), dtype="float32", max_model_len=256, max_num_batched_tokens=20,

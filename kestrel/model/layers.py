@@ -1,7 +1,9 @@
-"""Building blocks shared by the decoder models: RMSNorm and rotary position embeddings.
+"""Building blocks shared by the decoder models: RMSNorm (with the residual add fused), SiLU-and-mul
+and rotary position embeddings.
 
-Both follow Hugging Face's arithmetic order exactly (norms in float32, rotary with `rotate_half`),
-so that float32 runs match `transformers` token for token.
+On CPUs with AVX-512 the norm and the activation run as compiled kernels (kestrel/ops); the PyTorch
+code here is their reference and the path everywhere else. Both follow Hugging Face's arithmetic
+(norms and activations in float32, rotary with `rotate_half`), so float32 runs match `transformers`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kestrel.ops import cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -23,10 +27,44 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def _kernel_for(x: torch.Tensor):
+    """The compiled CPU kernels if they can take `x` (2-D, contiguous, float32/bf16, 16-aligned)."""
+    if (x.device.type == "cpu" and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16)
+            and x.shape[-1] % 32 == 0 and x.is_contiguous()):
+        return cpu_kernels()
+    return None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalise the last dim in float32, cast back, then scale (Hugging Face's order)."""
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-    return normed * weight
+    kernels = _kernel_for(x)
+    if kernels is not None:
+        return kernels.rms_norm(x, None, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x). The kernel updates `residual` in place: the caller
+    owns the residual stream."""
+    kernels = _kernel_for(x)
+    if kernels is not None and residual.is_contiguous():
+        return kernels.rms_norm(x, residual, weight, eps), residual
+    residual = residual + x
+    return rms_norm_reference(residual, weight, eps), residual
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in float32, round to the input dtype, then scale (Hugging Face's order)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = gate | up along the last dim → silu(gate) * up."""
+    kernels = _kernel_for(x)
+    if kernels is not None:
+        return kernels.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
@@ -67,10 +105,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * attention_scaling).to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x [tokens, heads, head_dim] by each token's position."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) rows for a step's tokens, [tokens, 1, head_dim]; looked up once per step."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [tokens, heads, head_dim] (Hugging Face's rotate_half layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

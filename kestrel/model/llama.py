@@ -15,7 +15,7 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.model.attention import AttentionMetadata, KVCache, paged_attention
-from kestrel.model.layers import RMSNorm, RotaryEmbedding, rms_norm
+from kestrel.model.layers import RMSNorm, RotaryEmbedding, add_rms_norm, apply_rotary, rms_norm, silu_and_mul
 
 
 class DecoderLayer(nn.Module):
@@ -40,26 +40,32 @@ class DecoderLayer(nn.Module):
         for p in self.parameters():
             p.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                cache: KVCache | None, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self._attention(self.input_layernorm(x), positions, rotary, cache, meta)
-        return x + self._mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                cache: KVCache | None, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before adding it); the next layer adds them
+        inside its fused norm."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = add_rms_norm(x, residual, self.input_layernorm.weight, self.eps)
+        h = self._attention(h, rope, cache, meta)
+        h, residual = add_rms_norm(h, residual, self.post_attention_layernorm.weight, self.eps)
+        return self._mlp(h), residual
 
-    def _attention(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def _attention(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    cache: KVCache | None, meta: AttentionMetadata) -> torch.Tensor:
-        n = h.shape[0]
-        qkv = self.qkv_proj(h).view(n, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        n, heads = h.shape[0], self.num_heads
+        qkv = self.qkv_proj(h).view(n, heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv[:, :heads + self.num_kv_heads], qkv[:, heads + self.num_kv_heads:]
         if self.qk_norm:
-            q = rms_norm(q, self.q_norm.weight, self.eps)
-            k = rms_norm(k, self.k_norm.weight, self.eps)
-        q, k = rotary(positions, q), rotary(positions, k)
-        out = paged_attention(q, k, v.contiguous(), cache, meta, self.scale)
+            qk = torch.cat((rms_norm(qk[:, :heads], self.q_norm.weight, self.eps),
+                            rms_norm(qk[:, heads:], self.k_norm.weight, self.eps)), dim=1)
+        qk = apply_rotary(qk, *rope)  # q and k heads rotated in one pass
+        out = paged_attention(qk[:, :heads], qk[:, heads:], v, cache, meta, self.scale)
         return self.o_proj(out.view(n, self.q_size))
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -82,9 +88,11 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] (before the final norm)."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, kv_caches[i] if kv_caches is not None else None, meta)
-        return x
+            x, residual = layer(x, residual, rope, kv_caches[i] if kv_caches is not None else None, meta)
+        return x + residual
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,13 @@ from torch import nn
 from kestrel.config import EngineConfig
 from kestrel.messages import (EMPTY_MODEL_RUNNER_OUTPUT, Logprobs, ModelRunnerOutput,
                               NewRequestData, SchedulerOutput)
-from kestrel.model.attention import AttentionMetadata, KVCache, PrefillChunk
+from kestrel.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
+from kestrel.ops import cpu_kernels
 from kestrel.sample import Sampler, SamplerOutput, SamplingMetadata
 from kestrel.sampling_params import SamplingParams
+
+# Padded context slots per decode attention call (see kestrel/model/attention.py).
+DECODE_GROUP_SLOTS = 2048
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -76,6 +80,16 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[KVCache] = []
+        self.decode_kernel = self._find_decode_kernel()
+
+    def _find_decode_kernel(self):
+        m = self.config.model
+        if self.device.type != "cpu" or m.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        kernels = cpu_kernels()
+        if kernels is None or not kernels.supports(m.head_dim, m.num_heads // m.num_kv_heads):
+            return None
+        return kernels.paged_decode_attention
 
     # ---- KV memory ---------------------------------------------------------------------------
 
@@ -97,7 +111,7 @@ class ModelRunner:
             chunks.append(PrefillChunk(start, end, None, None))
             start = end
         meta = AttentionMetadata(slot_mapping=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
-                                 num_decodes=0, decode_slots=None, decode_mask=None, prefills=chunks)
+                                 block_size=self.block_size, decodes=[], prefills=chunks)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(c.token_end - c.token_start, device=self.device) for c in chunks])
         hidden = self.model(ids, positions, None, meta)
@@ -141,20 +155,25 @@ class ModelRunner:
             state.block_ids.extend(new_blocks)
             state.num_computed_tokens = num_computed
 
+    def _batch_order(self, so: SchedulerOutput) -> tuple[list[str], list[str]]:
+        """(decodes, longest context first; prefill chunks in scheduler order)."""
+        scheduled = so.num_scheduled_tokens
+        decodes = [r for r, n in scheduled.items() if n == 1]
+        decodes.sort(key=lambda r: self.requests[r].num_computed_tokens, reverse=True)
+        return decodes, [r for r, n in scheduled.items() if n > 1]
+
     def _prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
         bs = self.block_size
         scheduled = so.num_scheduled_tokens
-        order = ([r for r, n in scheduled.items() if n == 1] + [r for r, n in scheduled.items() if n > 1])
+        decodes, prefills_ids = self._batch_order(so)
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         sample_req_ids: list[str] = []
         sample_rows: list[int] = []
-        decode_seq_lens: list[int] = []
-        decode_tables: list[list[int]] = []
         prefills: list[PrefillChunk] = []
         row = 0
-        for req_id in order:
+        for req_id in decodes + prefills_ids:
             state = self.requests[req_id]
             n, start = scheduled[req_id], state.num_computed_tokens
             end = start + n
@@ -163,22 +182,16 @@ class ModelRunner:
             positions.append(pos)
             table = np.asarray(state.block_ids, dtype=np.int64)
             slots.append(table[pos // bs] * bs + pos % bs)
-            if n == 1:
-                decode_seq_lens.append(end)
-                decode_tables.append(state.block_ids[:-(-end // bs)])
-            else:
+            if n > 1:
                 prefills.append(self._prefill_chunk(row, start, end, table))
             if end == len(state.token_ids):
                 sample_req_ids.append(req_id)
                 sample_rows.append(row + n - 1)
             row += n
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            num_decodes=len(decode_seq_lens),
-            decode_slots=None, decode_mask=None, prefills=prefills)
-        if decode_seq_lens:
-            meta.decode_slots, meta.decode_mask = self._decode_context(decode_tables, decode_seq_lens)
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+                                 block_size=bs, decodes=self._decode_groups(decodes), prefills=prefills,
+                                 decode_kernel=self.decode_kernel)
         return BatchInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
@@ -187,29 +200,50 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
         )
 
-    def _decode_context(self, tables: list[list[int]], seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_groups(self, decodes: list[str]) -> list[DecodeGroup]:
+        """One group for the kernel; for the PyTorch path, the (longest-first) decodes cut into groups
+        of at most DECODE_GROUP_SLOTS padded slots."""
+        if self.decode_kernel is not None and decodes:
+            return [self._decode_group(decodes, 0, len(decodes))]
+        groups: list[DecodeGroup] = []
+        start = 0
+        while start < len(decodes):
+            max_len = self.requests[decodes[start]].num_computed_tokens + 1
+            size = max(1, min(len(decodes) - start, DECODE_GROUP_SLOTS // max_len))
+            groups.append(self._decode_group(decodes, start, start + size))
+            start += size
+        return groups
+
+    def _decode_group(self, decodes: list[str], start: int, end: int) -> DecodeGroup:
         bs, dev = self.block_size, self.device
-        max_len = max(seq_lens)
-        max_blocks = -(-max_len // bs)
-        padded = np.zeros((len(tables), max_blocks), dtype=np.int64)  # block 0: the null block
-        for i, t in enumerate(tables):
-            padded[i, :len(t)] = t
-        slots = (padded[:, :, None] * bs + np.arange(bs)).reshape(len(tables), -1)[:, :max_len]
+        states = [self.requests[r] for r in decodes[start:end]]
+        seq_lens = [s.num_computed_tokens + 1 for s in states]
+        max_blocks = -(-seq_lens[0] // bs)
+        table = np.zeros((len(states), max_blocks), dtype=np.int64)  # block 0: the null block
+        for i, (state, seq_len) in enumerate(zip(states, seq_lens)):
+            n = -(-seq_len // bs)
+            table[i, :n] = state.block_ids[:n]
         lens = torch.tensor(seq_lens, device=dev)
-        mask = torch.arange(max_len, device=dev)[None, :] < lens[:, None]
-        return torch.from_numpy(np.ascontiguousarray(slots)).to(dev), mask.view(len(tables), 1, 1, max_len)
+        mask = None
+        if self.decode_kernel is None:
+            span = max_blocks * bs
+            visible = torch.arange(span, device=dev)[None, :] < lens[:, None]
+            # An additive mask in the model's dtype: SDPA would convert a boolean one in every layer.
+            mask = torch.zeros(visible.shape, dtype=self.config.model.dtype, device=dev)
+            mask.masked_fill_(~visible, float("-inf")).unsqueeze_(1).unsqueeze_(1)
+        return DecodeGroup(start, end, torch.from_numpy(table).to(dev), lens, mask)
 
     def _prefill_chunk(self, row: int, start: int, end: int, table: np.ndarray) -> PrefillChunk:
         n = end - start
         if start == 0:
             return PrefillChunk(row, row + n, None, None)
         bs, dev = self.block_size, self.device
-        pos = np.arange(end)
-        context = torch.from_numpy(table[pos // bs] * bs + pos % bs).to(dev)
-        # Query i sits at position start + i and sees keys 0 .. start + i.
-        mask = (torch.arange(end, device=dev)[None, :]
+        num_blocks = -(-end // bs)
+        # Query i sits at position start + i and sees keys 0 .. start + i (the padding after `end`
+        # is never visible).
+        mask = (torch.arange(num_blocks * bs, device=dev)[None, :]
                 <= torch.arange(start, end, device=dev)[:, None])
-        return PrefillChunk(row, row + n, context, mask)
+        return PrefillChunk(row, row + n, torch.from_numpy(table[:num_blocks]).to(dev), mask)
 
     def _make_output(self, states: list[CachedRequestState], sampled: SamplerOutput) -> ModelRunnerOutput:
         token_ids = sampled.sampled_token_ids.tolist()

@@ -1,0 +1,94 @@
+"""The compiled CPU kernels (kestrel/ops) against their PyTorch references."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kestrel.model.attention import DecodeGroup, _decode_attention
+from kestrel.model.layers import rms_norm_reference
+from kestrel.ops import _cpu_has_avx512, cpu_kernels
+
+# Without AVX-512 the kernels are not built and the PyTorch path (covered by the parity tests) runs.
+# With it, a kernel that fails to build is a failure here, not a silent fallback.
+pytestmark = pytest.mark.skipif(not _cpu_has_avx512(), reason="this CPU has no AVX-512")
+kernels = cpu_kernels() if _cpu_has_avx512() else None
+
+
+def test_kernels_build_on_this_cpu():
+    assert kernels is not None, "the CPU kernels failed to build (see the warning logged by kestrel.ops)"
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _paged_case(dtype, head_dim, group, kv_heads, lens, block_size=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    num_blocks = sum(-(-L // block_size) for L in lens) + 8
+    k = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=g).to(dtype)
+    ids = rng.permutation(np.arange(1, num_blocks))  # scattered blocks, never the null block
+    max_blocks = -(-max(lens) // block_size)
+    table = np.zeros((len(lens), max_blocks), dtype=np.int64)
+    used = 0
+    for i, L in enumerate(lens):
+        n = -(-L // block_size)
+        table[i, :n] = ids[used:used + n]
+        used += n
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=g).to(dtype)
+    return q, k, v, torch.from_numpy(table), torch.tensor(lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, group, kv_heads", [(64, 3, 3), (64, 1, 4), (128, 4, 2), (64, 8, 1)])
+def test_paged_decode_attention_matches_sdpa(dtype, head_dim, group, kv_heads):
+    lens = [1, 15, 16, 17, 33, 100, 257]  # block boundaries and a one-token context
+    q, k, v, table, seq_lens = _paged_case(dtype, head_dim, group, kv_heads, lens)
+    scale = head_dim ** -0.5
+    out = kernels.paged_decode_attention(q, k, v, table, seq_lens, 16, scale)
+    span = table.shape[1] * 16
+    visible = torch.arange(span)[None, :] < seq_lens[:, None]
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).view(len(lens), 1, 1, span)
+    group_meta = DecodeGroup(0, len(lens), table, seq_lens, mask)
+    ref = _decode_attention(q.float(), (k.float(), v.float()), group_meta, 16, scale)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=1e-4)
+
+
+def test_paged_decode_attention_reads_only_its_blocks():
+    q, k, v, table, seq_lens = _paged_case(torch.float32, 64, 3, 3, [20, 40])
+    before = kernels.paged_decode_attention(q, k, v, table, seq_lens, 16, 0.125)
+    # Poison every slot the requests do not own (including positions past each length).
+    owned = torch.zeros(k.shape[0], dtype=torch.bool)
+    for i, L in enumerate(seq_lens.tolist()):
+        for t in range(L):
+            owned[table[i, t // 16] * 16 + t % 16] = True
+    k[~owned] = float("nan")
+    v[~owned] = float("nan")
+    after = kernels.paged_decode_attention(q, k, v, table, seq_lens, 16, 0.125)
+    torch.testing.assert_close(before, after)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_and_fused_residual(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    residual = torch.randn(rows, 576, generator=g).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    torch.testing.assert_close(kernels.rms_norm(x, None, w, 1e-5), rms_norm_reference(x, w, 1e-5),
+                               atol=TOL[dtype] * 4, rtol=TOL[dtype])
+    expected_residual = residual + x
+    res = residual.clone()
+    out = kernels.rms_norm(x, res, w, 1e-5)
+    assert torch.equal(res, expected_residual)  # the add is rounded exactly like torch's
+    torch.testing.assert_close(out, rms_norm_reference(expected_residual, w, 1e-5),
+                               atol=TOL[dtype] * 4, rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(33, 2 * 1536, generator=g) * 4).to(dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    torch.testing.assert_close(kernels.silu_and_mul(x).float(), ref, atol=TOL[dtype] * 4, rtol=TOL[dtype])
