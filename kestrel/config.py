@@ -7,7 +7,7 @@ Nothing here loads weights; `ModelConfig` is filled from the model's config once
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -96,7 +96,6 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = True
     disable_log_stats: bool = True
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -44,7 +44,10 @@ class EngineCore:
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if not self.scheduler.has_unfinished_requests():
+            self.check_invariants()  # cheap, and only when the engine goes idle
+        return outputs
 
     def check_invariants(self) -> None:
         """free + in-use blocks == total, and only live requests hold blocks."""

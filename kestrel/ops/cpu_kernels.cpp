@@ -1,7 +1,11 @@
-// Decode attention straight from the paged KV cache, on the CPU: one query token per sequence,
-// grouped-query heads, no gathered copy of the context. One work item per (sequence, KV head): it
-// reads each K row once (scores for the GROUP query heads that share it), then each V row once
-// (weighted sum kept in registers). bf16 rows are widened to float on load; math is in float.
+// Kestrel's CPU kernels (AVX-512; float32 or bf16 storage, float32 math). Their PyTorch references
+// live in kestrel/model/attention.py and kestrel/model/layers.py; tests/test_cpu_kernels.py compares.
+//
+// paged_decode_attention: one query token per sequence, grouped-query heads, read straight from the
+// paged KV cache with no gathered copy. One work item per (sequence, KV head): it reads each K row
+// once (scores for the GROUP query heads that share it), then each V row once (weighted sums kept
+// in registers).
+// rms_norm (optionally fused with the residual add) and silu_and_mul: one pass over each row.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
