@@ -12,7 +12,7 @@ import pytest
 
 from kestrel.bench.workloads import w1_offline_throughput
 from kestrel.config import EngineArgs
-from kestrel.entrypoints.cli import ENGINE_FLAGS, SERVE_NOT_BUILT, build_parser, engine_kwargs, main, parse_bytes
+from kestrel.entrypoints.cli import ENGINE_FLAGS, build_parser, engine_kwargs, main, parse_bytes
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 SLOW_TIMEOUT_S = 600  # the machine is shared; a busy neighbour can triple a run
@@ -53,10 +53,25 @@ def test_parse_bytes_rejects_nonsense(text):
         parse_bytes(text)
 
 
-def test_serve_is_not_built_yet(capsys):
-    assert main(["serve"]) == 2
-    assert SERVE_NOT_BUILT in capsys.readouterr().err
-    assert "issue 3" in SERVE_NOT_BUILT
+def test_serve_parses_its_flags(monkeypatch):
+    args = build_parser().parse_args(["serve", "model.gguf", "--host", "0.0.0.0", "--port", "9000",
+                                      "--api-key", "k", "--served-model-name", "m", "--max-model-len", "512",
+                                      "--kv-cache-memory", "128MiB"])
+    assert (args.model_tag, args.host, args.port, args.api_key, args.served_model_name) == \
+        ("model.gguf", "0.0.0.0", 9000, "k", "m")
+    assert engine_kwargs(args) == {"max_model_len": 512, "kv_cache_memory": 128 << 20}
+    defaults = build_parser().parse_args(["serve"])
+    assert (defaults.model_tag, defaults.host, defaults.port, defaults.api_key) == (None, "127.0.0.1", 8000, None)
+    # `kestrel serve` hands over to the server (the real one is tested in test_openai_server.py).
+    seen = []
+    monkeypatch.setattr("kestrel.entrypoints.openai.api_server.run_server", lambda a: seen.append(a) or 0)
+    assert main(["serve", "--port", "9001"]) == 0
+    assert seen[0].port == 9001
+
+
+def test_serve_with_two_models_is_an_error(capsys, tmp_path):
+    assert main(["serve", "a.gguf", "--model", "b.gguf"]) == 1
+    assert capsys.readouterr().err.startswith("error: two models given")
 
 
 def test_bad_model_path_is_an_error_without_traceback(tmp_path):

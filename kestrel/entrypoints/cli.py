@@ -2,7 +2,7 @@
 
     kestrel generate "PROMPT" [--chat] [--max-tokens N] [--temperature T] [engine flags]
     kestrel chat [engine flags]
-    kestrel serve            (not built yet)
+    kestrel serve [MODEL] [--host H] [--port P] [--api-key K] [--served-model-name N] [engine flags]
     kestrel bench throughput [options] [engine flags]
 
 Engine flags are named as vLLM names them and map one-to-one onto `EngineArgs` fields; they are
@@ -24,9 +24,6 @@ from kestrel.bench import throughput
 from kestrel.config import EngineArgs
 from kestrel.entrypoints.llm import LLM
 from kestrel.sampling_params import SamplingParams
-
-SERVE_NOT_BUILT = ("kestrel serve: the HTTP server is not built yet (issue 3); "
-                   "use `kestrel generate` or `kestrel chat`")
 
 _BYTE_UNITS = {"": 1, "b": 1,
                "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
@@ -154,8 +151,8 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    print(SERVE_NOT_BUILT, file=sys.stderr)
-    return 2
+    from kestrel.entrypoints.openai.api_server import run_server
+    return run_server(args)
 
 
 def run_bench_throughput(args: argparse.Namespace) -> int:
@@ -179,8 +176,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(chat)
     chat.set_defaults(handler=run_chat)
 
-    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (not built yet)")
-    serve.add_argument("model_tag", nargs="?", metavar="MODEL")
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL",
+                       help="a .gguf file or a model folder (default: the embedded model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $KESTREL_API_KEY, else none)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients send (default: the model's own name)")
+    serve.add_argument("--max-body-bytes", type=parse_bytes, default=8 << 20,
+                       help="largest request body accepted, e.g. 8MiB (default: 8MiB)")
+    serve.add_argument("--uvicorn-log-level", default="warning",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's log level (default: warning)")
     add_engine_flags(serve)
     serve.set_defaults(handler=run_serve)
 

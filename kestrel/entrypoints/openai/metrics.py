@@ -1,0 +1,95 @@
+"""Prometheus metrics of the API server, named `kestrel:*` (issue 3).
+
+Gauges and counters are read from the engine at scrape time (`AsyncLLM.last_scheduler_stats` and its
+cumulative `counters`); latency histograms are observed by the server as requests finish. Each app
+has its own registry, so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kestrel.outputs import RequestMetrics
+
+PREFIX = "kestrel:"
+
+# Engine-derived counters: metric name (without _total) -> key of AsyncLLM.counters.
+ENGINE_COUNTERS = {
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens computed (prefill)."),
+    "generation_tokens": ("generation_tokens", "Tokens generated."),
+    "num_preemptions": ("preemptions", "Requests preempted to free KV-cache blocks."),
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+}
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class EngineCollector:
+    def __init__(self, engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        labels = ["model_name"]
+        stats = getattr(self.engine, "last_scheduler_stats", None)
+        running = float(stats.num_running_reqs) if stats is not None else 0.0
+        waiting = float(stats.num_waiting_reqs) if stats is not None else 0.0
+        usage = float(stats.kv_cache_usage) if stats is not None else 0.0
+        for name, doc, value in (("num_requests_running", "Requests in the running batch.", running),
+                                 ("num_requests_waiting", "Requests waiting to be scheduled.", waiting),
+                                 ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", usage)):
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric([self.model_name], value)
+            yield g
+        counters = getattr(self.engine, "counters", None) or {}
+        for name, (key, doc) in ENGINE_COUNTERS.items():
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c.add_metric([self.model_name], float(counters.get(key, 0)))
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, engine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(EngineCollector(engine, model_name))
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["model_name"], buckets=LATENCY_BUCKETS,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between successive output tokens.")
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")
+        self.queue = hist("request_queue_time_seconds",
+                          "Time a request waited before it was first scheduled.")
+        from prometheus_client import Counter
+        self._success = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+
+    def observe_finished(self, metrics: RequestMetrics | None, num_output_tokens: int,
+                         finish_reasons: list[str]) -> None:
+        """Record one finished request (one choice set of one prompt)."""
+        for reason in finish_reasons:
+            self._success.labels(self.model_name, reason or "unknown").inc()
+        if metrics is None:
+            return
+        arrival, first, done = metrics.arrival_time, metrics.first_token_time, metrics.finished_time
+        if first is not None:
+            self.ttft.observe(max(first - arrival, 0.0))
+        if done is not None:
+            self.e2e.observe(max(done - arrival, 0.0))
+        scheduled = getattr(metrics, "scheduled_time", None) or getattr(metrics, "first_scheduled_time", None)
+        if scheduled is not None:
+            self.queue.observe(max(scheduled - arrival, 0.0))
+        if first is not None and done is not None and num_output_tokens > 1:
+            # Mean gap between output tokens, once per gap (vLLM observes each gap itself).
+            gap = max(done - first, 0.0) / (num_output_tokens - 1)
+            for _ in range(min(num_output_tokens - 1, 4096)):
+                self.itl.observe(gap)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,468 @@
+"""The OpenAI-compatible server (`kestrel serve`, issue 3), end to end: a real server process (API
+server + engine-core process) on a free port, driven by the official `openai` client (sync and async,
+streaming and not) and by raw httpx requests for the error cases.
+
+Two servers are started once for the module, in parallel: the main one, and one that requires an API
+key (given through KESTREL_API_KEY) with a served model name of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 512
+API_KEY = "sk-kestrel-test"
+KEYED_NAME = "keyed-model"
+STARTUP_TIMEOUT_S = 180
+SERVER_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "128MiB", "--dtype", "float32"]
+
+METRIC_NAMES = ["kestrel:num_requests_running", "kestrel:num_requests_waiting", "kestrel:kv_cache_usage_perc",
+                "kestrel:prompt_tokens_total", "kestrel:generation_tokens_total",
+                "kestrel:num_preemptions_total", "kestrel:prefix_cache_queries_total",
+                "kestrel:prefix_cache_hits_total", "kestrel:time_to_first_token_seconds",
+                "kestrel:inter_token_latency_seconds", "kestrel:e2e_request_latency_seconds",
+                "kestrel:request_queue_time_seconds"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kestrel.entrypoints.cli", "serve", "--port", str(self.port), *flags],
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+            stdout=self.log, stderr=subprocess.STDOUT, text=True)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited during start-up:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("the server did not become healthy in time")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def servers():
+    main = Server(*SERVER_FLAGS)
+    keyed = Server("--max-model-len", "256", "--kv-cache-memory", "16MiB", "--served-model-name", KEYED_NAME,
+                   env={"KESTREL_API_KEY": API_KEY})
+    try:
+        main.wait_ready()
+        keyed.wait_ready()
+        yield main, keyed
+    finally:
+        main.stop()
+        keyed.stop()
+    assert main.proc.returncode == 0 and keyed.proc.returncode == 0, "the servers did not shut down cleanly"
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def async_client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat_msgs(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def assert_error(response: httpx.Response, status: int, type_: str, *fragments: str) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["type"] == type_
+    for fragment in fragments:
+        assert fragment in body["error"]["message"], body
+    return body["error"]
+
+
+# ---- the basics -----------------------------------------------------------------------------------
+
+def test_models_health_version(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_chat_answers_paris(client):
+    r = client.chat.completions.create(model=MODEL, messages=chat_msgs("What is the capital of France?"),
+                                       temperature=0, max_tokens=24)
+    assert r.object == "chat.completion"
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens >= 1
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_stream_async_matches_non_stream(server, client):
+    messages = chat_msgs("Name three colours.")
+    expected = client.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                              max_completion_tokens=20)
+
+    async def go():
+        async with async_client(server) as ac:
+            stream = await ac.chat.completions.create(model=MODEL, messages=messages, temperature=0,
+                                                      max_completion_tokens=20, stream=True,
+                                                      stream_options={"include_usage": True})
+            return [chunk async for chunk in stream]
+
+    chunks = asyncio.run(go())
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    with_choices = [c for c in chunks if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in with_choices)
+    assert text == expected.choices[0].message.content
+    assert with_choices[-1].choices[0].finish_reason == expected.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == expected.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == expected.usage.prompt_tokens
+
+
+def test_completion_sync_stream_and_async(server, client):
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8)
+    assert r.object == "text_completion" and "Paris" in r.choices[0].text
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+    async def go():
+        async with async_client(server) as ac:
+            return await ac.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8)
+
+    assert asyncio.run(go()).choices[0].text == r.choices[0].text
+
+
+def test_sse_wire_format(server):
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                      json={"prompt": "Hello", "max_tokens": 3, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        body = r.read().decode()
+    events = body.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: {") for e in events[:-2])
+
+
+def test_prompt_forms_echo_and_default_max_tokens(server, client):
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
+    r = client.completions.create(model=MODEL, prompt=["The capital of France is", "One, two, three,"],
+                                  temperature=0, max_tokens=4)
+    assert [c.index for c in r.choices] == [0, 1]
+    r_ids = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=4)
+    assert r_ids.choices[0].text == r.choices[0].text
+    r_lists = client.completions.create(model=MODEL, prompt=[ids, ids], temperature=0, max_tokens=4)
+    assert [c.text for c in r_lists.choices] == [r.choices[0].text] * 2
+    echo = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=4,
+                                     echo=True)
+    assert echo.choices[0].text == "The capital of France is" + r.choices[0].text
+    # No max_tokens: up to max_model_len - prompt length, so only EOS or a stop ends it early.
+    r = client.completions.create(model=MODEL, prompt="1, 2, 3,", temperature=0, stop=[" 6"])
+    assert r.choices[0].finish_reason == "stop" and " 4, 5," in r.choices[0].text
+
+
+def test_concurrent_streams_equal_requests_run_alone(server, client):
+    prompts = [f"Write a sentence about the number {i}." for i in range(8)]
+    alone = [client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=16).choices[0].text
+             for p in prompts]
+
+    async def one(ac, p):
+        stream = await ac.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=16, stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def go():
+        async with async_client(server) as ac:
+            return await asyncio.gather(*(one(ac, p) for p in prompts))
+
+    assert asyncio.run(go()) == alone
+
+
+def test_stop_strings_never_streamed(client):
+    prompt = "The capital of France is"
+    full = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12).choices[0].text
+    assert "aris" in full
+    for stop in (["aris"], ["xyz", "Paris."], [" Par"]):
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=12,
+                                                stop=stop, stream=True))
+        text = "".join(c.choices[0].text for c in chunks)
+        assert not any(s in text for s in stop), (stop, text)
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        cut = min(full.index(s) for s in stop if s in full)
+        assert text == full[:cut]
+
+
+def test_n_samples(client):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", n=2, temperature=1.0, seed=7,
+                                  max_tokens=6)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.finish_reason == "length" for c in r.choices) and r.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model=MODEL, messages=chat_msgs("Tell me a joke."), n=2,
+                                                 temperature=1.0, seed=7, max_tokens=6, stream=True))
+    finished = {ch.index: ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason}
+    assert finished == {0: "length", 1: "length"}
+    roles = {ch.index for c in chunks for ch in c.choices if ch.delta.role == "assistant"}
+    assert roles == {0, 1}
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=5,
+                                  logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for tok, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert value <= 0 and 3 <= len(top) <= 4
+        assert top[tok] == pytest.approx(max(top.values()))  # greedy: the sampled token is the likeliest
+    chunks = list(client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0,
+                                            max_tokens=5, logprobs=3, stream=True))
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+    chat = client.chat.completions.create(model=MODEL, messages=chat_msgs("Say hi."), temperature=0, max_tokens=5,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    for t in content:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 2
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+BAD_COMPLETIONS = [
+    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": 123}, "prompt"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "stop": 5}, "stop"),
+    ({"prompt": "hi", "logprobs": -1}, "logprobs"),
+    ({"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [10**9]}, "prompt"),
+    ({"prompt": "hi", "stream": True, "temperature": "hot"}, "temperature"),
+    ({"max_tokens": 5}, "prompt"),
+    ({"prompt": "hi", "n": 100_000}, "n"),
+    ({"prompt": "hi", "logprobs": 1000}, "logprobs"),
+    ({"prompt": "hi", "seed": 2**70}, "seed"),
+    ({"prompt": "hi", "top_k": 2**64}, "top_k"),
+    ({"prompt": "hi", "stop_token_ids": [2**64]}, "stop_token_ids"),
+    ({"prompt": [[1, 2], "x"]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_COMPLETIONS)
+def test_bad_completion_values_are_400(server, body, param):
+    err = assert_error(httpx.post(f"{server.url}/v1/completions", json=body), 400, "BadRequestError")
+    assert err["param"] == param
+
+
+def test_bad_requests_are_400_never_5xx(server):
+    url = server.url
+    assert_error(httpx.post(f"{url}/v1/completions", content=b'{"prompt": "hi",',
+                            headers={"content-type": "application/json"}), 400, "BadRequestError", "JSON")
+    assert_error(httpx.post(f"{url}/v1/completions", content=b"[1, 2]"), 400, "BadRequestError")
+    assert_error(httpx.post(f"{url}/v1/chat/completions", content=b"\xff\xfe"), 400, "BadRequestError")
+    assert_error(httpx.post(f"{url}/v1/completions", content=b'{"prompt": "hi", "temperature": NaN}'), 400,
+                 "BadRequestError")
+    for body in ({"messages": []}, {"messages": "hi"}, {"messages": [{"role": "robot", "content": "x"}]},
+                 {"messages": chat_msgs("x"), "logprobs": True, "top_logprobs": 99},
+                 {"messages": chat_msgs("x"), "max_completion_tokens": -3}):
+        assert_error(httpx.post(f"{url}/v1/chat/completions", json=body), 400, "BadRequestError")
+    for path, body in (("/tokenize", {}), ("/tokenize", {"prompt": 5}), ("/detokenize", {"tokens": [-1]}),
+                       ("/detokenize", {"tokens": "abc"})):
+        assert_error(httpx.post(f"{url}{path}", json=body), 400, "BadRequestError")
+
+
+def test_too_long_prompt_names_both_numbers(server, client):
+    prompt = "hello " * 300
+    n_prompt = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["count"]
+    assert n_prompt < MAX_MODEL_LEN
+    err = assert_error(httpx.post(f"{server.url}/v1/completions",
+                                  json={"prompt": prompt, "max_tokens": MAX_MODEL_LEN}), 400, "BadRequestError",
+                       str(MAX_MODEL_LEN), str(n_prompt))
+    assert err["param"] == "max_tokens"
+    assert_error(httpx.post(f"{server.url}/v1/completions", json={"prompt": "hello " * 600}), 400,
+                 "BadRequestError", str(MAX_MODEL_LEN))
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=chat_msgs(prompt), max_tokens=MAX_MODEL_LEN)
+
+
+def test_unknown_model_is_404(server, client):
+    assert_error(httpx.post(f"{server.url}/v1/completions", json={"model": "gpt-9", "prompt": "hi"}), 404,
+                 "NotFoundError", "gpt-9")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-9", messages=chat_msgs("hi"))
+    assert_error(httpx.get(f"{server.url}/v1/nothing-here"), 404, "NotFoundError")
+
+
+def test_oversized_body_is_413(server):
+    big = json.dumps({"prompt": "a" * (9 << 20)}).encode()
+    assert_error(httpx.post(f"{server.url}/v1/completions", content=big), 413, "RequestTooLargeError")
+
+    def chunks():  # no Content-Length: the limit holds while reading
+        for _ in range(10):
+            yield b" " * (1 << 20)
+
+    assert_error(httpx.post(f"{server.url}/v1/completions", content=chunks()), 413, "RequestTooLargeError")
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_api_key(servers):
+    _, keyed = servers
+    url = keyed.url
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert_error(httpx.get(f"{url}/v1/models"), 401, "AuthenticationError")
+    assert_error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}), 401,
+                 "AuthenticationError")
+    assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}), 401, "AuthenticationError")
+    ok = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert ok.status_code == 200 and ok.json()["data"][0]["id"] == KEYED_NAME
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120) as good:
+        r = good.completions.create(model=KEYED_NAME, prompt="The capital of France is", temperature=0,
+                                    max_tokens=3)
+        assert r.choices[0].text
+        with pytest.raises(openai.NotFoundError):  # the served name replaces the model's own
+            good.completions.create(model=MODEL, prompt="hi", max_tokens=3)
+
+
+# ---- tokenizer endpoints and metrics --------------------------------------------------------------
+
+def test_tokenize_detokenize_round_trip(server):
+    text = "Kestrels hover over fields."
+    tok = httpx.post(f"{server.url}/tokenize", json={"prompt": text}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": tok["tokens"]}).json() == {"prompt": text}
+    chat = httpx.post(f"{server.url}/tokenize", json={"messages": chat_msgs(text)}).json()
+    assert chat["count"] > tok["count"]
+    assert text in httpx.post(f"{server.url}/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+
+
+def scrape(server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    values = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z0-9_:]+)(?:\{[^}]*\})? ([-+0-9.eE]+|NaN)$", line)
+        if m and "le=" not in line:
+            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(2))
+    return values
+
+
+def test_metrics_move(server, client):
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in METRIC_NAMES:
+        assert name in text, name
+    before = scrape(server)
+    client.completions.create(model=MODEL, prompt="Counting: one, two,", temperature=0, max_tokens=6)
+    after = scrape(server)
+    assert after["kestrel:prompt_tokens_total"] > before["kestrel:prompt_tokens_total"]
+    assert after["kestrel:generation_tokens_total"] >= before["kestrel:generation_tokens_total"] + 6
+    assert after["kestrel:prefix_cache_queries_total"] > before["kestrel:prefix_cache_queries_total"]
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "inter_token_latency_seconds"):
+        assert after[f"kestrel:{hist}_count"] > before[f"kestrel:{hist}_count"], hist
+    assert 0.0 <= after["kestrel:kv_cache_usage_perc"] <= 1.0
+
+
+def test_client_disconnect_aborts_the_request(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert scrape(server)["kestrel:num_requests_running"] == 1
+    # Gone mid-stream: the engine core drops the request and its KV blocks return to the pool.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        values = scrape(server)
+        if values["kestrel:num_requests_running"] == 0 and values["kestrel:kv_cache_usage_perc"] == 0:
+            break
+        time.sleep(0.2)
+    assert values["kestrel:num_requests_running"] == 0 and values["kestrel:kv_cache_usage_perc"] == 0, values
+    assert values["kestrel:generation_tokens_total"] < 10_000
+
+
+# Runs last: it kills the keyed server's engine core.
+def test_engine_core_death_ends_requests_and_health_turns_503(servers):
+    import psutil
+
+    _, keyed = servers
+    url, auth = keyed.url, {"Authorization": f"Bearer {API_KEY}"}
+    core = next(p for p in psutil.Process(keyed.proc.pid).children()
+                if "spawn_main" in " ".join(p.cmdline()))
+    body = {"model": KEYED_NAME, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
+            "stream": True}
+    start = time.monotonic()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth, timeout=30) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        core.kill()
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert time.monotonic() - start < 15
+    assert rest[-1] == "data: [DONE]"
+    assert "error" in json.loads(rest[-2][len("data: "):])
+    assert httpx.get(f"{url}/health").status_code == 503
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": chat_msgs("hi"), "max_tokens": 2, "stream": True})):
+        assert_error(httpx.post(f"{url}{path}", json=body, headers=auth, timeout=10), 503,
+                     "ServiceUnavailableError")
