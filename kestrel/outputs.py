@@ -33,9 +33,12 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    arrival_time: float
+    arrival_time: float                     # time.time() when the front end accepted the request
     first_token_time: float | None = None
     finished_time: float | None = None
+    queue_time: float | None = None         # seconds from queued to first scheduled, engine-core clock
+    last_token_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)  # seconds between output steps
 
 
 @dataclass

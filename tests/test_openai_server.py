@@ -88,7 +88,7 @@ class Server:
 def servers():
     main = Server(*SERVER_FLAGS)
     keyed = Server("--max-model-len", "256", "--kv-cache-memory", "16MiB", "--served-model-name", KEYED_NAME,
-                   env={"KESTREL_API_KEY": API_KEY})
+                   "--max-queued-requests", "2", env={"KESTREL_API_KEY": API_KEY})
     try:
         main.wait_ready()
         keyed.wait_ready()
@@ -388,6 +388,25 @@ def test_api_key(servers):
             good.completions.create(model=MODEL, prompt="hi", max_tokens=3)
 
 
+def test_full_queue_answers_429(servers):
+    _, keyed = servers
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": KEYED_NAME, "prompt": "word " * 150, "max_tokens": 4, "temperature": 0}
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*[c.post(f"{keyed.url}/v1/completions", json=body, headers=auth)
+                                          for _ in range(8)])
+
+    responses = asyncio.run(burst())
+    codes = sorted(r.status_code for r in responses)
+    # At most two requests may wait for their first token; the rest are turned away, not queued.
+    assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) == {200, 429}, codes
+    assert_error(next(r for r in responses if r.status_code == 429), 429, "RateLimitError")
+    ok = httpx.post(f"{keyed.url}/v1/completions", json=body, headers=auth, timeout=120)
+    assert ok.status_code == 200  # served again once the queue drains
+
+
 # ---- tokenizer endpoints and metrics --------------------------------------------------------------
 
 def test_tokenize_detokenize_round_trip(server):
@@ -420,8 +439,10 @@ def test_metrics_move(server, client):
     assert after["kestrel:prompt_tokens_total"] > before["kestrel:prompt_tokens_total"]
     assert after["kestrel:generation_tokens_total"] >= before["kestrel:generation_tokens_total"] + 6
     assert after["kestrel:prefix_cache_queries_total"] > before["kestrel:prefix_cache_queries_total"]
-    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "inter_token_latency_seconds"):
-        assert after[f"kestrel:{hist}_count"] > before[f"kestrel:{hist}_count"], hist
+    for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert after[f"kestrel:{hist}_count"] == before[f"kestrel:{hist}_count"] + 1, hist
+    # One observation per gap between the 6 output tokens.
+    assert after["kestrel:inter_token_latency_seconds_count"] == before["kestrel:inter_token_latency_seconds_count"] + 5
     assert 0.0 <= after["kestrel:kv_cache_usage_perc"] <= 1.0
 
 

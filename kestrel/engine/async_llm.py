@@ -55,6 +55,7 @@ class AsyncLLM:
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0,
                          "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self._streams: dict[str, asyncio.Queue] = {}
+        self.num_waiting_requests = 0  # accepted, no output yet (queued or in prefill)
         self._dead = False
         self._encoder = msgspec.msgpack.Encoder()
         self._start_engine_core()
@@ -166,14 +167,19 @@ class AsyncLLM:
                                           [r.request_id for r in core_requests], arrival)
         self._streams[request_id] = queue
         sent = [_Sent() for _ in core_requests]
-        finished = False
+        finished = waiting = False
         try:
             for request in core_requests:
                 self._send(core_process.ADD, request)
+            self.num_waiting_requests += 1
+            waiting = True
             while not finished:
                 latest = await queue.get()
                 while not queue.empty():  # coalesce what piled up while we were away
                     latest = queue.get_nowait()
+                if waiting:
+                    self.num_waiting_requests -= 1
+                    waiting = False
                 if isinstance(latest, Exception):
                     raise latest
                 finished = latest.finished
@@ -182,6 +188,8 @@ class AsyncLLM:
                 elif finished:
                     yield latest
         finally:
+            if waiting:
+                self.num_waiting_requests -= 1
             self._streams.pop(request_id, None)
             if not finished and not self._dead:
                 self._abort(request_id)

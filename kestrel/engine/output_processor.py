@@ -11,9 +11,12 @@ import time
 from dataclasses import dataclass, field
 
 from kestrel.engine.detokenizer import IncrementalDetokenizer
-from kestrel.messages import EngineCoreOutput, FinishReason, Logprobs
+from kestrel.messages import EngineCoreOutput, EventType, FinishReason, Logprobs
 from kestrel.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kestrel.sampling_params import SamplingParams
+
+
+MAX_RECORDED_GAPS = 8192  # inter-token gaps kept per request, for the latency histogram
 
 
 class RequestState:
@@ -30,6 +33,7 @@ class RequestState:
                             for i in range(len(child_ids))]
         self.detokenizers = [IncrementalDetokenizer(tokenizer, params) for _ in child_ids]
         self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self._queued_at: float | None = None   # engine-core monotonic clock
         self.num_cached_tokens = 0
 
     @property
@@ -51,8 +55,7 @@ class RequestState:
         if completion.finished:
             return False
         now = time.time()
-        if self.metrics.first_token_time is None and out.new_token_ids:
-            self.metrics.first_token_time = now
+        self._record_timing(out, now)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         completion.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and completion.logprobs is not None:
@@ -67,6 +70,20 @@ class RequestState:
         if self.finished:
             self.metrics.finished_time = now
         return stopped_by_string
+
+    def _record_timing(self, out: EngineCoreOutput, now: float) -> None:
+        m = self.metrics
+        for event, timestamp in out.events or ():
+            if event == EventType.QUEUED:
+                self._queued_at = timestamp
+            elif event == EventType.SCHEDULED and m.queue_time is None and self._queued_at is not None:
+                m.queue_time = max(timestamp - self._queued_at, 0.0)
+        if out.new_token_ids:
+            if m.first_token_time is None:
+                m.first_token_time = now
+            elif m.last_token_time is not None and len(m.inter_token_latencies) < MAX_RECORDED_GAPS:
+                m.inter_token_latencies.append(now - m.last_token_time)
+            m.last_token_time = now
 
     def _append_logprobs(self, completion: CompletionOutput, lp: Logprobs) -> None:
         for ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):

@@ -187,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model name clients send (default: the model's own name)")
     serve.add_argument("--max-body-bytes", type=parse_bytes, default=8 << 20,
                        help="largest request body accepted, e.g. 8MiB (default: 8MiB)")
+    serve.add_argument("--max-queued-requests", type=int, default=None,
+                       help="answer 429 while this many accepted requests have no output yet (default: no limit)")
     serve.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (default: warning)")
@@ -199,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_cli_args(bench_throughput)
     add_engine_flags(bench_throughput)
     bench_throughput.set_defaults(handler=run_bench_throughput)
+    from kestrel.bench import serve as bench_serve
+    bench_serve_parser = benches.add_parser("serve", help="online serving against an OpenAI-compatible URL "
+                                                          "(workload W2)")
+    bench_serve.add_cli_args(bench_serve_parser)
+    bench_serve_parser.set_defaults(handler=bench_serve.main)
     return parser
 
 

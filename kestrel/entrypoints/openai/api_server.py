@@ -501,7 +501,7 @@ class GuardMiddleware:
 
 
 def build_app(engine, served_model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_queued_requests: int | None = None) -> FastAPI:
     served_model_name = served_model_name or engine.model_name
     app = FastAPI(title="Kestrel OpenAI-compatible server", version=kestrel.__version__)
     metrics = ServerMetrics(engine, served_model_name)
@@ -533,6 +533,9 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     async def run(coro):
         if not engine.is_running:
             raise APIError("the engine is not running", 503)
+        if max_queued_requests is not None and engine.num_waiting_requests >= max_queued_requests:
+            coro.close()
+            raise APIError(f"the server is at its limit of {max_queued_requests} queued requests; retry later", 429)
         try:
             return await coro
         except ValueError as e:  # raised by the engine before it yields anything
@@ -610,7 +613,7 @@ def run_server(args) -> int:
     engine = AsyncLLM.from_engine_args(EngineArgs(**kwargs))
     try:
         app = build_app(engine, args.served_model_name or engine.model_name, api_key=api_key,
-                        max_body_bytes=args.max_body_bytes)
+                        max_body_bytes=args.max_body_bytes, max_queued_requests=args.max_queued_requests)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=5)
         server = uvicorn.Server(config)

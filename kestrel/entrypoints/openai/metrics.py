@@ -82,14 +82,10 @@ class ServerMetrics:
             self.ttft.observe(max(first - arrival, 0.0))
         if done is not None:
             self.e2e.observe(max(done - arrival, 0.0))
-        scheduled = getattr(metrics, "scheduled_time", None) or getattr(metrics, "first_scheduled_time", None)
-        if scheduled is not None:
-            self.queue.observe(max(scheduled - arrival, 0.0))
-        if first is not None and done is not None and num_output_tokens > 1:
-            # Mean gap between output tokens, once per gap (vLLM observes each gap itself).
-            gap = max(done - first, 0.0) / (num_output_tokens - 1)
-            for _ in range(min(num_output_tokens - 1, 4096)):
-                self.itl.observe(gap)
+        if metrics.queue_time is not None:
+            self.queue.observe(metrics.queue_time)
+        for gap in metrics.inter_token_latencies:
+            self.itl.observe(gap)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,388 @@
+"""`kestrel bench serve`: workload W2 (online serving) against any OpenAI-compatible server.
+
+A load client: it needs no model of its own, so it can drive Kestrel (`kestrel serve`) and peers
+(llama.cpp's `llama-server`, vLLM, ...) alike, through the same code.
+
+The requests are W2's (`random_requests`: random token-id prompts, uniform lengths, one seeded
+generator). Each is sent to `POST {base_url}/completions` with `prompt` = the list of token ids,
+temperature 0, max_tokens = its output length, `ignore_eos: true` (an extra field: a peer that
+ignores it may stop early, which shows in the output-token count), stream true with
+`stream_options.include_usage`.
+
+Arrivals are a Poisson process: request i is sent at the sum of the first i gaps of
+`numpy.random.default_rng(seed).exponential(1 / request_rate, size=n)` (the first request at 0);
+`--request-rate inf` sends every request at once. `--max-concurrency` caps the requests in flight
+(a request whose arrival time has come waits for a slot).
+
+Per request: TTFT = time to the first chunk with non-empty text; ITL = every gap between
+consecutive non-empty text chunks; TPOT = (E2E - TTFT) / (output tokens - 1), for requests with
+more than one output token; E2E = send to the end of the stream. Output tokens come from the
+stream's final usage chunk, or (a server that sends none) the number of non-empty text chunks.
+A request that raises (connection refused, non-200 status, timeout after --timeout seconds) counts
+as failed; the run goes on. Throughputs are over the run's wall time, first send to last finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kestrel.bench.throughput import log, machine_info, warn_if_busy
+from kestrel.bench.workloads import W1_INPUT_LEN_RANGE, W1_OUTPUT_LEN_RANGE, BenchRequest, random_requests
+
+# W2: online serving.
+W2_NUM_REQUESTS = 128
+W2_REQUEST_RATE = 2.0
+W2_INPUT_LEN_RANGE = W1_INPUT_LEN_RANGE
+W2_OUTPUT_LEN_RANGE = W1_OUTPUT_LEN_RANGE
+W2_SEED = 0
+
+DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
+DEFAULT_TIMEOUT_S = 600.0
+MAX_ERRORS_KEPT = 10
+METRICS = ("ttft", "tpot", "itl", "e2e")
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default=DEFAULT_BASE_URL,
+                        help=f"the server's OpenAI API root (default: {DEFAULT_BASE_URL})")
+    parser.add_argument("--model", help="model name to send (default: the first id from GET /models)")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "unused"),
+                        help="bearer token (default: $OPENAI_API_KEY, else none)")
+    parser.add_argument("--num-prompts", type=int, default=W2_NUM_REQUESTS,
+                        help=f"number of requests (default: {W2_NUM_REQUESTS})")
+    parser.add_argument("--request-rate", type=float, default=W2_REQUEST_RATE,
+                        help=f"mean Poisson arrival rate, requests/s; inf sends all at once "
+                             f"(default: {W2_REQUEST_RATE})")
+    parser.add_argument("--input-len-range", type=int, nargs=2, metavar=("MIN", "MAX"),
+                        default=list(W2_INPUT_LEN_RANGE), help="prompt lengths, uniform, inclusive "
+                        f"(default: {W2_INPUT_LEN_RANGE[0]} {W2_INPUT_LEN_RANGE[1]})")
+    parser.add_argument("--output-len-range", type=int, nargs=2, metavar=("MIN", "MAX"),
+                        default=list(W2_OUTPUT_LEN_RANGE), help="output lengths, uniform, inclusive "
+                        f"(default: {W2_OUTPUT_LEN_RANGE[0]} {W2_OUTPUT_LEN_RANGE[1]})")
+    parser.add_argument("--seed", type=int, default=W2_SEED,
+                        help=f"seed of the requests and of the arrival times (default: {W2_SEED})")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="most requests in flight at once (default: no limit)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                        help=f"seconds one request may take before it counts as failed "
+                             f"(default: {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--label", help="a name for the server under test in the report (e.g. 'llama.cpp')")
+    parser.add_argument("--output-json", metavar="PATH", help="write the full report as JSON")
+    parser.add_argument("--append-md", metavar="PATH", help="append a section to this Markdown file "
+                                                            "(e.g. BENCHMARKS.md)")
+
+
+def check_options(args: argparse.Namespace) -> None:
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be positive, got {args.request_rate}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be positive, got {args.timeout}")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark the parsed command line describes; print the report; 0 on success
+    (failed requests are reported, not an error)."""
+    report = run(args)
+    print(format_summary(report))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=2) + "\n")
+        log(f"wrote {args.output_json}")
+    if args.append_md:
+        with open(args.append_md, "a") as f:
+            f.write(format_markdown(report))
+        log(f"appended to {args.append_md}")
+    return 0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The options alone, as `kestrel bench serve` takes them (for calling the benchmark in-process)."""
+    parser = argparse.ArgumentParser(prog="kestrel bench serve")
+    add_cli_args(parser)
+    args = parser.parse_args(argv)
+    args.command_line = " ".join(["kestrel", "bench", "serve", *argv])
+    return args
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole benchmark; returns the report (a JSON-able dict)."""
+    check_options(args)
+    requests = random_requests(args.num_prompts, tuple(args.input_len_range), tuple(args.output_len_range),
+                               args.seed)
+    arrivals = arrival_times(len(requests), args.request_rate, args.seed)
+    log(f"workload: {len(requests)} requests, {sum(r.input_len for r in requests)} prompt tokens, "
+        f"{sum(r.output_len for r in requests)} output tokens, {args.request_rate:g} req/s")
+    started = datetime.now(timezone.utc)
+    load_average = os.getloadavg()
+    warn_if_busy(load_average[0])
+    model, notes = asyncio.run(resolve_model(args))
+    log(f"target {args.base_url}, model {model}")
+    results, wall_s = asyncio.run(send_all(args, model, requests, arrivals))
+    return build_report(args, model, requests, results, wall_s, started, load_average, notes)
+
+
+def arrival_times(n: int, request_rate: float, seed: int) -> list[float]:
+    """Send offsets (s) of a Poisson process: the first request at 0, then exponential gaps."""
+    if math.isinf(request_rate):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, size=n)
+    return [0.0, *np.cumsum(gaps[:-1]).tolist()]
+
+
+def make_client(args: argparse.Namespace) -> Any:
+    import openai
+    return openai.AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0,
+                              timeout=args.timeout)
+
+
+async def resolve_model(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """--model, else the first id from GET /models; if that fails the run still goes on (its
+    requests will fail and be counted), under a placeholder name."""
+    if args.model:
+        return args.model, []
+    try:
+        async with make_client(args) as client:
+            page = await asyncio.wait_for(client.models.list(), timeout=min(args.timeout, 30.0))
+            ids = [m.id for m in page.data]
+        if ids:
+            return ids[0], []
+        note = "GET /models listed no model"
+    except Exception as e:  # noqa: BLE001 — any failure to reach the server
+        note = f"GET /models failed: {describe_error(e)}"
+    log(f"warning: {note}; sending model 'default'")
+    return "default", [note]
+
+
+# ---- sending ------------------------------------------------------------------------------------
+
+@dataclass
+class RequestResult:
+    input_len: int
+    requested_output_len: int
+    ok: bool = False
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    usage_reported: bool = False
+    error: str | None = None
+    send_offset_s: float = 0.0   # when it was actually sent, from the start of the run
+
+    @property
+    def tpot_s(self) -> float | None:
+        if not self.ok or self.output_tokens < 2 or self.ttft_s is None or self.e2e_s is None:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def describe_error(e: BaseException) -> str:
+    if isinstance(e, asyncio.TimeoutError):
+        return "timed out"
+    status = getattr(e, "status_code", None)
+    text = str(e) or type(e).__name__
+    return f"{type(e).__name__} ({status}): {text}" if status else f"{type(e).__name__}: {text}"
+
+
+async def send_all(args: argparse.Namespace, model: str, requests: list[BenchRequest],
+                   arrivals: list[float]) -> tuple[list[RequestResult], float]:
+    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    async with make_client(args) as client:
+        start = time.perf_counter()
+
+        async def one(request: BenchRequest, at: float) -> RequestResult:
+            delay = at - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if limit is None:
+                return await timed_request(client, model, request, args.timeout, start)
+            async with limit:
+                return await timed_request(client, model, request, args.timeout, start)
+
+        results = await asyncio.gather(*(one(r, at) for r, at in zip(requests, arrivals)))
+        wall_s = time.perf_counter() - start
+    return list(results), wall_s
+
+
+async def timed_request(client: Any, model: str, request: BenchRequest, timeout: float,
+                        run_start: float) -> RequestResult:
+    result = RequestResult(request.input_len, request.output_len)
+    sent = time.perf_counter()
+    result.send_offset_s = sent - run_start
+    try:
+        await asyncio.wait_for(stream_one(client, model, request, sent, result), timeout=timeout)
+        result.e2e_s = time.perf_counter() - sent
+        result.ok = True
+    except Exception as e:  # noqa: BLE001 — every failure is counted, none stops the run
+        result.error = describe_error(e)
+        result.ok = False
+    return result
+
+
+async def stream_one(client: Any, model: str, request: BenchRequest, sent: float,
+                     result: RequestResult) -> None:
+    stream = await client.completions.create(
+        model=model, prompt=request.prompt_token_ids, max_tokens=request.output_len, temperature=0.0,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    last = None
+    chunks = 0
+    async for chunk in stream:
+        now = time.perf_counter()
+        if any(choice.text for choice in chunk.choices or []):
+            chunks += 1
+            if last is None:
+                result.ttft_s = now - sent
+            else:
+                result.itl_s.append(now - last)
+            last = now
+        usage = getattr(chunk, "usage", None)
+        if usage is not None and usage.completion_tokens is not None:
+            result.output_tokens = int(usage.completion_tokens)
+            result.usage_reported = True
+    if not result.usage_reported:
+        result.output_tokens = chunks
+    if result.ttft_s is None:
+        raise RuntimeError("the stream ended without any text")
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+def stats_ms(values_s: list[float]) -> dict[str, float | None]:
+    if not values_s:
+        return {"mean": None, "p50": None, "p99": None}
+    ms = np.asarray(values_s, dtype=np.float64) * 1000.0
+    return {"mean": float(ms.mean()), "p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99))}
+
+
+def is_standard_w2(args: argparse.Namespace) -> bool:
+    return (args.num_prompts == W2_NUM_REQUESTS and args.request_rate == W2_REQUEST_RATE
+            and tuple(args.input_len_range) == W2_INPUT_LEN_RANGE
+            and tuple(args.output_len_range) == W2_OUTPUT_LEN_RANGE and args.seed == W2_SEED)
+
+
+def build_report(args: argparse.Namespace, model: str, requests: list[BenchRequest],
+                 results: list[RequestResult], wall_s: float, started: datetime,
+                 load_average: tuple[float, float, float], notes: list[str]) -> dict[str, Any]:
+    done = [r for r in results if r.ok]
+    failed = [r for r in results if not r.ok]
+    output_tokens = sum(r.output_tokens for r in done)
+    requested_done = sum(r.requested_output_len for r in done)
+    notes = list(notes)
+    if done and any(not r.usage_reported for r in done):
+        notes.append("some streams sent no usage chunk: their output tokens are counted as text chunks")
+    if output_tokens != requested_done:
+        notes.append(f"completed requests produced {output_tokens} output tokens, {requested_done} requested "
+                     "(a server that ignores ignore_eos stops early)")
+    errors = sorted({r.error for r in failed if r.error})
+    results_block = {
+        "completed": len(done), "failed": len(failed), "wall_s": wall_s,
+        "input_tokens": sum(r.input_len for r in done), "output_tokens": output_tokens,
+        "request_throughput": len(done) / wall_s if wall_s > 0 else None,
+        "output_tok_s": output_tokens / wall_s if wall_s > 0 else None,
+        "ttft_ms": stats_ms([r.ttft_s for r in done if r.ttft_s is not None]),
+        "tpot_ms": stats_ms([t for r in done if (t := r.tpot_s) is not None]),
+        "itl_ms": stats_ms([gap for r in done for gap in r.itl_s]),
+        "e2e_ms": stats_ms([r.e2e_s for r in done if r.e2e_s is not None]),
+        "errors": errors[:MAX_ERRORS_KEPT],
+    }
+    return {
+        "benchmark": "serve",
+        "workload": {
+            "id": "W2" if is_standard_w2(args) else "W2 (reduced)", "num_requests": len(requests),
+            "input_len_range": list(args.input_len_range), "output_len_range": list(args.output_len_range),
+            "seed": args.seed, "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+            "input_tokens": sum(r.input_len for r in requests),
+            "output_tokens": sum(r.output_len for r in requests),
+            "sampling": "greedy, ignore_eos, max_tokens = output length, streamed",
+        },
+        "command": getattr(args, "command_line", "kestrel bench serve"),
+        "date": started.isoformat(timespec="seconds"),
+        "base_url": args.base_url, "model": model, "label": args.label or args.base_url,
+        "timeout_s": args.timeout,
+        "load_average_at_start": list(load_average),
+        "load_average_at_end": list(os.getloadavg()),
+        "machine": machine_info(),
+        "results": results_block,
+        "requests": [{**asdict(r), "tpot_s": r.tpot_s} for r in results],
+        "notes": notes,
+    }
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+HEADER = ("metric", "mean", "p50", "p99")
+LABELS = {"ttft": "TTFT ms", "tpot": "TPOT ms", "itl": "ITL ms", "e2e": "E2E ms"}
+
+
+def _rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
+    res = report["results"]
+    return [(LABELS[m], *(_fmt(res[f"{m}_ms"][k]) for k in ("mean", "p50", "p99"))) for m in METRICS]
+
+
+def _totals(report: dict[str, Any]) -> str:
+    res = report["results"]
+    return (f"{res['completed']} completed, {res['failed']} failed in {res['wall_s']:.2f} s; "
+            f"{_fmt(res['output_tok_s'])} output tok/s, {_fmt(res['request_throughput'], 2)} req/s")
+
+
+def format_summary(report: dict[str, Any]) -> str:
+    rows = [HEADER, *_rows(report)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    w = report["workload"]
+    lines += [
+        _totals(report),
+        f"workload {w['id']}: {w['num_requests']} requests at {w['request_rate']:g} req/s, "
+        f"{w['input_tokens']} prompt + {w['output_tokens']} output tokens; "
+        f"{report['label']} ({report['base_url']}), model {report['model']}",
+    ]
+    lines += [f"error: {e}" for e in report["results"]["errors"]]
+    lines += [f"note: {n}" for n in report["notes"]]
+    return "\n".join(lines)
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    w, m = report["workload"], report["machine"]
+    table = [f"| {' | '.join(HEADER)} |", "|" + "---|" * len(HEADER)]
+    table += [f"| {' | '.join(row)} |" for row in _rows(report)]
+    lines = [
+        "", f"## {w['id']} online serving: {report['label']} — {report['date']}", "",
+        f"- Command: `{report['command']}`",
+        f"- Target: {report['base_url']}, model {report['model']}",
+        f"- Machine: {m['cpu_model']}, {m['usable_cpus']} usable cpus, bf16 flags: "
+        f"{' '.join(m['bf16_flags']) or 'none'}; load average at start "
+        f"{', '.join(f'{x:.2f}' for x in report['load_average_at_start'])}, at end "
+        f"{', '.join(f'{x:.2f}' for x in report['load_average_at_end'])}",
+        f"- Workload: {w['num_requests']} requests, Poisson arrivals at {w['request_rate']:g} req/s "
+        f"(seed {w['seed']}), max concurrency {w['max_concurrency'] or 'unlimited'}, input "
+        f"{w['input_len_range'][0]}..{w['input_len_range'][1]} ({w['input_tokens']} tokens), output "
+        f"{w['output_len_range'][0]}..{w['output_len_range'][1]} ({w['output_tokens']} tokens), {w['sampling']}",
+        f"- Result: {_totals(report)}",
+        "", *table, "",
+    ]
+    lines += [f"Error: {e}." for e in report["results"]["errors"]]
+    lines += [f"Note: {n}." for n in report["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main(parse_args(sys.argv[1:])))
