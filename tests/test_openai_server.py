@@ -217,12 +217,12 @@ def test_prompt_forms_echo_and_default_max_tokens(server, client):
 
 
 def test_concurrent_streams_equal_requests_run_alone(server, client):
-    prompts = [f"Write a sentence about the number {i}." for i in range(8)]
-    alone = [client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=16).choices[0].text
+    prompts = [f"Write a sentence about the number {i}." for i in range(32)]
+    alone = [client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=12).choices[0].text
              for p in prompts]
 
     async def one(ac, p):
-        stream = await ac.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=16, stream=True)
+        stream = await ac.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=12, stream=True)
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
     async def go():
