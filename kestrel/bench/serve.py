@@ -26,19 +26,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kestrel.bench.throughput import log, machine_info, warn_if_busy
+from kestrel.bench.throughput import log, machine_info, warn_if_busy, write_report
 from kestrel.bench.workloads import W1_INPUT_LEN_RANGE, W1_OUTPUT_LEN_RANGE, BenchRequest, random_requests
 
 # W2: online serving.
@@ -101,14 +99,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the benchmark the parsed command line describes; print the report; 0 on success
     (failed requests are reported, not an error)."""
     report = run(args)
-    print(format_summary(report))
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps(report, indent=2) + "\n")
-        log(f"wrote {args.output_json}")
-    if args.append_md:
-        with open(args.append_md, "a") as f:
-            f.write(format_markdown(report))
-        log(f"appended to {args.append_md}")
+    write_report(report, format_summary(report), format_markdown(report), args.output_json, args.append_md)
     return 0
 
 

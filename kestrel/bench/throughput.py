@@ -86,15 +86,21 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
             dtype=engine_info["dtype"], device=engine_info["device"], requests=requests,
             batch_size=args.peer_batch_size, runs=args.runs, num_threads=args.num_threads))
     report = build_report(args, requests, kestrel, peer, engine_info, started, load_average)
-    print(format_summary(report))
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps(report, indent=2) + "\n")
-        log(f"wrote {args.output_json}")
-    if args.append_md:
-        with open(args.append_md, "a") as f:
-            f.write(format_markdown(report))
-        log(f"appended to {args.append_md}")
+    write_report(report, format_summary(report), format_markdown(report), args.output_json, args.append_md)
     return 0
+
+
+def write_report(report: dict, summary: str, markdown: str, output_json: str | None,
+                 append_md: str | None) -> None:
+    """Print a benchmark's summary; write its JSON and append its Markdown section when asked."""
+    print(summary)
+    if output_json:
+        Path(output_json).write_text(json.dumps(report, indent=2) + "\n")
+        log(f"wrote {output_json}")
+    if append_md:
+        with open(append_md, "a") as f:
+            f.write(markdown)
+        log(f"appended to {append_md}")
 
 
 def check_options(args: argparse.Namespace) -> None:
