@@ -67,6 +67,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     events: list[tuple[EventType, float]] | None = None
     num_cached_tokens: int = 0
+    # Prompt logprobs computed this step, one row per prompt token scored (actual token first), in
+    # prompt order and continuing where the request's previous rows ended (the first prompt token
+    # has none). A partial prefill chunk sends them with no new tokens.
+    new_prompt_logprobs: Logprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -133,6 +137,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[Logprobs | None]
+    # Requests that asked for prompt logprobs and computed prompt tokens this step (sampling or not):
+    # req_id → (index in the prompt of the first token scored, one row per prompt token from there).
+    prompt_logprobs: dict[str, tuple[int, Logprobs]] = msgspec.field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])

@@ -13,6 +13,8 @@ import msgspec
 
 # Below this temperature sampling is greedy (argmax), as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
+# Most top-N logprobs per prompt token (vLLM's default max_logprobs).
+MAX_PROMPT_LOGPROBS = 20
 
 
 class SamplingType(IntEnum):
@@ -36,6 +38,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-N logprobs per generated token, plus the sampled one
+    # Top-N logprobs per prompt token, plus the actual one (0: only the actual one). Its requests
+    # skip prefix-cache hits so that every prompt position is computed.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -84,8 +88,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             bad("repetition_penalty", "must be positive")
         if self.logprobs is not None and self.logprobs < 0:
             bad("logprobs", "must be non-negative")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            bad("prompt_logprobs", "must be non-negative")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
+            bad("prompt_logprobs", f"must be in [0, {MAX_PROMPT_LOGPROBS}]")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -285,6 +285,34 @@ def test_logprobs(client):
         assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
 
 
+def test_echo_with_logprobs_scores_the_prompt(server, client):
+    prompt = "The capital of France is"
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    assert len(ids) >= 3
+    r = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=3, logprobs=2, echo=True)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    for tok, value, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert value is not None and value <= 0
+        assert 2 <= len(top) <= 3 and top[tok] == pytest.approx(value)
+        assert max(top.values()) >= value
+    # The last prompt token's distribution is the one a request for the shorter prompt samples from.
+    short = client.completions.create(model=MODEL, prompt=ids[:-1], temperature=0, max_tokens=1, logprobs=2)
+    expected, scored = short.choices[0].logprobs.top_logprobs[0], lp.top_logprobs[len(ids) - 1]
+    assert all(t in scored and scored[t] == pytest.approx(v, abs=1e-3) for t, v in expected.items()), (expected,
+                                                                                                        scored)
+    # Streaming: the first chunk carries the echo with the same values.
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=3, logprobs=2,
+                                            echo=True, stream=True))
+    streamed = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-3)
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
+    # Without echo, nothing changes.
+    plain = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=3, logprobs=2)
+    assert plain.choices[0].logprobs.tokens == lp.tokens[len(ids):]
+
+
 # ---- errors ---------------------------------------------------------------------------------------
 
 BAD_COMPLETIONS = [
@@ -461,6 +489,56 @@ def test_client_disconnect_aborts_the_request(server):
         time.sleep(0.2)
     assert values["kestrel:num_requests_running"] == 0 and values["kestrel:kv_cache_usage_perc"] == 0, values
     assert values["kestrel:generation_tokens_total"] < 10_000
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}),
+    ("/v1/chat/completions", {"messages": chat_msgs("Tell me a long story."), "max_tokens": 400,
+                              "ignore_eos": True}),
+])
+def test_client_disconnect_aborts_a_non_streaming_request(server, path, body):
+    before = scrape(server)["kestrel:generation_tokens_total"]
+    with pytest.raises(httpx.ReadTimeout):  # gives up long before 400 tokens, closing the connection
+        httpx.post(f"{server.url}{path}", json=body, timeout=httpx.Timeout(60, read=1.5))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        values = scrape(server)
+        if values["kestrel:num_requests_running"] == 0 and values["kestrel:kv_cache_usage_perc"] == 0:
+            break
+        time.sleep(0.2)
+    assert values["kestrel:num_requests_running"] == 0 and values["kestrel:kv_cache_usage_perc"] == 0, values
+    assert values["kestrel:generation_tokens_total"] - before < 400
+
+
+def test_sigint_shuts_down_cleanly_without_orphans():
+    import psutil
+
+    server = Server("--max-model-len", "256", "--kv-cache-memory", "16MiB")
+    try:
+        server.wait_ready()
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+        assert children, "the engine core should run in a child process"
+        # A request in flight while the signal arrives still ends (with its tokens or an error).
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=30,
+                          json={"prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
+                                "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            start = time.monotonic()
+            server.proc.send_signal(signal.SIGINT)
+            rest = [line for line in lines if line.startswith("data: ")]
+            server.proc.wait(timeout=10)
+        assert time.monotonic() - start < 10
+        # The stream ended at once with one final error event (not cut off), then [DONE].
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert error["code"] == 503 and "shutting down" in error["message"]
+        assert server.proc.returncode == 0, server.output()
+        assert "Traceback" not in server.output(), server.output()
+        gone, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive, f"orphan processes left: {alive}"
+    finally:
+        server.stop()
 
 
 # Runs last: it kills the keyed server's engine core.

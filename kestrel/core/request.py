@@ -56,6 +56,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hits at first scheduling; -1 until then
         self.num_preemptions = 0
+        # Prompt tokens whose prompt logprobs went out (the first has none, so at most prompt - 1);
+        # after a preemption recomputes the prompt, only the rest are sent.
+        self.num_prompt_logprobs_sent = 0
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks
         self.events: list[tuple[EventType, float]] = [(EventType.QUEUED, time.monotonic())]
 

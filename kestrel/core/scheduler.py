@@ -9,6 +9,10 @@ with prefill left (chunked), then waiting requests in arrival order while budget
 blocks last. When blocks run out for a running request, the last request in that order is preempted
 (recompute: its blocks are freed, its progress reset, and it goes back to the head of the waiting
 queue); no waiting request is admitted in a step that preempted.
+
+Prompt logprobs computed by the worker travel in the request's output of the same step, even for a
+partial prefill chunk (an output with no new tokens); positions already sent before a preemption
+are not sent again.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Iterable
 from kestrel.config import SchedulerConfig
 from kestrel.core.kv_cache_manager import KVCacheManager
 from kestrel.core.request import Request, RequestStatus
-from kestrel.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, EventType,
+from kestrel.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, EventType, Logprobs,
                               ModelRunnerOutput, NewRequestData, SchedulerOutput, SchedulerStats)
 
 
@@ -169,6 +173,7 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []
         num_generated = 0
+        prompt_logprobs = self._take_prompt_logprobs(runner_output)
         for request_id, token_ids, logprobs in zip(runner_output.req_ids,
                                                    runner_output.sampled_token_ids,
                                                    runner_output.logprobs):
@@ -193,9 +198,36 @@ class Scheduler:
                 stop_reason=request.stop_reason,
                 events=request.take_events(),
                 num_cached_tokens=max(request.num_cached_tokens, 0),
+                new_prompt_logprobs=prompt_logprobs.pop(request_id, None),
+            ))
+        for request_id, rows in prompt_logprobs.items():  # partial prefill chunks: nothing sampled
+            request = self.requests[request_id]
+            outputs.append(EngineCoreOutput(
+                request_id=request_id,
+                new_token_ids=[],
+                events=request.take_events(),
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                new_prompt_logprobs=rows,
             ))
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(num_generated),
                                  timestamp=time.monotonic())
+
+    def _take_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> dict[str, Logprobs]:
+        """The step's prompt-logprob rows of live requests, without the positions already sent."""
+        taken: dict[str, Logprobs] = {}
+        for request_id, (first, rows) in runner_output.prompt_logprobs.items():
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            skip = request.num_prompt_logprobs_sent + 1 - first
+            assert skip >= 0, (request_id, first, request.num_prompt_logprobs_sent)  # no gap
+            if skip >= len(rows.ranks):
+                continue
+            if skip:
+                rows = Logprobs(rows.token_ids[skip:], rows.logprobs[skip:], rows.ranks[skip:])
+            request.num_prompt_logprobs_sent += len(rows.ranks)
+            taken[request_id] = rows
+        return taken
 
     def _check_stop(self, request: Request) -> bool:
         """Set the finished status if the request's newest token ends it (vLLM's order: length

@@ -143,6 +143,10 @@ class AsyncLLM:
         for stream in self._streams.values():
             stream.put_nowait(error)
 
+    def stop_requests(self, reason: str) -> None:
+        """Refuse new requests and end every open stream with `EngineDeadError(reason)` (shutdown)."""
+        self._fail_all(EngineDeadError(reason))
+
     def _send(self, kind: bytes, payload) -> None:
         self._input.send_multipart([kind, self._encoder.encode(payload)], copy=False)
 
@@ -155,7 +159,9 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
                        stream: bool = True) -> AsyncIterator[RequestOutput]:
         """Yield the request's progress: with `stream`, only what is new each time (text, token ids
-        and logprobs deltas; finish_reason on a completion's last delta); else one final output."""
+        and logprobs deltas; finish_reason on a completion's last delta; `prompt_logprobs`, complete,
+        on the first output only, and nothing is yielded before they are complete); else one final
+        output."""
         if not self.is_running:
             raise EngineDeadError("the engine core is not running")
         self._ensure_output_task()
@@ -167,6 +173,7 @@ class AsyncLLM:
                                           [r.request_id for r in core_requests], arrival)
         self._streams[request_id] = queue
         sent = [_Sent() for _ in core_requests]
+        prompt_logprobs_sent = False
         finished = waiting = False
         try:
             for request in core_requests:
@@ -184,6 +191,13 @@ class AsyncLLM:
                     raise latest
                 finished = latest.finished
                 if stream:
+                    if params.prompt_logprobs is not None:
+                        if prompt_logprobs_sent:
+                            latest = replace(latest, prompt_logprobs=None)
+                        elif latest.prompt_logprobs is None and not finished:
+                            continue  # another sample ran ahead of the prompt's scoring: hold it
+                        else:
+                            prompt_logprobs_sent = True
                     yield _delta(latest, sent)
                 elif finished:
                     yield latest

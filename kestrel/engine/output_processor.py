@@ -3,6 +3,9 @@
 Owns one state per user request (its `n` samples are child requests in the engine core), the
 incremental detokenizers and stop strings. A stop string ends a sample here; the engine core is then
 told to abort that child.
+
+Prompt logprobs arrive chunk by chunk (only the first child of an `n > 1` request computes them,
+see processor.py) and are exposed on `RequestOutput.prompt_logprobs` once the whole prompt is in.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ class RequestState:
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self._queued_at: float | None = None   # engine-core monotonic clock
         self.num_cached_tokens = 0
+        # Prompt logprobs received so far, one dict per prompt token from the second on.
+        self.prompt_logprob_rows: list[dict[int, Logprob]] | None = (
+            [] if params.prompt_logprobs is not None else None)
 
     @property
     def finished(self) -> bool:
@@ -43,9 +49,18 @@ class RequestState:
     def unfinished_child_ids(self) -> list[str]:
         return [cid for cid, i in self.child_index.items() if not self.completions[i].finished]
 
+    @property
+    def prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's shape: None for the first prompt token, then one dict per token; None until the
+        whole prompt has been scored."""
+        rows = self.prompt_logprob_rows
+        if rows is None or len(rows) < len(self.prompt_token_ids) - 1:
+            return None
+        return [None, *rows]
+
     def to_output(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.completions,
-                             self.finished, self.num_cached_tokens, self.metrics)
+                             self.finished, self.num_cached_tokens, self.metrics, self.prompt_logprobs)
 
     def update(self, out: EngineCoreOutput) -> bool:
         """Apply one engine-core output; True if the child ended here by a stop string (so the
@@ -57,6 +72,8 @@ class RequestState:
         now = time.time()
         self._record_timing(out, now)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.new_prompt_logprobs is not None and self.prompt_logprob_rows is not None:
+            self.prompt_logprob_rows.extend(self._logprob_dicts(out.new_prompt_logprobs))
         completion.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and completion.logprobs is not None:
             self._append_logprobs(completion, out.new_logprobs)
@@ -86,14 +103,23 @@ class RequestState:
             m.last_token_time = now
 
     def _append_logprobs(self, completion: CompletionOutput, lp: Logprobs) -> None:
+        completion.logprobs.extend(self._logprob_dicts(lp))
+        for values in lp.logprobs:
+            completion.cumulative_logprob += values[0]
+
+    def _logprob_dicts(self, lp: Logprobs) -> list[dict[int, Logprob]]:
+        """One dict per row: the row's own token (with its rank), then the top-N (rank = place)."""
+        decoded: dict[int, str] = {}
+        entries = []
         for ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
             entry: dict[int, Logprob] = {}
             for j, (tid, value) in enumerate(zip(ids, values)):
                 if tid not in entry:
-                    entry[tid] = Logprob(value, rank if j == 0 else j,
-                                         self.tokenizer.decode([tid]))
-            completion.logprobs.append(entry)
-            completion.cumulative_logprob += values[0]
+                    if tid not in decoded:
+                        decoded[tid] = self.tokenizer.decode([tid])
+                    entry[tid] = Logprob(value, rank if j == 0 else j, decoded[tid])
+            entries.append(entry)
+        return entries
 
 
 @dataclass
@@ -141,7 +167,9 @@ class OutputProcessor:
             state = self.states[parent]
             if state.update(out):
                 result.reqs_to_abort.append(out.request_id)
-            touched[parent] = state
+            if out.new_token_ids or out.finished:
+                touched[parent] = state
+            # else a partial prefill chunk's prompt logprobs: kept, nothing to show yet
         for rid, state in touched.items():
             result.request_outputs.append(state.to_output())
             if state.finished:

@@ -67,8 +67,10 @@ class Processor:
             return text, ids, [EngineCoreRequest(request_id, ids, params, eos, arrival_time, priority)]
         children = []
         for i in range(params.n):
-            # Each sample draws its own randomness; a seeded request stays reproducible.
-            child = params.clone(n=1, seed=None if params.seed is None else params.seed + i)
+            # Each sample draws its own randomness; a seeded request stays reproducible. Prompt
+            # logprobs are the same for every sample: only the first child computes them.
+            child = params.clone(n=1, seed=None if params.seed is None else params.seed + i,
+                                 prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             children.append(EngineCoreRequest(child_request_id(request_id, i), ids, child, eos,
                                               arrival_time, priority))
         return text, ids, children

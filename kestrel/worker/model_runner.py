@@ -4,6 +4,10 @@ The runner keeps each request's tokens and block ids between steps (the schedule
 changed) and appends the tokens it samples, so a decode step needs nothing from the engine core but
 the request's id. Batch order: requests with one token this step first (decodes), then prefill
 chunks; only rows that end a request's known tokens are turned into logits and sampled.
+
+Prompt logprobs: for a request that asks (`prompt_logprobs`), the rows of its scheduled prompt
+positions are turned into logits too (the row at position p scores prompt token p + 1), chunk by
+chunk as the scheduler splits the prefill. Nothing extra runs when no request in the step asks.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ from kestrel.messages import (EMPTY_MODEL_RUNNER_OUTPUT, Logprobs, ModelRunnerOu
 from kestrel.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from kestrel.ops import cpu_kernels
 from kestrel.sample import Sampler, SamplerOutput, SamplingMetadata
+from kestrel.sample.sampler import gather_logprobs
 from kestrel.sampling_params import SamplingParams
 
 # Padded context slots per decode attention call (see kestrel/model/attention.py).
 DECODE_GROUP_SLOTS = 2048
+# Prompt rows turned into logits at a time for prompt logprobs (bounds the [rows, vocab] tensors).
+PROMPT_LOGPROBS_ROWS = 256
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -45,12 +52,16 @@ class CachedRequestState:
     eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
+    # Whether this request wants prompt logprobs from the worker. A request resumed after a
+    # preemption with tokens already sampled has sent all of them, so it does not.
+    wants_prompt_logprobs: bool = False
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> "CachedRequestState":
         return cls(new.req_id, list(new.prompt_token_ids) + list(new.output_token_ids),
                    len(new.prompt_token_ids), new.sampling_params, new.eos_token_id,
-                   list(new.block_ids), new.num_computed_tokens)
+                   list(new.block_ids), new.num_computed_tokens,
+                   new.sampling_params.prompt_logprobs is not None and not new.output_token_ids)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -68,6 +79,9 @@ class BatchInputs:
     meta: AttentionMetadata
     sample_req_ids: list[str]        # requests that sample this step, in logits-row order
     sample_rows: torch.Tensor        # their last token's row in the flattened batch
+    # Requests scoring prompt tokens this step: (req_id, first row, index in the prompt of the first
+    # token scored, number of tokens scored); rows are consecutive.
+    prompt_logprob_spans: list[tuple[str, int, int, int]]
 
 
 class ModelRunner:
@@ -132,7 +146,12 @@ class ModelRunner:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self._prepare_inputs(so)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        prompt_logprobs = (self._compute_prompt_logprobs(hidden, batch.prompt_logprob_spans)
+                           if batch.prompt_logprob_spans else None)
         if not batch.sample_req_ids:
+            if prompt_logprobs:
+                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[],
+                                         prompt_logprobs=prompt_logprobs)
             return EMPTY_MODEL_RUNNER_OUTPUT
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
         states = [self.requests[r] for r in batch.sample_req_ids]
@@ -141,7 +160,10 @@ class ModelRunner:
             [s.output_token_ids for s in states], [s.eos_token_id for s in states],
             self.vocab_size, self.device)
         sampled = self.sampler(logits, metadata)
-        return self._make_output(states, sampled)
+        output = self._make_output(states, sampled)
+        if prompt_logprobs:
+            output.prompt_logprobs = prompt_logprobs
+        return output
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -171,6 +193,7 @@ class ModelRunner:
         slots: list[np.ndarray] = []
         sample_req_ids: list[str] = []
         sample_rows: list[int] = []
+        prompt_logprob_spans: list[tuple[str, int, int, int]] = []
         prefills: list[PrefillChunk] = []
         row = 0
         for req_id in decodes + prefills_ids:
@@ -187,6 +210,11 @@ class ModelRunner:
             if end == len(state.token_ids):
                 sample_req_ids.append(req_id)
                 sample_rows.append(row + n - 1)
+            if state.wants_prompt_logprobs:
+                # Positions start .. end-1 score the tokens after them, as far as the prompt goes.
+                num_scored = min(end, state.num_prompt_tokens - 1) - start
+                if num_scored > 0:
+                    prompt_logprob_spans.append((req_id, row, start + 1, num_scored))
             row += n
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
@@ -198,6 +226,7 @@ class ModelRunner:
             meta=meta,
             sample_req_ids=sample_req_ids,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            prompt_logprob_spans=prompt_logprob_spans,
         )
 
     def _decode_groups(self, decodes: list[str]) -> list[DecodeGroup]:
@@ -244,6 +273,38 @@ class ModelRunner:
         mask = (torch.arange(num_blocks * bs, device=dev)[None, :]
                 <= torch.arange(start, end, device=dev)[:, None])
         return PrefillChunk(row, row + n, torch.from_numpy(table[:num_blocks]).to(dev), mask)
+
+    def _compute_prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[str, int, int, int]]
+                                 ) -> dict[str, tuple[int, Logprobs]]:
+        """Raw float32 log-softmax over the rows of `spans`, as `Logprobs` rows: the actual prompt
+        token first, then the request's top-N, with the actual token's rank."""
+        dev = self.device
+        rows = np.concatenate([np.arange(r, r + k) for _, r, _, k in spans])
+        targets: list[int] = []
+        for req_id, _, first, k in spans:
+            targets.extend(self.requests[req_id].token_ids[first:first + k])
+        num_top = max(self.requests[r].sampling_params.prompt_logprobs for r, *_ in spans)
+        rows_t = torch.from_numpy(rows).to(dev)
+        targets_t = torch.tensor(targets, dtype=torch.long, device=dev)
+        ids: list[list[int]] = []
+        lps: list[list[float]] = []
+        ranks: list[int] = []
+        for i in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            logits = self.model.compute_logits(hidden.index_select(0, rows_t[i:i + PROMPT_LOGPROBS_ROWS]))
+            t_ids, t_lps, t_ranks = gather_logprobs(logits.log_softmax(dim=-1),
+                                                    targets_t[i:i + PROMPT_LOGPROBS_ROWS], num_top)
+            ids.extend(t_ids.tolist())
+            lps.extend(t_lps.tolist())
+            ranks.extend(t_ranks.tolist())
+            del logits
+        out: dict[str, tuple[int, Logprobs]] = {}
+        at = 0
+        for req_id, _, first, k in spans:
+            m = self.requests[req_id].sampling_params.prompt_logprobs + 1
+            out[req_id] = (first, Logprobs([r[:m] for r in ids[at:at + k]], [r[:m] for r in lps[at:at + k]],
+                                           ranks[at:at + k]))
+            at += k
+        return out
 
     def _make_output(self, states: list[CachedRequestState], sampled: SamplerOutput) -> ModelRunnerOutput:
         token_ids = sampled.sampled_token_ids.tolist()

@@ -26,8 +26,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+import uvicorn
 
 import kestrel
+from kestrel.engine.async_llm import EngineDeadError
 from kestrel.entrypoints.openai.metrics import ServerMetrics
 from kestrel.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
                                                  ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
@@ -180,6 +182,30 @@ async def merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def until_disconnected(request: Request) -> None:
+    """Return when the client goes away (call only once the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, coro) -> Any:
+    """Run a non-streaming handler, cancelling it (and so aborting its requests in the engine core)
+    if the client disconnects first. Streaming responses watch for the disconnect themselves."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, watch):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+    if work.cancelled():
+        # Nobody is listening; 499 as nginx logs it ("client closed request").
+        return Response(status_code=499)
+    return work.result()
+
+
 def sse(obj: BaseModel | dict) -> str:
     data = obj.model_dump_json(exclude_none=False) if isinstance(obj, BaseModel) else json.dumps(obj)
     return f"data: {data}\n\n"
@@ -272,14 +298,19 @@ class OpenAIServing:
             return lp.decoded_token
         return self.tokenizer.decode([tid])
 
-    def completion_logprobs(self, c: CompletionOutput, offset: int,
-                            prompt_ids: list[int] | None = None) -> tuple[CompletionLogprobs, int]:
+    def completion_logprobs(self, c: CompletionOutput, offset: int, prompt_ids: list[int] | None = None,
+                            prompt_logprobs: list | None = None) -> tuple[CompletionLogprobs, int]:
+        """Echoed prompt tokens (scored from `prompt_logprobs` where given; the first prompt token
+        never is), then the generated ones."""
         out = CompletionLogprobs()
-        for tid in prompt_ids or []:
-            tok = self.tokenizer.decode([tid])
+        for k, tid in enumerate(prompt_ids or []):
+            entry = prompt_logprobs[k] if prompt_logprobs is not None and k < len(prompt_logprobs) else None
+            lp = entry.get(tid) if entry is not None else None
+            tok = self.token_text(tid, lp)
             out.tokens.append(tok)
-            out.token_logprobs.append(None)
-            out.top_logprobs.append(None)
+            out.token_logprobs.append(lp.logprob if lp is not None else None)
+            out.top_logprobs.append({self.token_text(t, v): v.logprob for t, v in entry.items()}
+                                    if entry is not None else None)
             out.text_offset.append(offset)
             offset += len(tok)
         for tid, entry in zip(c.token_ids, c.logprobs or []):
@@ -315,6 +346,8 @@ class OpenAIServing:
         jobs = []
         for i, (text, ids) in enumerate(prompts):
             params = sampling_params_from(req, self.resolve_max_tokens(req.max_tokens, len(ids)), req.logprobs)
+            if req.echo and req.logprobs is not None:  # the echoed prompt tokens get logprobs too
+                params = params.clone(prompt_logprobs=req.logprobs)
             prompt = {"prompt_token_ids": ids, "prompt": text}
             self.validate(f"{request_id}-{i}", prompt, params)
             jobs.append((f"{request_id}-{i}", prompt, params, text, ids))
@@ -338,7 +371,7 @@ class OpenAIServing:
                 prefix = self.echo_text(text, ids) if req.echo else ""
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs, _ = self.completion_logprobs(c, 0, ids if req.echo else None)
+                    logprobs, _ = self.completion_logprobs(c, 0, ids if req.echo else None, out.prompt_logprobs)
                 choices.append(CompletionChoice(index=i * n + c.index, text=prefix + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
@@ -355,12 +388,15 @@ class OpenAIServing:
         started: set[int] = set()
         completion_tokens = 0
         ntokens: dict[int, int] = {}
+        prompt_logprobs: dict[int, list] = {}  # per prompt: sent once, on its first output
 
         def chunk(choice: CompletionChoice) -> str:
             return sse(CompletionChunk(id=request_id, created=created, model=self.model_name, choices=[choice]))
 
         async for i, out in merge(iters):
             text, ids = jobs[i][3], jobs[i][4]
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[i] = out.prompt_logprobs
             for c in out.outputs:
                 index = i * n + c.index
                 prefix, echo_ids = "", None
@@ -374,7 +410,8 @@ class OpenAIServing:
                 ntokens[i] = ntokens.get(i, 0) + len(c.token_ids)
                 logprobs = None
                 if req.logprobs is not None:
-                    logprobs, offsets[index] = self.completion_logprobs(c, offsets.get(index, 0), echo_ids)
+                    logprobs, offsets[index] = self.completion_logprobs(c, offsets.get(index, 0), echo_ids,
+                                                                        prompt_logprobs.get(i))
                 yield chunk(CompletionChoice(index=index, text=prefix + c.text, logprobs=logprobs,
                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason))
             if out.finished:
@@ -458,6 +495,8 @@ class OpenAIServing:
             try:
                 async for event in events:
                     yield event
+            except EngineDeadError as e:
+                yield sse(error_body(f"the request failed: {e}", 503))
             except Exception as e:  # noqa: BLE001 - the headers are sent; report in-band
                 logger.exception("streaming request failed")
                 status = 503 if not self.engine.is_running else 500
@@ -544,13 +583,13 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = parse_body(CompletionRequest, await read_json(request, max_body_bytes))
-        result = await run(serving.completions(req))
+        result = await unless_disconnected(request, run(serving.completions(req)))
         return result if isinstance(result, Response) else JSONResponse(result)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse_body(ChatCompletionRequest, await read_json(request, max_body_bytes))
-        result = await run(serving.chat(req))
+        result = await unless_disconnected(request, run(serving.chat(req)))
         return result if isinstance(result, Response) else JSONResponse(result)
 
     @app.get("/v1/models")
@@ -597,8 +636,6 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
 
 def run_server(args) -> int:
     """`kestrel serve`: start the engine core, then serve HTTP until SIGINT/SIGTERM."""
-    import uvicorn
-
     from kestrel.config import EngineArgs
     from kestrel.engine.async_llm import AsyncLLM
     from kestrel.entrypoints.cli import engine_kwargs
@@ -616,10 +653,11 @@ def run_server(args) -> int:
                         max_body_bytes=args.max_body_bytes, max_queued_requests=args.max_queued_requests)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=5)
-        server = uvicorn.Server(config)
-        # uvicorn shuts down gracefully on SIGTERM, then re-raises the signal; end with exit code 0
+        server = _Server(config, engine)
+        # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal; end with exit code 0
         # through `finally` (which stops the engine core) instead of dying by the default handler.
-        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+        signal.signal(signal.SIGINT, _exit_on_signal)
         print(f"kestrel: serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}",
               flush=True)
         server.run()
@@ -628,5 +666,24 @@ def run_server(args) -> int:
     return 0
 
 
-def _exit_on_sigterm(signum, frame) -> None:
+class _Server(uvicorn.Server):
+    """uvicorn waits (up to timeout_graceful_shutdown) for open connections before it stops; end
+    every in-flight request at once instead, each with one final error response (streams: an error
+    event, then [DONE]), so shutdown is prompt and no request is lost silently."""
+
+    def __init__(self, config, engine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig, frame) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None:
+            loop.call_soon_threadsafe(self.engine.stop_requests, "the server is shutting down")
+        super().handle_exit(sig, frame)
+
+
+def _exit_on_signal(signum, frame) -> None:
     raise SystemExit(0)
