@@ -116,16 +116,38 @@ def test_bench_throughput_writes_json(tmp_path):
                          "--append-md", "BENCHMARKS.md", cwd=str(tmp_path))
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "tmp.json").read_text())
-    kestrel = report["kestrel"]
+    [kestrel] = report["results"]
     assert report["workload"]["num_requests"] == 4
     assert 4 * 4 <= kestrel["output_tokens"] <= 4 * 8
     assert kestrel["output_tok_s"] > 0 and kestrel["total_tok_s"] > kestrel["output_tok_s"]
     assert kestrel["wall_s"] > 0 and len(kestrel["run_wall_s"]) == 1
-    assert kestrel["peak_rss_bytes"] > 0
-    assert report["peer"] is None
+    assert kestrel["peak_rss_bytes"] > 0 and kestrel["mean_ttft_s"] > 0
+    assert report["ratios_output_tok_s"] == {}
     assert report["command"].startswith("kestrel bench throughput --num-prompts 4")
     assert report["machine"]["logical_cpus"] >= 1
-    assert "offline throughput" in (tmp_path / "BENCHMARKS.md").read_text()
+    roof = report["roofline"]
+    assert roof["bf16_gflops"] > 0 and roof["fp32_gflops"] > 0 and roof["copy_gb_s"] > 0
+    # SmolLM2-135M: 30 layers of 3.54 M parameters, a 49152 x 576 output head.
+    assert roof["non_embedding_params"] == 30 * 3_540_096 + 576
+    assert roof["output_head_params"] == 49152 * 576
+    assert 0 < roof["fraction_of_bf16"] < 1.5
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "offline throughput" in text and "of the bf16 roofline" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(SLOW_TIMEOUT_S)
+def test_bench_throughput_w4_compares_prefix_caching(tmp_path):
+    result = run_kestrel("bench", "throughput", "--workload", "W4", "--runs", "1", "--no-roofline",
+                         "--output-json", "w4.json", cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "w4.json").read_text())
+    on, off = report["results"]
+    assert report["workload"]["id"] == "W4" and report["roofline"] is None
+    assert on["name"].endswith("on") and off["name"].endswith("off")
+    assert on["input_tokens"] == 64 * (512 + 32) and on["output_tokens"] == 64 * 32
+    # The shared prefix is computed once with caching, 64 times without.
+    assert on["mean_ttft_s"] < off["mean_ttft_s"]
 
 
 @pytest.mark.slow

@@ -79,6 +79,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help=f"seconds one request may take before it counts as failed "
                              f"(default: {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--extra-body", type=json.loads, metavar="JSON", default=None,
+                        help="fields added to every request body, e.g. '{\"cache_prompt\": false}' for llama.cpp")
+    parser.add_argument("--launch", action="append", default=[], metavar="SERVER",
+                        help="start this server here instead of using --base-url (repeatable, compared in one "
+                             "report): kestrel, llama-server[:bf16|:f32|:q4_1]")
+    parser.add_argument("--runs", type=int, default=1, help="runs per --launch server; medians are reported")
+    parser.add_argument("--kestrel-flags", default="", help="extra flags for a launched `kestrel serve`, as one string")
     parser.add_argument("--label", help="a name for the server under test in the report (e.g. 'llama.cpp')")
     parser.add_argument("--output-json", metavar="PATH", help="write the full report as JSON")
     parser.add_argument("--append-md", metavar="PATH", help="append a section to this Markdown file "
@@ -99,9 +106,110 @@ def check_options(args: argparse.Namespace) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark the parsed command line describes; print the report; 0 on success
     (failed requests are reported, not an error)."""
+    if args.launch:
+        report = run_launched(args)
+        write_report(report, format_comparison(report), format_comparison_markdown(report), args.output_json,
+                     args.append_md)
+        return 0
     report = run(args)
     write_report(report, format_summary(report), format_markdown(report), args.output_json, args.append_md)
     return 0
+
+
+# ---- servers started here (--launch), each for --runs runs -------------------------------------
+
+COMPARED = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50"), ("tpot_ms", "p99"), ("itl_ms", "p99"),
+            ("e2e_ms", "p50"))
+
+
+def run_launched(args: argparse.Namespace) -> dict[str, Any]:
+    """Start each --launch server in turn (Kestrel with --kestrel-flags; llama.cpp with as many
+    slots as requests, up to 128, and cache_prompt false), run the workload --runs times against
+    it, and keep each figure's median over the runs."""
+    import shlex
+
+    from kestrel.bench.launch import check_spec, is_llama, launch_server
+    from kestrel.bench.peers import RssSampler
+    for spec in args.launch:
+        check_spec(spec)
+    engines = []
+    for spec in args.launch:
+        server = launch_server(spec, parallel=min(args.max_concurrency or args.num_prompts, 128),
+                               ctx_per_slot=args.input_len_range[1] + args.output_len_range[1] + 16,
+                               kestrel_flags=shlex.split(args.kestrel_flags))
+        log(f"{spec}: starting")
+        with server, RssSampler(server.pid) as rss:
+            runs = []
+            for i in range(args.runs):
+                run_args = argparse.Namespace(**{**vars(args), "base_url": server.base_url,
+                                                 "extra_body": {"cache_prompt": False} if is_llama(spec) else None,
+                                                 "label": spec})
+                runs.append(run(run_args))
+                log(f"{spec} run {i + 1}/{args.runs}: {_totals(runs[-1])}")
+            peak = rss.peak
+        engines.append({"spec": spec, "server": server.label, "peak_rss_bytes": peak,
+                        "median": median_results([r["results"] for r in runs]), "runs": runs})
+    first = engines[0]["runs"][0]
+    return {"benchmark": "serve", "workload": first["workload"], "command": first["command"],
+            "date": first["date"], "machine": first["machine"], "runs": args.runs, "engines": engines}
+
+
+def median_results(blocks: list[dict[str, Any]]) -> dict[str, Any]:
+    import statistics
+    out: dict[str, Any] = {"completed": sum(b["completed"] for b in blocks), "failed": sum(b["failed"] for b in blocks),
+                           "output_tok_s": statistics.median(b["output_tok_s"] for b in blocks)}
+    for metric, stat in COMPARED:
+        values = [b[metric][stat] for b in blocks if b[metric][stat] is not None]
+        out[f"{metric}_{stat}"] = statistics.median(values) if values else None
+    return out
+
+
+def _comparison_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = []
+    for e in report["engines"]:
+        m = e["median"]
+        rows.append((e["spec"], *(_fmt(m[f"{k}_{s}"]) for k, s in COMPARED), _fmt(m["output_tok_s"]),
+                     f"{m['failed']}/{m['completed'] + m['failed']}", f"{e['peak_rss_bytes'] / (1 << 30):.2f} GiB"))
+    k = report["engines"][0]["median"]
+    for e in report["engines"][1:]:
+        p = e["median"]
+        ratios = [_fmt(k[f"{a}_{s}"] / p[f"{a}_{s}"], 2) if k[f"{a}_{s}"] and p[f"{a}_{s}"] else "-" for a, s in COMPARED]
+        rows.append((f"{report['engines'][0]['spec']} / {e['spec']}", *ratios,
+                     _fmt(k["output_tok_s"] / p["output_tok_s"], 2), "", ""))
+    return rows
+
+
+COMPARISON_HEADER = ("server", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "ITL p99 ms",
+                     "E2E p50 ms", "output tok/s", "failed", "peak RSS")
+
+
+def format_comparison(report: dict[str, Any]) -> str:
+    rows = [COMPARISON_HEADER, *_comparison_rows(report)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COMPARISON_HEADER))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.append(f"workload {report['workload']['id']}; medians of {report['runs']} run(s) per server")
+    return "\n".join(lines)
+
+
+def format_comparison_markdown(report: dict[str, Any]) -> str:
+    w, m = report["workload"], report["machine"]
+    table = [f"| {' | '.join(COMPARISON_HEADER)} |", "|" + "---|" * len(COMPARISON_HEADER)]
+    table += [f"| {' | '.join(row)} |" for row in _comparison_rows(report)]
+    servers = "; ".join(f"{e['spec']} = {e['server']}" for e in report["engines"])
+    lines = [
+        "", f"## {w['id']} online serving, servers compared — {report['date']}", "",
+        f"- Command: `{report['command']}`",
+        f"- Machine: {m['cpu_model']}, {m['usable_cpus']} usable cpus, bf16 flags: {' '.join(m['bf16_flags']) or 'none'}",
+        f"- Workload: {w['num_requests']} requests, Poisson arrivals at {w['request_rate']:g} req/s (seed {w['seed']}), "
+        f"input {w['input_len_range'][0]}..{w['input_len_range'][1]}, output "
+        f"{w['output_len_range'][0]}..{w['output_len_range'][1]}, {w['sampling']}; each server started by the "
+        f"benchmark and run {report['runs']} time(s), figures are medians over runs ({servers}); llama.cpp gets "
+        "cache_prompt false",
+        "", *table, "",
+        "Ratio rows: the first server's figure over the other's (latencies: below 1 is better).",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -124,7 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = datetime.now(timezone.utc)
     load_average = os.getloadavg()
     warn_if_busy(load_average[0])
-    model, notes = asyncio.run(resolve_model(args))
+    model, notes = asyncio.run(resolve_model(target_from_args(args), args.model))
     log(f"target {args.base_url}, model {model}")
     results, wall_s = asyncio.run(send_all(args, model, requests, arrivals))
     return build_report(args, model, requests, results, wall_s, started, load_average, notes)
@@ -138,14 +246,14 @@ def arrival_times(n: int, request_rate: float, seed: int) -> list[float]:
     return [0.0, *np.cumsum(gaps[:-1]).tolist()]
 
 
-def make_client(args: argparse.Namespace) -> Any:
+def make_client(target: Target) -> Any:
     """A plain HTTP client (httpx, which the openai package is built on) that reads the SSE stream
     itself: the openai client's per-chunk object building costs more CPU than the server's side of a
     stream, which on a 2-core machine is taken from the engine under test."""
     import httpx2 as httpx
 
-    return httpx.AsyncClient(base_url=args.base_url.rstrip("/") + "/", timeout=args.timeout,
-                             headers={"Authorization": f"Bearer {args.api_key}"},
+    return httpx.AsyncClient(base_url=target.base_url.rstrip("/") + "/", timeout=target.timeout,
+                             headers={"Authorization": f"Bearer {target.api_key}"},
                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
 
 
@@ -155,14 +263,14 @@ class ServerError(RuntimeError):
         self.status_code = status_code
 
 
-async def resolve_model(args: argparse.Namespace) -> tuple[str, list[str]]:
-    """--model, else the first id from GET /models; if that fails the run still goes on (its
+async def resolve_model(target: Target, model: str | None = None) -> tuple[str, list[str]]:
+    """`model`, else the first id from GET /models; if that fails the run still goes on (its
     requests will fail and be counted), under a placeholder name."""
-    if args.model:
-        return args.model, []
+    if model:
+        return model, []
     try:
-        async with make_client(args) as client:
-            response = await asyncio.wait_for(client.get("models"), timeout=min(args.timeout, 30.0))
+        async with make_client(target) as client:
+            response = await asyncio.wait_for(client.get("models"), timeout=min(target.timeout, 30.0))
             if response.status_code != 200:
                 raise ServerError(response.status_code, response.text)
             ids = [m["id"] for m in response.json().get("data", [])]
@@ -205,10 +313,31 @@ def describe_error(e: BaseException) -> str:
     return f"{type(e).__name__} ({status}): {text}" if status else f"{type(e).__name__}: {text}"
 
 
+@dataclass(frozen=True)
+class Target:
+    """Where and how to send: the server and what every request body carries."""
+    base_url: str
+    api_key: str = "unused"
+    timeout: float = DEFAULT_TIMEOUT_S
+    stream: bool = True                     # False: one JSON response per request (no TTFT/ITL)
+    extra_body: dict[str, Any] = field(default_factory=dict)   # e.g. llama.cpp's cache_prompt
+
+
+def target_from_args(args: argparse.Namespace) -> Target:
+    return Target(args.base_url, args.api_key, args.timeout, extra_body=dict(getattr(args, "extra_body", None) or {}))
+
+
 async def send_all(args: argparse.Namespace, model: str, requests: list[BenchRequest],
                    arrivals: list[float]) -> tuple[list[RequestResult], float]:
-    limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    async with make_client(args) as client:
+    return await send_requests(target_from_args(args), model, requests, arrivals, args.max_concurrency)
+
+
+async def send_requests(target: Target, model: str, requests: list[BenchRequest], arrivals: list[float],
+                        max_concurrency: int | None = None) -> tuple[list[RequestResult], float]:
+    """Send each request at its arrival offset (s); every request's result and the run's wall time
+    (first send to last finish)."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    async with make_client(target) as client:
         start = time.perf_counter()
 
         async def one(request: BenchRequest, at: float) -> RequestResult:
@@ -216,22 +345,23 @@ async def send_all(args: argparse.Namespace, model: str, requests: list[BenchReq
             if delay > 0:
                 await asyncio.sleep(delay)
             if limit is None:
-                return await timed_request(client, model, request, args.timeout, start)
+                return await timed_request(client, target, model, request, start)
             async with limit:
-                return await timed_request(client, model, request, args.timeout, start)
+                return await timed_request(client, target, model, request, start)
 
         results = await asyncio.gather(*(one(r, at) for r, at in zip(requests, arrivals)))
         wall_s = time.perf_counter() - start
     return list(results), wall_s
 
 
-async def timed_request(client: Any, model: str, request: BenchRequest, timeout: float,
+async def timed_request(client: Any, target: Target, model: str, request: BenchRequest,
                         run_start: float) -> RequestResult:
     result = RequestResult(request.input_len, request.output_len)
     sent = time.perf_counter()
     result.send_offset_s = sent - run_start
+    send = stream_one if target.stream else complete_one
     try:
-        await asyncio.wait_for(stream_one(client, model, request, sent, result), timeout=timeout)
+        await asyncio.wait_for(send(client, target, model, request, sent, result), timeout=target.timeout)
         result.e2e_s = time.perf_counter() - sent
         result.ok = True
     except Exception as e:  # noqa: BLE001 — every failure is counted, none stops the run
@@ -240,13 +370,31 @@ async def timed_request(client: Any, model: str, request: BenchRequest, timeout:
     return result
 
 
-async def stream_one(client: Any, model: str, request: BenchRequest, sent: float,
-                     result: RequestResult) -> None:
+def request_body(target: Target, model: str, request: BenchRequest) -> dict[str, Any]:
     body = {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "temperature": 0.0, "ignore_eos": True, "stream": target.stream, **target.extra_body}
+    if target.stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def complete_one(client: Any, target: Target, model: str, request: BenchRequest, sent: float,
+                       result: RequestResult) -> None:
+    response = await client.post("completions", json=request_body(target, model, request))
+    if response.status_code != 200:
+        raise ServerError(response.status_code, response.text)
+    usage = response.json().get("usage") or {}
+    if usage.get("completion_tokens") is None:
+        raise RuntimeError("the response has no usage.completion_tokens")
+    result.output_tokens = int(usage["completion_tokens"])
+    result.usage_reported = True
+
+
+async def stream_one(client: Any, target: Target, model: str, request: BenchRequest, sent: float,
+                     result: RequestResult) -> None:
     last = None
     chunks = 0
-    async with client.stream("POST", "completions", json=body) as response:
+    async with client.stream("POST", "completions", json=request_body(target, model, request)) as response:
         if response.status_code != 200:
             raise ServerError(response.status_code, (await response.aread()).decode(errors="replace"))
         async for line in response.aiter_lines():

@@ -1,4 +1,19 @@
-"""`kestrel bench throughput`: workload W1 (offline throughput), optionally against a peer.
+"""`kestrel bench throughput`: workloads W1 (offline throughput) and W4 (shared prefix), against peers.
+
+W4 (`--workload W4`): 64 requests sharing a 512-token prefix, each with 32 tokens of its own and 32
+output tokens. Kestrel runs it twice, prefix caching on and off, and reports wall time and mean TTFT
+(first token time minus arrival, from each request's metrics) for both.
+
+Peers `llama-server[:bf16|:f32|:q4_1]` (kestrel/bench/launch.py): llama.cpp's server on the same
+weights written in that precision (bf16 by default, the pair to Kestrel's bf16), or its native Q4_1
+file. Every request is sent at once through the same OpenAI-compatible client as `kestrel bench
+serve` (kestrel/bench/serve.py): W1 non-streaming with `cache_prompt: false`; W4 streaming (for
+TTFT) with `cache_prompt: true`. Its peak memory is its process's, sampled.
+
+The machine's limits (kestrel/bench/roofline.py) are measured in the same run, before the engines:
+bf16 and fp32 matmul GFLOP/s at the model's layer shapes and the copy rate; Kestrel's achieved
+GFLOP/s on the workload (prompt tokens x 2 x non-embedding parameters + output tokens x 2 x all
+parameters) is reported as a fraction of the bf16 rate.
 
 Kestrel: every request is submitted at once through `LLM.generate` (prompt token ids, greedy,
 ignore_eos, max_tokens = the request's output length). Only `generate` is timed, after one short
@@ -33,9 +48,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kestrel.bench.workloads import (W1_INPUT_LEN_RANGE, W1_NUM_REQUESTS, W1_OUTPUT_LEN_RANGE, W1_SEED,
-                                     BenchRequest, is_standard_w1, random_requests, w1_offline_throughput)
+                                     BenchRequest, is_standard_w1, random_requests, w1_offline_throughput,
+                                     W4_PREFIX_LEN, W4_UNIQUE_LEN, w4_shared_prefix)
 
-PEERS = ("transformers",)
+PEERS = ("transformers", "llama-server", "llama-server:bf16", "llama-server:f32", "llama-server:q4_1")
+WORKLOADS = ("W1", "W4")
 DEFAULT_RUNS = 3
 DEFAULT_PEER_BATCH_SIZE = 16
 RSS_SAMPLE_INTERVAL_S = 0.01
@@ -56,7 +73,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         f"(default: {W1_OUTPUT_LEN_RANGE[0]} {W1_OUTPUT_LEN_RANGE[1]})")
     parser.add_argument("--runs", type=int, default=DEFAULT_RUNS,
                         help=f"timed runs per engine; the median is reported (default: {DEFAULT_RUNS})")
-    parser.add_argument("--peer", choices=PEERS, help="also run this peer on the same weights and dtype")
+    parser.add_argument("--workload", choices=WORKLOADS, default="W1",
+                        help="W1 (offline throughput) or W4 (shared prefix, caching on vs off) (default: W1)")
+    parser.add_argument("--peer", action="append", choices=PEERS, default=[],
+                        help="also run this peer (repeatable): transformers on the same weights and dtype; "
+                             "llama-server on the weights written as bf16 (default), f32, or its native q4_1 file")
+    parser.add_argument("--no-roofline", dest="roofline", action="store_false",
+                        help="skip measuring the machine's matmul and copy rates")
     parser.add_argument("--peer-batch-size", type=int, default=DEFAULT_PEER_BATCH_SIZE,
                         help=f"requests per transformers generate call (default: {DEFAULT_PEER_BATCH_SIZE})")
     parser.add_argument("--num-threads", type=int, help="torch threads for Kestrel and the peer alike "
@@ -69,25 +92,46 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     """Run the benchmark the parsed command line describes; print the report; 0 on success."""
     check_options(args)
-    requests = w1_offline_throughput(args.num_prompts, tuple(args.input_len_range),
-                                     tuple(args.output_len_range))
-    log(f"workload: {len(requests)} requests, {sum(r.input_len for r in requests)} prompt tokens, "
+    if args.workload == "W4":
+        requests = w4_shared_prefix()
+    else:
+        requests = w1_offline_throughput(args.num_prompts, tuple(args.input_len_range),
+                                         tuple(args.output_len_range))
+    log(f"workload {args.workload}: {len(requests)} requests, {sum(r.input_len for r in requests)} prompt tokens, "
         f"{sum(r.output_len for r in requests)} output tokens")
     started = datetime.now(timezone.utc)
     load_average = os.getloadavg()
     warn_if_busy(load_average[0])
     if args.num_threads:
         set_torch_threads(args.num_threads)
-    kestrel, engine_info = run_kestrel(requests, engine_kwargs, args.runs)
-    peer = None
-    if args.peer == "transformers":
-        peer = run_transformers_peer_in_child(PeerJob(
-            model_path=engine_info["model_path"], gguf_file=engine_info["gguf_file"],
-            dtype=engine_info["dtype"], device=engine_info["device"], requests=requests,
-            batch_size=args.peer_batch_size, runs=args.runs, num_threads=args.num_threads))
-    report = build_report(args, requests, kestrel, peer, engine_info, started, load_average)
+    limits = None
+    if args.roofline:
+        limits = measure_machine_limits(engine_kwargs)
+    results, engine_info = run_kestrel(requests, engine_kwargs, args.runs, args.workload)
+    for peer in args.peer:
+        if peer == "transformers":
+            results.append(run_transformers_peer_in_child(PeerJob(
+                model_path=engine_info["model_path"], gguf_file=engine_info["gguf_file"],
+                dtype=engine_info["dtype"], device=engine_info["device"], requests=requests,
+                batch_size=args.peer_batch_size, runs=args.runs, num_threads=args.num_threads)))
+        else:
+            results.append(run_server_peer(peer, requests, args.runs, args.workload, engine_kwargs.get("model")))
+    report = build_report(args, requests, results, engine_info, started, load_average, limits)
     write_report(report, format_summary(report), format_markdown(report), args.output_json, args.append_md)
     return 0
+
+
+def measure_machine_limits(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    from kestrel.bench.roofline import layer_shapes, measure_limits, model_param_counts
+    from kestrel.model.loader import load_config, resolve_model
+    hf_config = load_config(resolve_model(engine_kwargs.get("model")))
+    log("measuring the machine's matmul and copy rates")
+    limits = measure_limits(layer_shapes(hf_config)).to_dict()
+    params = model_param_counts(hf_config)
+    limits.update(non_embedding_params=params.non_embedding, output_head_params=params.output_head)
+    log(f"bf16 matmul {limits['bf16_gflops']:.0f} GFLOP/s, fp32 {limits['fp32_gflops']:.0f} GFLOP/s, "
+        f"copy {limits['copy_gb_s']:.1f} GB/s")
+    return limits
 
 
 def write_report(report: dict, summary: str, markdown: str, output_json: str | None,
@@ -144,6 +188,11 @@ class EngineResult:
     torch_threads: int
     peak_gpu_memory_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
+    run_mean_ttft_s: list[float] = field(default_factory=list)   # per run; W4 (and streamed peers)
+
+    @property
+    def mean_ttft_s(self) -> float | None:
+        return statistics.median(self.run_mean_ttft_s) if self.run_mean_ttft_s else None
 
     @property
     def wall_s(self) -> float:
@@ -159,7 +208,7 @@ class EngineResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "wall_s": self.wall_s, "output_tok_s": self.output_tok_s,
-                "total_tok_s": self.total_tok_s}
+                "total_tok_s": self.total_tok_s, "mean_ttft_s": self.mean_ttft_s}
 
 
 # ---- memory -------------------------------------------------------------------------------------
@@ -218,13 +267,28 @@ def peak_gpu_memory_bytes(device: str) -> int | None:
 
 # ---- Kestrel ------------------------------------------------------------------------------------
 
-def run_kestrel(requests: list[BenchRequest], engine_kwargs: dict[str, Any],
-                runs: int) -> tuple[EngineResult, dict[str, Any]]:
-    """Load Kestrel, warm up, time `runs` generate calls of the whole workload."""
+def run_kestrel(requests: list[BenchRequest], engine_kwargs: dict[str, Any], runs: int,
+                workload: str = "W1") -> tuple[list[EngineResult], dict[str, Any]]:
+    """Load Kestrel, warm up, time `runs` generate calls of the whole workload; for W4, again with
+    prefix caching off (a second engine)."""
+    if workload != "W4":
+        result, info = _run_kestrel_once(requests, engine_kwargs, runs, "kestrel")
+        return [result], info
+    on, info = _run_kestrel_once(requests, {**engine_kwargs, "enable_prefix_caching": True}, runs,
+                                 "kestrel, prefix caching on")
+    off, _ = _run_kestrel_once(requests, {**engine_kwargs, "enable_prefix_caching": False}, runs,
+                               "kestrel, prefix caching off")
+    return [on, off], info
+
+
+def _run_kestrel_once(requests: list[BenchRequest], engine_kwargs: dict[str, Any], runs: int,
+                      name: str) -> tuple[EngineResult, dict[str, Any]]:
+    import gc
+
     import torch
 
     from kestrel.entrypoints.llm import LLM
-    log("kestrel: loading")
+    log(f"{name}: loading")
     start = time.perf_counter()
     llm, load_peak = call_sampling_peak_rss(lambda: LLM(**engine_kwargs))
     load_s = time.perf_counter() - start
@@ -233,24 +297,71 @@ def run_kestrel(requests: list[BenchRequest], engine_kwargs: dict[str, Any],
     warm_up_kestrel(llm)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = greedy_params(requests)
-    walls, notes = [], []
+    walls, ttfts, notes = [], [], []
     for i in range(runs):
         llm.llm_engine.engine_core.reset_prefix_cache()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         walls.append(time.perf_counter() - start)
+        ttfts.append(statistics.mean(o.metrics.first_token_time - o.metrics.arrival_time for o in outputs))
         produced = sum(len(o.outputs[0].token_ids) for o in outputs)
-        log(f"kestrel run {i + 1}/{runs}: {walls[-1]:.2f} s, {produced / walls[-1]:.1f} output tok/s")
+        log(f"{name} run {i + 1}/{runs}: {walls[-1]:.2f} s, {produced / walls[-1]:.1f} output tok/s, "
+            f"mean TTFT {ttfts[-1] * 1e3:.0f} ms")
         expected = sum(r.output_len for r in requests)
         if produced != expected:
             notes.append(f"run {i + 1} produced {produced} output tokens, expected {expected}")
     result = EngineResult(
-        name="kestrel", run_wall_s=walls, input_tokens=sum(r.input_len for r in requests),
+        name=name, run_wall_s=walls, input_tokens=sum(r.input_len for r in requests),
         output_tokens=sum(r.output_len for r in requests), generated_tokens=sum(r.output_len for r in requests),
         load_s=load_s, peak_rss_bytes=max(load_peak, peak_rss_bytes()), rss_after_load_bytes=rss_after_load,
         torch_threads=torch.get_num_threads(), peak_gpu_memory_bytes=peak_gpu_memory_bytes(engine_info["device"]),
-        notes=notes)
+        notes=notes, run_mean_ttft_s=ttfts)
+    del llm
+    gc.collect()
     return result, engine_info
+
+
+def run_server_peer(spec: str, requests: list[BenchRequest], runs: int, workload: str,
+                    model: str | None) -> EngineResult:
+    """A server peer (llama-server) on the whole workload at once, through the benchmark client."""
+    import asyncio
+
+    from kestrel.bench.launch import launch_server
+    from kestrel.bench.peers import RssSampler
+    from kestrel.bench.serve import Target, resolve_model, send_requests
+    ctx = max(r.input_len + r.output_len for r in requests) + 16
+    server = launch_server(spec, parallel=len(requests), ctx_per_slot=ctx, model=model)
+    log(f"{server.label}: starting")
+    start = time.perf_counter()
+    with server, RssSampler(server.pid) as rss:
+        load_s = time.perf_counter() - start
+        rss_after_load = rss.sample()
+        w4 = workload == "W4"
+        target = Target(server.base_url, stream=w4, extra_body={"cache_prompt": w4})
+        name, _ = asyncio.run(resolve_model(target))
+        warm = random_requests(2, (16, 32), (4, 4), seed=W1_SEED + 1)
+        asyncio.run(send_requests(target, name, warm, [0.0] * len(warm)))
+        walls, ttfts, notes = [], [], []
+        for i in range(runs):
+            results, wall = asyncio.run(send_requests(target, name, requests, [0.0] * len(requests)))
+            failed = [r.error for r in results if not r.ok]
+            if failed:
+                raise RuntimeError(f"{server.label}: {len(failed)} request(s) failed, e.g. {failed[0]}")
+            produced = sum(r.output_tokens for r in results)
+            walls.append(wall)
+            if w4:
+                ttfts.append(statistics.mean(r.ttft_s for r in results))
+            log(f"{server.label} run {i + 1}/{runs}: {wall:.2f} s, {produced / wall:.1f} output tok/s")
+            expected = sum(r.output_len for r in requests)
+            if produced != expected:
+                notes.append(f"run {i + 1} produced {produced} output tokens, expected {expected}")
+        peak = rss.peak
+    notes.insert(0, server.label)
+    return EngineResult(
+        name=spec if ":" in spec else f"{spec}:bf16", run_wall_s=walls, input_tokens=sum(r.input_len for r in requests),
+        output_tokens=sum(r.output_len for r in requests), generated_tokens=sum(r.output_len for r in requests),
+        load_s=load_s, peak_rss_bytes=peak, rss_after_load_bytes=rss_after_load,
+        torch_threads=getattr(server, "threads", 0), notes=notes, run_mean_ttft_s=ttfts)
 
 
 def greedy_params(requests: list[BenchRequest]) -> list[Any]:
@@ -408,15 +519,30 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def build_report(args: argparse.Namespace, requests: list[BenchRequest], kestrel: EngineResult,
-                 peer: EngineResult | None, engine_info: dict[str, Any], started: datetime,
-                 load_average: tuple[float, float, float]) -> dict[str, Any]:
-    standard = is_standard_w1(len(requests), tuple(args.input_len_range), tuple(args.output_len_range))
-    report = {
+def build_report(args: argparse.Namespace, requests: list[BenchRequest], results: list[EngineResult],
+                 engine_info: dict[str, Any], started: datetime, load_average: tuple[float, float, float],
+                 limits: dict[str, Any] | None = None) -> dict[str, Any]:
+    if args.workload == "W4":
+        workload_id = "W4"
+        shape = {"prefix_len": W4_PREFIX_LEN, "unique_len": W4_UNIQUE_LEN}
+    else:
+        standard = is_standard_w1(len(requests), tuple(args.input_len_range), tuple(args.output_len_range))
+        workload_id = "W1" if standard else "W1 (reduced)"
+        shape = {"input_len_range": list(args.input_len_range), "output_len_range": list(args.output_len_range)}
+    kestrel = results[0]
+    roofline = None
+    if limits is not None:
+        from kestrel.bench.roofline import ParamCounts, workload_flops
+        params = ParamCounts(limits["non_embedding_params"], limits["output_head_params"])
+        flops = workload_flops(kestrel.input_tokens, kestrel.output_tokens, params)
+        achieved = flops / kestrel.wall_s / 1e9
+        roofline = {**limits, "workload_flops": flops, "kestrel_gflops": achieved,
+                    "fraction_of_bf16": achieved / limits["bf16_gflops"],
+                    "limit_wall_s": flops / (limits["bf16_gflops"] * 1e9)}
+    return {
         "benchmark": "throughput",
         "workload": {
-            "id": "W1" if standard else "W1 (reduced)", "num_requests": len(requests),
-            "input_len_range": list(args.input_len_range), "output_len_range": list(args.output_len_range),
+            "id": workload_id, "num_requests": len(requests), **shape,
             "seed": W1_SEED, "input_tokens": kestrel.input_tokens, "output_tokens": kestrel.output_tokens,
             "sampling": "greedy, ignore_eos, max_tokens = output length", "runs": args.runs,
         },
@@ -426,31 +552,49 @@ def build_report(args: argparse.Namespace, requests: list[BenchRequest], kestrel
         "load_average_at_end": list(os.getloadavg()),
         "machine": machine_info(),
         "engine": engine_info,
-        "kestrel": kestrel.to_dict(),
-        "peer": peer.to_dict() if peer else None,
-        "ratio_output_tok_s": kestrel.output_tok_s / peer.output_tok_s if peer else None,
+        "results": [r.to_dict() for r in results],
+        "ratios_output_tok_s": {r.name: kestrel.output_tok_s / r.output_tok_s for r in results[1:]},
+        "roofline": roofline,
     }
-    return report
 
 
 def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / (1 << 30):.2f} GiB"
+    return "-" if not n else f"{n / (1 << 30):.2f} GiB"
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.0f}"
 
 
 def _rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = []
-    for side in (report["kestrel"], report["peer"]):
-        if side:
-            rows.append((side["name"], f"{side['wall_s']:.2f}", f"{side['output_tok_s']:.1f}",
-                         f"{side['total_tok_s']:.1f}", _gib(side["peak_rss_bytes"])))
-    if report["peer"]:
-        k, p = report["kestrel"], report["peer"]
-        rows.append(("kestrel / peer", f"{k['wall_s'] / p['wall_s']:.2f}", f"{report['ratio_output_tok_s']:.2f}",
-                     f"{k['total_tok_s'] / p['total_tok_s']:.2f}", f"{k['peak_rss_bytes'] / p['peak_rss_bytes']:.2f}"))
+    results = report["results"]
+    rows = [(r["name"], f"{r['wall_s']:.2f}", f"{r['output_tok_s']:.1f}", f"{r['total_tok_s']:.1f}",
+             _ms(r["mean_ttft_s"]), _gib(r["peak_rss_bytes"])) for r in results]
+    k = results[0]
+    for p in results[1:]:
+        ttft = (f"{k['mean_ttft_s'] / p['mean_ttft_s']:.2f}" if k["mean_ttft_s"] and p["mean_ttft_s"] else "-")
+        mem = f"{k['peak_rss_bytes'] / p['peak_rss_bytes']:.2f}" if p["peak_rss_bytes"] else "-"
+        rows.append((f"{k['name']} / {p['name']}", f"{k['wall_s'] / p['wall_s']:.2f}",
+                     f"{k['output_tok_s'] / p['output_tok_s']:.2f}", f"{k['total_tok_s'] / p['total_tok_s']:.2f}",
+                     ttft, mem))
     return rows
 
 
-HEADER = ("engine", "wall s", "output tok/s", "total tok/s", "peak RSS")
+HEADER = ("engine", "wall s", "output tok/s", "total tok/s", "mean TTFT ms", "peak RSS")
+
+
+def _roofline_line(report: dict[str, Any]) -> str | None:
+    r = report["roofline"]
+    if not r:
+        return None
+    return (f"Machine limits measured in this run ({r['threads']} threads): bf16 matmul {r['bf16_gflops']:.0f} "
+            f"GFLOP/s, fp32 {r['fp32_gflops']:.0f} GFLOP/s (FLOP-weighted over the layer shapes "
+            f"{', '.join(f'{o}x{i}' for o, i in r['shapes'])} at 1024 rows), copy {r['copy_gb_s']:.1f} GB/s. "
+            f"Workload FLOPs {r['workload_flops'] / 1e12:.2f} T (non-embedding params "
+            f"{r['non_embedding_params'] / 1e6:.1f} M, output head {r['output_head_params'] / 1e6:.1f} M): "
+            f"{report['results'][0]['name']} reaches {r['kestrel_gflops']:.0f} GFLOP/s = "
+            f"**{100 * r['fraction_of_bf16']:.0f}% of the bf16 roofline** (the limit would run it in "
+            f"{r['limit_wall_s']:.1f} s)")
 
 
 def format_summary(report: dict[str, Any]) -> str:
@@ -465,10 +609,22 @@ def format_summary(report: dict[str, Any]) -> str:
         f"model {e['model']} ({e['format']}), {e['dtype']} on {e['device']}; "
         f"{m['cpu_model']}, {m['usable_cpus']} cpus, bf16 flags: {' '.join(m['bf16_flags']) or 'none'}",
     ]
-    for side in (report["kestrel"], report["peer"]):
-        for note in (side or {}).get("notes", []):
+    if (line := _roofline_line(report)) is not None:
+        lines.append(line.replace("**", ""))
+    for side in report["results"]:
+        for note in side.get("notes", []):
             lines.append(f"note ({side['name']}): {note}")
     return "\n".join(lines)
+
+
+def _workload_line(w: dict[str, Any]) -> str:
+    if w["id"] == "W4":
+        return (f"{w['num_requests']} requests sharing a {w['prefix_len']}-token prefix, each with "
+                f"{w['unique_len']} tokens of its own ({w['input_tokens']} prompt tokens), "
+                f"{w['output_tokens']} output tokens in all, {w['sampling']}; median of {w['runs']} run(s)")
+    return (f"{w['num_requests']} requests, input {w['input_len_range'][0]}..{w['input_len_range'][1]} "
+            f"({w['input_tokens']} tokens), output {w['output_len_range'][0]}..{w['output_len_range'][1]} "
+            f"({w['output_tokens']} tokens), seed {w['seed']}, {w['sampling']}; median of {w['runs']} run(s)")
 
 
 def format_markdown(report: dict[str, Any]) -> str:
@@ -476,28 +632,30 @@ def format_markdown(report: dict[str, Any]) -> str:
     table = [f"| {' | '.join(HEADER)} |", "|" + "---|" * len(HEADER)]
     table += [f"| {' | '.join(row)} |" for row in _rows(report)]
     runs = "; ".join(f"{side['name']}: {', '.join(f'{t:.2f}' for t in side['run_wall_s'])} s"
-                     for side in (report["kestrel"], report["peer"]) if side)
+                     for side in report["results"])
+    title = "offline throughput" if w["id"].startswith("W1") else "shared prefix"
     lines = [
-        "", f"## {w['id']} offline throughput — {report['date']}", "",
+        "", f"## {w['id']} {title} — {report['date']}", "",
         f"- Command: `{report['command']}`",
         f"- Machine: {m['cpu_model']}, {m['usable_cpus']} usable cpus, bf16 flags: "
         f"{' '.join(m['bf16_flags']) or 'none'} (torch capability {m['torch_cpu_capability']}); "
         f"torch {m['torch']}, transformers {m['transformers']}; load average at start "
         f"{', '.join(f'{x:.2f}' for x in report['load_average_at_start'])}, at end "
-        f"{', '.join(f'{x:.2f}' for x in report['load_average_at_end'])}; torch threads: "
-        f"{' / '.join(str(side['torch_threads']) for side in (report['kestrel'], report['peer']) if side)}",
+        f"{', '.join(f'{x:.2f}' for x in report['load_average_at_end'])}; threads: "
+        + ", ".join(f"{side['name']} {side['torch_threads']}" for side in report["results"]),
         f"- Model: {e['model']}, {e['format']}, {e['dtype']} on {e['device']}",
-        f"- Workload: {w['num_requests']} requests, input {w['input_len_range'][0]}..{w['input_len_range'][1]} "
-        f"({w['input_tokens']} tokens), output {w['output_len_range'][0]}..{w['output_len_range'][1]} "
-        f"({w['output_tokens']} tokens), seed {w['seed']}, {w['sampling']}; median of {w['runs']} run(s)",
+        f"- Workload: {_workload_line(w)}",
         f"- Kestrel: max_num_seqs {e['max_num_seqs']}, max_num_batched_tokens {e['max_num_batched_tokens']}, "
-        f"{e['num_kv_blocks']} KV blocks of {e['block_size']}, prefix caching "
-        f"{'on (emptied before each run)' if e['enable_prefix_caching'] else 'off'}, chunked prefill "
-        f"{'on' if e['enable_chunked_prefill'] else 'off'}",
+        f"{e['num_kv_blocks']} KV blocks of {e['block_size']}, prefix caching emptied before each run, "
+        f"chunked prefill {'on' if e['enable_chunked_prefill'] else 'off'}; in-process `LLM.generate`. "
+        "llama-server peers: every request at once through the benchmark's HTTP client "
+        "(W1: non-streaming, cache_prompt false; W4: streaming, cache_prompt true)",
         "", *table, "",
-        f"Run wall times: {runs}. Only generate is timed (after a short warm-up), not model load.",
+        f"Run wall times: {runs}. Only generation is timed (after a short warm-up), not model load.",
     ]
-    for side in (report["kestrel"], report["peer"]):
-        for note in (side or {}).get("notes", []):
+    if (line := _roofline_line(report)) is not None:
+        lines += ["", line + "."]
+    for side in report["results"]:
+        for note in side.get("notes", []):
             lines.append(f"Note ({side['name']}): {note}.")
     return "\n".join(lines) + "\n"

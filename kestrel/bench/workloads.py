@@ -68,3 +68,20 @@ def is_standard_w1(num_requests: int, input_len_range: tuple[int, int],
                    output_len_range: tuple[int, int]) -> bool:
     return (num_requests == W1_NUM_REQUESTS and tuple(input_len_range) == W1_INPUT_LEN_RANGE
             and tuple(output_len_range) == W1_OUTPUT_LEN_RANGE)
+
+
+# W4: shared prefix.
+W4_NUM_REQUESTS = 64
+W4_PREFIX_LEN = 512
+W4_UNIQUE_LEN = 32
+W4_OUTPUT_LEN = 32
+W4_SEED = 0
+
+
+def w4_shared_prefix(num_requests: int = W4_NUM_REQUESTS, prefix_len: int = W4_PREFIX_LEN,
+                     unique_len: int = W4_UNIQUE_LEN, output_len: int = W4_OUTPUT_LEN,
+                     seed: int = W4_SEED) -> list[BenchRequest]:
+    """W4: one random prefix shared by every request, then each request's own random tokens."""
+    rng = np.random.default_rng(seed)
+    prefix = random_token_ids(rng, prefix_len)
+    return [BenchRequest(prefix + random_token_ids(rng, unique_len), output_len) for _ in range(num_requests)]

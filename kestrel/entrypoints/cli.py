@@ -206,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                           "(workload W2)")
     bench_serve.add_cli_args(bench_serve_parser)
     bench_serve_parser.set_defaults(handler=bench_serve.main)
+    from kestrel.bench import latency as bench_latency
+    bench_latency_parser = benches.add_parser("latency", help="single-stream and 8-stream latency through the "
+                                                              "server, with peers (workload W3)")
+    bench_latency.add_cli_args(bench_latency_parser)
+    bench_latency_parser.set_defaults(handler=bench_latency.main)
     return parser
 
 

@@ -1,0 +1,161 @@
+"""`kestrel bench latency`: workload W3 (single-stream latency, then 8 concurrent streams).
+
+Every engine runs as a server and is driven through the same OpenAI-compatible client
+(kestrel/bench/serve.py), streaming: Kestrel as `kestrel serve` (started here, its own processes),
+and each `--peer` (llama.cpp's `llama-server`, see kestrel/bench/launch.py), one after another on
+the same cores. Per engine: one warm-up request, then for each concurrency C (default 1 and 8)
+`--runs` rounds of C requests sent at once, each of 128 random prompt tokens and 128 output tokens
+(greedy, ignore_eos). Round r at concurrency C uses seed 1000*C + r, so the rounds differ (no
+prefix-cache hits across rounds) and every engine gets the same prompts; llama.cpp is sent
+`cache_prompt: false`.
+
+Reported per engine and concurrency, as the median over rounds of each round's mean: TTFT, TPOT
+(time per output token after the first), and decode tok/s = C / TPOT; plus the engine's peak
+resident memory (its whole process tree) and the ratio of Kestrel's TPOT to each peer's (below 1:
+Kestrel is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import statistics
+from datetime import datetime, timezone
+from typing import Any
+
+from kestrel.bench.launch import PEER_SPECS, is_llama, launch_server
+from kestrel.bench.peers import RssSampler
+from kestrel.bench.serve import Target, resolve_model, send_requests
+from kestrel.bench.throughput import log, machine_info, warn_if_busy, write_report
+from kestrel.bench.workloads import random_requests
+
+W3_INPUT_LEN = 128
+W3_OUTPUT_LEN = 128
+W3_CONCURRENCY = (1, 8)
+DEFAULT_RUNS = 3
+TIMEOUT_S = 600.0
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input-len", type=int, default=W3_INPUT_LEN, help=f"prompt tokens (default: {W3_INPUT_LEN})")
+    parser.add_argument("--output-len", type=int, default=W3_OUTPUT_LEN,
+                        help=f"output tokens (default: {W3_OUTPUT_LEN})")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(W3_CONCURRENCY),
+                        help="concurrent streams, one setting after another (default: 1 8)")
+    parser.add_argument("--runs", type=int, default=DEFAULT_RUNS,
+                        help=f"rounds per concurrency; medians are reported (default: {DEFAULT_RUNS})")
+    parser.add_argument("--peer", action="append", choices=PEER_SPECS, default=[],
+                        help="also run this peer (repeatable)")
+    parser.add_argument("--model", help="model for every engine (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--kestrel-flags", default="", help="extra flags for `kestrel serve`, as one string")
+    parser.add_argument("--output-json", metavar="PATH", help="write the full report as JSON")
+    parser.add_argument("--append-md", metavar="PATH", help="append a section to this Markdown file")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.runs < 1 or args.input_len < 1 or args.output_len < 2 or min(args.concurrency) < 1:
+        raise ValueError("--runs, --input-len and --concurrency must be >= 1 and --output-len >= 2")
+    started = datetime.now(timezone.utc)
+    load_average = os.getloadavg()
+    warn_if_busy(load_average[0])
+    engines = [run_engine(spec, args) for spec in ["kestrel", *args.peer]]
+    report = {
+        "benchmark": "latency", "workload": {
+            "id": "W3" if (args.input_len, args.output_len) == (W3_INPUT_LEN, W3_OUTPUT_LEN) else "W3 (modified)",
+            "input_len": args.input_len, "output_len": args.output_len, "concurrency": args.concurrency,
+            "runs": args.runs, "sampling": "greedy, ignore_eos, streamed"},
+        "command": getattr(args, "command_line", "kestrel bench latency"),
+        "date": started.isoformat(timespec="seconds"),
+        "load_average_at_start": list(load_average), "load_average_at_end": list(os.getloadavg()),
+        "machine": machine_info(), "engines": engines,
+    }
+    write_report(report, format_summary(report), format_markdown(report), args.output_json, args.append_md)
+    return 0
+
+
+def run_engine(spec: str, args: argparse.Namespace) -> dict[str, Any]:
+    server = launch_server(spec, parallel=max(args.concurrency), ctx_per_slot=args.input_len + args.output_len + 16,
+                           kestrel_flags=shlex.split(args.kestrel_flags), model=args.model)
+    log(f"{spec}: starting")
+    with server, RssSampler(server.pid) as rss:
+        target = Target(server.base_url, timeout=TIMEOUT_S,
+                        extra_body={"cache_prompt": False} if is_llama(spec) else {})
+        model, _ = asyncio.run(resolve_model(target))
+        warm = random_requests(1, (args.input_len, args.input_len), (16, 16), seed=1)
+        asyncio.run(send_requests(target, model, warm, [0.0]))
+        settings = []
+        for c in args.concurrency:
+            rounds = []
+            for r in range(args.runs):
+                requests = random_requests(c, (args.input_len, args.input_len),
+                                           (args.output_len, args.output_len), seed=1000 * c + r)
+                results, _ = asyncio.run(send_requests(target, model, requests, [0.0] * c))
+                failed = [x.error for x in results if not x.ok]
+                if failed:
+                    raise RuntimeError(f"{spec}: {len(failed)} request(s) failed: {failed[0]}")
+                short = [x.output_tokens for x in results if x.output_tokens != args.output_len]
+                if short:
+                    raise RuntimeError(f"{spec}: produced {short[0]} tokens, expected {args.output_len}")
+                rounds.append({"ttft_s": statistics.mean(x.ttft_s for x in results),
+                               "tpot_s": statistics.mean(x.tpot_s for x in results)})
+                log(f"{spec}, {c} concurrent, round {r + 1}/{args.runs}: TTFT {rounds[-1]['ttft_s'] * 1e3:.1f} ms, "
+                    f"TPOT {rounds[-1]['tpot_s'] * 1e3:.2f} ms")
+            ttft = statistics.median(x["ttft_s"] for x in rounds)
+            tpot = statistics.median(x["tpot_s"] for x in rounds)
+            settings.append({"concurrency": c, "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3,
+                             "decode_tok_s": c / tpot, "rounds": rounds})
+        peak = rss.peak
+    label = spec if spec == "kestrel" or ":" in spec else f"{spec}:bf16"
+    return {"spec": spec, "label": label, "server": server.label, "peak_rss_bytes": peak, "settings": settings}
+
+
+def _rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = []
+    engines = report["engines"]
+    for e in engines:
+        for s in e["settings"]:
+            rows.append((e["label"], str(s["concurrency"]), f"{s['ttft_ms']:.1f}", f"{s['tpot_ms']:.2f}",
+                         f"{s['decode_tok_s']:.1f}", f"{e['peak_rss_bytes'] / (1 << 30):.2f} GiB"))
+    kestrel = engines[0]
+    for peer in engines[1:]:
+        for ks, ps in zip(kestrel["settings"], peer["settings"]):
+            rows.append((f"kestrel / {peer['label']}", str(ks["concurrency"]), f"{ks['ttft_ms'] / ps['ttft_ms']:.2f}",
+                         f"{ks['tpot_ms'] / ps['tpot_ms']:.2f}", f"{ks['decode_tok_s'] / ps['decode_tok_s']:.2f}",
+                         f"{kestrel['peak_rss_bytes'] / peer['peak_rss_bytes']:.2f}"))
+    return rows
+
+
+HEADER = ("engine", "concurrent", "TTFT ms", "TPOT ms", "decode tok/s", "peak RSS")
+
+
+def format_summary(report: dict[str, Any]) -> str:
+    rows = [HEADER, *_rows(report)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    w = report["workload"]
+    lines.append(f"workload {w['id']}: {w['input_len']} prompt + {w['output_len']} output tokens per request; "
+                 f"medians of {w['runs']} round(s)")
+    return "\n".join(lines)
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    w, m = report["workload"], report["machine"]
+    table = [f"| {' | '.join(HEADER)} |", "|" + "---|" * len(HEADER)]
+    table += [f"| {' | '.join(row)} |" for row in _rows(report)]
+    lines = [
+        "", f"## {w['id']} latency — {report['date']}", "",
+        f"- Command: `{report['command']}`",
+        f"- Machine: {m['cpu_model']}, {m['usable_cpus']} usable cpus, bf16 flags: "
+        f"{' '.join(m['bf16_flags']) or 'none'}; load average at start "
+        f"{', '.join(f'{x:.2f}' for x in report['load_average_at_start'])}, at end "
+        f"{', '.join(f'{x:.2f}' for x in report['load_average_at_end'])}",
+        f"- Workload: {w['input_len']} random prompt tokens, {w['output_len']} output tokens, {w['sampling']}; "
+        f"concurrency {', '.join(map(str, w['concurrency']))}; every engine is a server driven by the same "
+        f"client; medians of {w['runs']} rounds of per-round means",
+        "", *table, "",
+        "Ratio rows: Kestrel's figure over the peer's (TTFT and TPOT: below 1 is faster; decode tok/s: above 1).",
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,57 @@
+"""Servers the benchmarks start themselves, named by a spec string:
+
+    kestrel                 `kestrel serve` (its own processes), with the given engine flags
+    llama-server[:bf16]     llama.cpp's server on the model's weights written as bf16 (the pair to
+                            Kestrel's default bf16), also :f32, or :q4_1 for the native file
+
+All are driven through the same OpenAI-compatible client (kestrel/bench/serve.py). llama.cpp gets
+`-np` slots of `ctx_per_slot` tokens, `--cache-ram 0`, every usable CPU as threads; requests to it
+carry `cache_prompt` as the workload says (WORKLOADS.md).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from kestrel.bench.peers import KestrelServer, LlamaServer, gguf_in_precision
+
+SERVER_SPECS = ("kestrel", "llama-server", "llama-server:bf16", "llama-server:f32", "llama-server:q4_1")
+PEER_SPECS = SERVER_SPECS[1:]
+
+
+def check_spec(spec: str) -> str:
+    if spec not in SERVER_SPECS:
+        raise ValueError(f"unknown server {spec!r}; choose from {', '.join(SERVER_SPECS)}")
+    return spec
+
+
+def is_llama(spec: str) -> bool:
+    return spec.startswith("llama-server")
+
+
+def model_gguf(model: str | None) -> Path:
+    """The GGUF file llama.cpp gets: the default model's, or `model` when it is a GGUF file."""
+    from kestrel.model.loader import default_model_path
+    if model is None:
+        return default_model_path()
+    path = Path(model)
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ValueError(f"llama-server needs a GGUF file; {model!r} is not one")
+    return path
+
+
+def launch_server(spec: str, *, parallel: int, ctx_per_slot: int, kestrel_flags: Sequence[str] = (),
+                  model: str | None = None) -> KestrelServer | LlamaServer:
+    """A not-yet-started server (use it as a context manager)."""
+    check_spec(spec)
+    if spec == "kestrel":
+        return KestrelServer(list(kestrel_flags) + (["--model", model] if model else []))
+    precision = spec.partition(":")[2] or "bf16"
+    gguf = gguf_in_precision(model_gguf(model), precision)
+    # Repacked Q4_1 weights run ggml's AMX kernels, which die with SIGILL where the kernel does not
+    # grant AMX to the process (seen on these machines); plain Q4_1 kernels need no permission.
+    extra = ["--no-repack"] if precision == "q4_1" else []
+    return LlamaServer(gguf, parallel=parallel, ctx_per_slot=ctx_per_slot,
+                       threads=len(os.sched_getaffinity(0)), extra_args=extra)

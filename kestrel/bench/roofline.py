@@ -1,0 +1,136 @@
+"""The machine's limits, measured in the same run as a benchmark (see bench/WORKLOADS.md).
+
+    measure_limits(shapes)      -> MachineLimits: matmul GFLOP/s (bf16, fp32) at the model's layer
+                                   shapes, and the memory copy rate
+    model_param_counts(config)  -> ParamCounts: the parameters a token runs through
+    workload_flops(...)         -> the FLOPs W1 defines: prompt tokens x 2 x non-embedding params
+                                   + output tokens x 2 x all params (output head included)
+
+A workload's achieved GFLOP/s over the bf16 matmul rate is the fraction of the roofline it reaches;
+attention's own FLOPs are left out on purpose (WORKLOADS.md: "attention extra"), so the fraction is
+a little pessimistic for long contexts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+# Rows of the activations in one matmul: a prefill-sized batch, as in WORKLOADS.md's example.
+MATMUL_ROWS = 1024
+COPY_BYTES = 256 << 20
+REPEATS = 5
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    non_embedding: int   # the decoder layers and the final norm
+    output_head: int     # the vocabulary projection (counted even when tied to the embeddings)
+
+    @property
+    def per_output_token(self) -> int:
+        return self.non_embedding + self.output_head
+
+
+@dataclass(frozen=True)
+class MachineLimits:
+    bf16_gflops: float          # FLOP-weighted over the layer's matmul shapes
+    fp32_gflops: float
+    copy_gb_s: float            # bytes copied per second (each byte is read once and written once)
+    shapes: list[tuple[int, int]]  # (out_features, in_features) of the matmuls timed
+    per_shape_bf16_gflops: list[float]
+    threads: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def model_param_counts(hf_config: Any) -> ParamCounts:
+    """From a Hugging Face config of a Llama-family model (Llama, Mistral, Qwen3)."""
+    hidden = hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    inter = hf_config.intermediate_size
+    per_layer = (hidden * (heads + 2 * kv_heads) * head_dim   # q, k, v
+                 + heads * head_dim * hidden                   # o
+                 + 3 * hidden * inter                          # gate, up, down
+                 + 2 * hidden)                                 # the two norms
+    if getattr(hf_config, "model_type", "") == "qwen3":
+        per_layer += 2 * head_dim                              # q_norm, k_norm
+    non_embedding = hf_config.num_hidden_layers * per_layer + hidden
+    return ParamCounts(non_embedding=non_embedding, output_head=hf_config.vocab_size * hidden)
+
+
+def layer_shapes(hf_config: Any) -> list[tuple[int, int]]:
+    """(out_features, in_features) of one decoder layer's matmuls as Kestrel runs them (fused qkv
+    and gate_up)."""
+    hidden = hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    inter = hf_config.intermediate_size
+    return [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim),
+            (2 * inter, hidden), (hidden, inter)]
+
+
+def workload_flops(prompt_tokens: int, output_tokens: int, params: ParamCounts) -> float:
+    return 2.0 * (prompt_tokens * params.non_embedding + output_tokens * params.per_output_token)
+
+
+def _median_seconds(fn, repeats: int = REPEATS) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_gflops(shapes: list[tuple[int, int]], dtype: Any, rows: int = MATMUL_ROWS) -> list[float]:
+    """GFLOP/s of F.linear([rows, in] x [out, in]^T) per shape, each the median of a few calls of
+    enough back-to-back matmuls to last ~50 ms."""
+    import torch
+    import torch.nn.functional as F
+
+    rates = []
+    for out_f, in_f in shapes:
+        x = torch.randn(rows, in_f).to(dtype)
+        w = torch.randn(out_f, in_f).to(dtype)
+        flops = 2.0 * rows * in_f * out_f
+        once = _median_seconds(lambda: F.linear(x, w), repeats=3)
+        reps = max(1, int(0.05 / max(once, 1e-6)))
+
+        def many() -> None:
+            for _ in range(reps):
+                F.linear(x, w)
+
+        rates.append(flops * reps / _median_seconds(many) / 1e9)
+    return rates
+
+
+def copy_gb_s(nbytes: int = COPY_BYTES) -> float:
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return nbytes / _median_seconds(lambda: dst.copy_(src)) / 1e9
+
+
+def flop_weighted(rates: list[float], shapes: list[tuple[int, int]]) -> float:
+    """The rate of running every shape once: total FLOPs over total time."""
+    flops = [o * i for o, i in shapes]
+    return sum(flops) / sum(f / r for f, r in zip(flops, rates))
+
+
+def measure_limits(shapes: list[tuple[int, int]]) -> MachineLimits:
+    import torch
+
+    bf16 = matmul_gflops(shapes, torch.bfloat16)
+    fp32 = matmul_gflops(shapes, torch.float32)
+    return MachineLimits(bf16_gflops=flop_weighted(bf16, shapes), fp32_gflops=flop_weighted(fp32, shapes),
+                         copy_gb_s=copy_gb_s(), shapes=list(shapes), per_shape_bf16_gflops=bf16,
+                         threads=torch.get_num_threads())
