@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.ops import cpu_kernels
+from kestrel.ops import cpu_gemv, cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -33,6 +33,25 @@ def _kernel_for(x: torch.Tensor):
             and x.shape[-1] % 32 == 0 and x.is_contiguous()):
         return cpu_kernels()
     return None
+
+
+# Up to this many rows, a bf16 linear layer streams its weights through the small-batch kernel
+# (cpu_gemv.cpp); torch's GEMM wins above it. Four rows only for layers narrower than this (the
+# output head's many rows favour the GEMM from two rows up).
+SMALL_BATCH_ROWS = 4
+SMALL_BATCH_MAX_OUT_AT_4 = 8192
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the small-batch bf16 kernel where it is faster (decode at low concurrency)."""
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if (bias is None and 1 <= rows <= SMALL_BATCH_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and (rows <= 2 or weight.shape[0] <= SMALL_BATCH_MAX_OUT_AT_4)
+            and x.shape[1] % 32 == 0 and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
+        kernels = cpu_gemv()
+        if kernels is not None:
+            return kernels.linear_bf16_small(x, weight)
+    return F.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

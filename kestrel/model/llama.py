@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.model.attention import AttentionMetadata, KVCache, paged_attention
-from kestrel.model.layers import RMSNorm, RotaryEmbedding, add_rms_norm, apply_rotary, rms_norm, silu_and_mul
+from kestrel.model.layers import (RMSNorm, RotaryEmbedding, add_rms_norm, apply_rotary, linear, rms_norm,
+                                  silu_and_mul)
 
 
 class DecoderLayer(nn.Module):
@@ -55,17 +55,17 @@ class DecoderLayer(nn.Module):
     def _attention(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    cache: KVCache | None, meta: AttentionMetadata) -> torch.Tensor:
         n, heads = h.shape[0], self.num_heads
-        qkv = self.qkv_proj(h).view(n, heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = linear(h, self.qkv_proj.weight, self.qkv_proj.bias).view(n, heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv[:, :heads + self.num_kv_heads], qkv[:, heads + self.num_kv_heads:]
         if self.qk_norm:
             qk = torch.cat((rms_norm(qk[:, :heads], self.q_norm.weight, self.eps),
                             rms_norm(qk[:, heads:], self.k_norm.weight, self.eps)), dim=1)
         qk = apply_rotary(qk, *rope)  # q and k heads rotated in one pass
         out = paged_attention(qk[:, :heads], qk[:, heads:], v, cache, meta, self.scale)
-        return self.o_proj(out.view(n, self.q_size))
+        return linear(out.view(n, self.q_size), self.o_proj.weight)
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
+        return linear(silu_and_mul(linear(h, self.gate_up_proj.weight)), self.down_proj.weight)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -97,7 +97,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] for the rows of `hidden` that sample."""
-        return F.linear(self.norm(hidden), self.lm_head.weight).float()
+        return linear(self.norm(hidden), self.lm_head.weight).float()
 
     # ---- weights -----------------------------------------------------------------------------
 
