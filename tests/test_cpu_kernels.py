@@ -54,17 +54,78 @@ def test_paged_decode_attention_matches_sdpa(dtype, head_dim, group, kv_heads):
     torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=1e-4)
 
 
-def test_paged_decode_attention_reads_only_its_blocks():
-    q, k, v, table, seq_lens = _paged_case(torch.float32, 64, 3, 3, [20, 40])
-    before = kernels.paged_decode_attention(q, k, v, table, seq_lens, 16, 0.125)
+def _reference(q, k, v, table, seq_lens, block_size, scale):
+    span = table.shape[1] * block_size
+    visible = torch.arange(span)[None, :] < seq_lens[:, None]
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).view(len(seq_lens), 1, 1, span)
+    group_meta = DecodeGroup(0, len(seq_lens), table, seq_lens, mask)
+    return _decode_attention(q.float(), (k.float(), v.float()), group_meta, block_size, scale)
+
+
+@pytest.fixture
+def threads():
+    """Sets torch's thread count for one test, restoring it after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+# The bf16 cache takes AMX scores for a bf16 q with block_size % 16 == 0 (where the CPU has AMX),
+# AVX-512 scores otherwise (a float32 q, or other block sizes); each thread takes an equal share of
+# the blocks, cutting sequences (and a batch of one) across threads, whose partial results are merged.
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 32, 8])
+@pytest.mark.parametrize("head_dim, group, kv_heads", [(64, 3, 3), (64, 1, 2), (64, 5, 1), (128, 8, 1), (128, 2, 2)])
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_paged_decode_attention_bf16_paths(threads, q_dtype, block_size, head_dim, group, kv_heads, num_threads):
+    threads(num_threads)
+    lens = [1000, 1, 15, 16, 17, 63, 64, 65, 130, 2]  # chunk (64-row) and block edges, one token
+    q, k, v, table, seq_lens = _paged_case(torch.bfloat16, head_dim, group, kv_heads, lens, block_size, seed=1)
+    q = q.to(q_dtype)
+    scale = head_dim ** -0.5
+    out = kernels.paged_decode_attention(q, k, v, table, seq_lens, block_size, scale)
+    torch.testing.assert_close(out, _reference(q, k, v, table, seq_lens, block_size, scale),
+                               atol=TOL[torch.float32], rtol=1e-4)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_threads", [2, 3])
+@pytest.mark.parametrize("length", [1, 5, 16, 300, 4001])
+def test_paged_decode_attention_batch_of_one(threads, q_dtype, num_threads, length):
+    """The latency case: one sequence, its blocks split across threads."""
+    threads(num_threads)
+    q, k, v, table, seq_lens = _paged_case(torch.bfloat16, 64, 3, 3, [length], seed=length)
+    q = q.to(q_dtype)
+    out = kernels.paged_decode_attention(q, k, v, table, seq_lens, 16, 0.125)
+    torch.testing.assert_close(out, _reference(q, k, v, table, seq_lens, 16, 0.125),
+                               atol=TOL[torch.float32], rtol=1e-4)
+
+
+def test_paged_decode_attention_bf16_large_scores():
+    """Scores far from 0 and rising along the context (the running max moves many times)."""
+    q, k, v, table, seq_lens = _paged_case(torch.bfloat16, 64, 3, 3, [700, 33, 200])
+    ramp = torch.linspace(0, 6, k.shape[0])[:, None, None]
+    k = (k.float() * 3 + ramp).bfloat16()
+    q = (q.float() * 3).bfloat16()
+    out = kernels.paged_decode_attention(q, k, v, table, seq_lens, 16, 0.125)
+    torch.testing.assert_close(out, _reference(q, k, v, table, seq_lens, 16, 0.125),
+                               atol=TOL[torch.float32], rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_paged_decode_attention_reads_only_its_blocks(dtype, block_size):
+    q, k, v, table, seq_lens = _paged_case(dtype, 64, 3, 3, [20, 40, 3], block_size)
+    before = kernels.paged_decode_attention(q, k, v, table, seq_lens, block_size, 0.125)
     # Poison every slot the requests do not own (including positions past each length).
     owned = torch.zeros(k.shape[0], dtype=torch.bool)
     for i, L in enumerate(seq_lens.tolist()):
         for t in range(L):
-            owned[table[i, t // 16] * 16 + t % 16] = True
+            owned[table[i, t // block_size] * block_size + t % block_size] = True
     k[~owned] = float("nan")
     v[~owned] = float("nan")
-    after = kernels.paged_decode_attention(q, k, v, table, seq_lens, 16, 0.125)
+    after = kernels.paged_decode_attention(q, k, v, table, seq_lens, block_size, 0.125)
+    assert not after.isnan().any()
     torch.testing.assert_close(before, after)
 
 
