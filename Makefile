@@ -26,10 +26,10 @@ chat: install
 	$(VENV)/bin/kestrel chat
 
 test: install
-	$(PY) -m pytest -q
+	PYTHONUNBUFFERED=1 $(PY) -m pytest -q
 
 test-quick: install
-	$(PY) -m pytest -q -m "not slow"
+	PYTHONUNBUFFERED=1 $(PY) -m pytest -q -m "not slow"
 
 # Every workload against its peers (llama.cpp's server is built on first use, 10-15 minutes); run it
 # on an otherwise idle machine. About 40 minutes on 2 cores.

@@ -1,65 +1,115 @@
-"""Hand-written CPU kernels, compiled on first use with the machine's C++ compiler (cached by torch
-under TORCH_EXTENSIONS_DIR, ~40 s the first time).
+"""Hand-written CPU kernels, compiled on first use with the machine's C++ compiler (~40 s the first
+time), cached under ~/.cache/kestrel/kernels (KESTREL_KERNEL_CACHE overrides).
 
-Each has a pure-PyTorch reference in kestrel/model/attention.py that the tests compare it with,
-and that runs wherever the kernel cannot be built (no compiler, no AVX-512) or when
-KESTREL_DISABLE_CPU_KERNELS=1.
+Each has a pure-PyTorch reference that the tests compare it with, and that runs wherever the kernel
+cannot be built (no compiler, no AVX-512) or when KESTREL_DISABLE_CPU_KERNELS=1.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+# A first build takes ~40 s on 2 busy cores; a wait far past that means something is wrong.
+_BUILD_WAIT_S = float(os.environ.get("KESTREL_KERNEL_BUILD_WAIT_S", "900"))
 
-def _cpu_has_avx512() -> bool:
+
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            return " avx512f " in f.read()
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
-        return False
+        pass
+    return set()
+
+
+def _cpu_has_avx512() -> bool:
+    return "avx512f" in _cpu_flags()
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    return "avx512_bf16" in _cpu_flags()
+
+
+def _kernel_cache_root() -> Path:
+    root = os.environ.get("KESTREL_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "kestrel" / "kernels"
+
+
+def _build_key(source: Path) -> str:
+    """What the compiled module depends on: the source, the flags, torch, and (through
+    -march=native) the CPU. Each key gets its own build directory, so two checkouts or two versions
+    of a kernel never rebuild each other's output."""
+    import torch
+    digest = hashlib.sha256(source.read_bytes())
+    for part in (*_CFLAGS, *_LDFLAGS, torch.__version__, " ".join(sorted(_cpu_flags()))):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def _acquire(lock_file, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+
+
+def load_cpu_extension(source_name: str):
+    """Build (once per source version and machine) and import the kernel in ops/<source_name>.
+
+    Concurrent loaders (the engine core and a test process, say) serialise on an flock, which the
+    kernel releases if its holder dies; torch's own lock file, which a killed build leaves behind
+    and which would make every later load wait forever, is removed while the flock is held.
+    """
+    from torch.utils.cpp_extension import load
+
+    source = Path(__file__).with_name(source_name)
+    name = f"kestrel_{source.stem}_{_build_key(source)}"
+    build_dir = _kernel_cache_root() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "kestrel.flock", "w") as lock_file:
+        if not _acquire(lock_file, _BUILD_WAIT_S):
+            raise TimeoutError(f"another process has been building {build_dir} for over "
+                               f"{_BUILD_WAIT_S:.0f} s")
+        (build_dir / "lock").unlink(missing_ok=True)
+        return load(name=name, sources=[str(source)], build_directory=str(build_dir),
+                    extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
+
+
+def _load_or_none(source_name: str, what: str, usable: bool):
+    if os.environ.get("KESTREL_DISABLE_CPU_KERNELS") == "1" or not usable:
+        return None
+    try:
+        return load_cpu_extension(source_name)
+    except Exception as exc:  # no compiler or ninja, the build failed, or it never finished
+        logger.warning("%s unavailable, using the PyTorch path: %s", what, exc)
+        return None
 
 
 @functools.cache
 def cpu_kernels():
-    """The compiled extension module, or None when it is unavailable."""
-    if os.environ.get("KESTREL_DISABLE_CPU_KERNELS") == "1" or not _cpu_has_avx512():
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-        source = Path(__file__).with_name("cpu_kernels.cpp")
-        return load(name="kestrel_cpu_ops", sources=[str(source)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
-    except Exception as exc:  # no compiler or ninja, or the build failed
-        logger.warning("CPU attention kernel unavailable, using the PyTorch path: %s", exc)
-        return None
-
-
-def _cpu_has_avx512_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " avx512_bf16 " in f.read()
-    except OSError:
-        return False
+    """Paged attention and KV-write kernels (cpu_kernels.cpp), or None where unavailable."""
+    return _load_or_none("cpu_kernels.cpp", "CPU attention kernel", _cpu_has_avx512())
 
 
 @functools.cache
 def cpu_gemv():
-    """The small-batch bf16 linear kernel (cpu_gemv.cpp), or None where it is unavailable (no
+    """The small-batch bf16 linear kernel (cpu_gemv.cpp), or None where unavailable (no
     AVX512-BF16, no compiler, or KESTREL_DISABLE_CPU_KERNELS=1)."""
-    if os.environ.get("KESTREL_DISABLE_CPU_KERNELS") == "1" or not _cpu_has_avx512_bf16():
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-        source = Path(__file__).with_name("cpu_gemv.cpp")
-        return load(name="kestrel_cpu_gemv", sources=[str(source)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
-    except Exception as exc:  # no compiler or ninja, or the build failed
-        logger.warning("CPU small-batch linear kernel unavailable, using torch's linear: %s", exc)
-        return None
+    return _load_or_none("cpu_gemv.cpp", "CPU small-batch linear kernel", _cpu_has_avx512_bf16())

@@ -1,0 +1,51 @@
+"""The kernel loader survives what a killed build leaves behind and never waits forever."""
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kestrel.ops import _build_key, _cpu_has_avx512, _kernel_cache_root, cpu_kernels
+
+pytestmark = pytest.mark.skipif(not _cpu_has_avx512() or cpu_kernels() is None,
+                                reason="needs the compiled CPU kernels (AVX-512 and a compiler)")
+
+SOURCE = Path(__file__).parents[1] / "kestrel" / "ops" / "cpu_kernels.cpp"
+LOAD = ("import logging, sys; logging.basicConfig(); from kestrel.ops import cpu_kernels; "
+        "sys.exit(0 if cpu_kernels() is not None else 3)")
+
+
+def _build_dir() -> Path:
+    return _kernel_cache_root() / f"kestrel_cpu_kernels_{_build_key(SOURCE)}"
+
+
+def test_a_stale_torch_lock_from_a_killed_build_does_not_block_loading():
+    stale = _build_dir() / "lock"
+    stale.touch()
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", LOAD], timeout=120)
+    assert done.returncode == 0
+    assert time.monotonic() - start < 60
+    assert not stale.exists()
+
+
+def test_a_build_held_too_long_falls_back_with_a_warning():
+    with open(_build_dir() / "kestrel.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        env = dict(os.environ, KESTREL_KERNEL_BUILD_WAIT_S="1")
+        done = subprocess.run([sys.executable, "-c", LOAD], env=env, timeout=60,
+                              capture_output=True, text=True)
+    assert done.returncode == 3
+    assert "building" in done.stderr and "PyTorch path" in done.stderr
+
+
+def test_the_build_key_follows_the_source(tmp_path):
+    a, b = tmp_path / "a.cpp", tmp_path / "b.cpp"
+    a.write_text("int f() { return 1; }")
+    b.write_text("int f() { return 2; }")
+    assert _build_key(a) != _build_key(b)
+    assert _build_key(a) == _build_key(a)
