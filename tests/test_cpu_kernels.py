@@ -153,3 +153,31 @@ def test_silu_and_mul(dtype):
     gate, up = x.float().chunk(2, dim=-1)
     ref = F.silu(gate) * up
     torch.testing.assert_close(kernels.silu_and_mul(x).float(), ref, atol=TOL[dtype] * 4, rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, heads, kv_heads, head_dim", [(1, 9, 3, 64), (37, 4, 4, 128), (300, 8, 2, 64)])
+def test_rotary_write_kv_is_bit_exact_with_the_reference(dtype, tokens, heads, kv_heads, head_dim):
+    from kestrel.model.attention import write_kv
+    from kestrel.model.layers import RotaryEmbedding, apply_rotary
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=g).to(dtype)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, None, dtype)
+    cos, sin = rope.lookup(torch.randint(0, 4096, (tokens,), generator=g))
+    slots = torch.randperm(512, generator=g)[:tokens]
+    caches = [torch.zeros(512, kv_heads, head_dim, dtype=dtype) for _ in range(4)]
+
+    expected = qkv.clone()
+    expected[:, :heads + kv_heads] = apply_rotary(qkv[:, :heads + kv_heads], cos, sin)
+    write_kv((caches[0], caches[1]), expected[:, heads:heads + kv_heads], expected[:, heads + kv_heads:], slots)
+    kernels.rotary_write_kv(qkv, cos, sin, caches[2], caches[3], slots, heads)
+    assert torch.equal(qkv, expected)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
+def test_rotary_write_kv_rejects_a_slot_outside_the_cache():
+    qkv = torch.randn(2, 5, 64)
+    cache = torch.zeros(16, 2, 64)
+    cos = sin = torch.ones(2, 64)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernels.rotary_write_kv(qkv, cos, sin, cache, cache.clone(), torch.tensor([3, 16]), 1)

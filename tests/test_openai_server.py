@@ -419,12 +419,14 @@ def test_api_key(servers):
 def test_full_queue_answers_429(servers):
     _, keyed = servers
     auth = {"Authorization": f"Bearer {API_KEY}"}
-    body = {"model": KEYED_NAME, "prompt": "word " * 150, "max_tokens": 4, "temperature": 0}
+    body = {"model": KEYED_NAME, "prompt": "word " * 200, "max_tokens": 4, "temperature": 0}
 
     async def burst():
+        # Enough prefill work (32 x 200 tokens, over a second) that the burst outruns the engine
+        # however fast the machine is.
         async with httpx.AsyncClient(timeout=120) as c:
             return await asyncio.gather(*[c.post(f"{keyed.url}/v1/completions", json=body, headers=auth)
-                                          for _ in range(8)])
+                                          for _ in range(32)])
 
     responses = asyncio.run(burst())
     codes = sorted(r.status_code for r in responses)

@@ -72,12 +72,18 @@ def gather_kv(cache: KVCache, block_ids: torch.Tensor, block_size: int) -> tuple
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, kv_written: bool = False) -> torch.Tensor:
     """q [N, heads, head_dim], k and v [N, kv_heads, head_dim] of this step's tokens → [N, heads, head_dim].
+    k and v go to the cache first, unless `kv_written` says the caller has put them there.
 
     With `cache` None (the memory profile run) every chunk must start at position 0."""
-    if cache is not None:
+    if cache is not None and not kv_written:
         write_kv(cache, k, v, meta.slot_mapping)
+    if not meta.prefills and len(meta.decodes) == 1 and meta.decodes[0].mask is None:
+        # A decode-only step served by the kernel: its output is the whole result.
+        group = meta.decodes[0]
+        return meta.decode_kernel(q, cache[0], cache[1], group.block_table, group.seq_lens,
+                                  meta.block_size, scale).to(q.dtype)
     out = torch.empty_like(q)
     for group in meta.decodes:
         s, e = group.token_start, group.token_end

@@ -14,7 +14,7 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.model.attention import AttentionMetadata, KVCache, paged_attention
-from kestrel.model.layers import (RMSNorm, RotaryEmbedding, add_rms_norm, apply_rotary, linear, rms_norm,
+from kestrel.model.layers import (RMSNorm, RotaryEmbedding, add_rms_norm, linear, rms_norm, rotate_and_write_kv,
                                   silu_and_mul)
 
 
@@ -54,14 +54,16 @@ class DecoderLayer(nn.Module):
 
     def _attention(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    cache: KVCache | None, meta: AttentionMetadata) -> torch.Tensor:
-        n, heads = h.shape[0], self.num_heads
-        qkv = linear(h, self.qkv_proj.weight, self.qkv_proj.bias).view(n, heads + 2 * self.num_kv_heads, self.head_dim)
-        qk, v = qkv[:, :heads + self.num_kv_heads], qkv[:, heads + self.num_kv_heads:]
+        n, heads, kv_heads = h.shape[0], self.num_heads, self.num_kv_heads
+        qkv = linear(h, self.qkv_proj.weight, self.qkv_proj.bias).view(n, heads + 2 * kv_heads, self.head_dim)
         if self.qk_norm:
-            qk = torch.cat((rms_norm(qk[:, :heads], self.q_norm.weight, self.eps),
-                            rms_norm(qk[:, heads:], self.k_norm.weight, self.eps)), dim=1)
-        qk = apply_rotary(qk, *rope)  # q and k heads rotated in one pass
-        out = paged_attention(qk[:, :heads], qk[:, heads:], v, cache, meta, self.scale)
+            qkv = torch.cat((rms_norm(qkv[:, :heads], self.q_norm.weight, self.eps),
+                             rms_norm(qkv[:, heads:heads + kv_heads], self.k_norm.weight, self.eps),
+                             qkv[:, heads + kv_heads:]), dim=1)
+        # q and k heads rotated in one pass, k and v written to the cache in the same one where it can
+        kv_written = rotate_and_write_kv(qkv, heads, *rope, cache, meta.slot_mapping)
+        out = paged_attention(qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:],
+                              cache, meta, self.scale, kv_written=kv_written)
         return linear(out.view(n, self.q_size), self.o_proj.weight)
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:

@@ -904,11 +904,107 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 }
 
 
+// ---- rotary embedding fused with the KV-cache write ----
+
+namespace {
+
+inline VecF round_to(VecF v, float*) { return v; }
+inline VecF round_to(VecF v, c10::BFloat16*) {  // float → bf16 → float, nearest-even
+  __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xFFFF0000)));
+}
+// Rounded multiply and add: the _round_ forms are never contracted into an FMA, so the result
+// rounds exactly as torch's separate `x * cos + rotate_half(x) * sin` does.
+inline VecF mul_exact(VecF a, VecF b) { return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline VecF add_exact(VecF a, VecF b) { return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+inline VecF negate(VecF v) {  // exactly torch's neg, signed zeros included
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x80000000)));
+}
+
+template <typename T>
+void rotate_row(T* x, const T* cos, const T* sin, int64_t half) {
+  T* tag = nullptr;
+  for (int64_t i = 0; i < half; i += kLanes) {
+    const VecF lo = load_chunk(x + i), hi = load_chunk(x + half + i);
+    // rotate_half(x) = (-hi, lo)
+    const VecF new_lo = add_exact(round_to(mul_exact(lo, load_chunk(cos + i)), tag),
+                                  round_to(mul_exact(negate(hi), load_chunk(sin + i)), tag));
+    const VecF new_hi = add_exact(round_to(mul_exact(hi, load_chunk(cos + half + i)), tag),
+                                  round_to(mul_exact(lo, load_chunk(sin + half + i)), tag));
+    store_row_chunk(x + i, new_lo);
+    store_row_chunk(x + half + i, new_hi);
+  }
+}
+
+template <typename T>
+void rotary_write_kv_impl(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                          torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
+                          int64_t num_heads) {
+  const int64_t n = qkv.size(0), all_heads = qkv.size(1), d = qkv.size(2);
+  const int64_t kv_heads = (all_heads - num_heads) / 2, half = d / 2;
+  T* xp = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* kp = k_cache.data_ptr<T>();
+  T* vp = v_cache.data_ptr<T>();
+  const int64_t* slot = slots.defined() ? slots.data_ptr<int64_t>() : nullptr;
+  const int64_t kv_row = kv_heads * d;
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = xp + t * all_heads * d;
+      for (int64_t h = 0; h < num_heads + kv_heads; ++h) rotate_row(row + h * d, cp + t * d, sp + t * d, half);
+      if (slot != nullptr) {
+        std::memcpy(kp + slot[t] * kv_row, row + num_heads * d, kv_row * sizeof(T));
+        std::memcpy(vp + slot[t] * kv_row, row + (num_heads + kv_heads) * d, kv_row * sizeof(T));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// qkv [tokens, num_heads + 2 kv_heads, head_dim] contiguous: rotates the q and k heads in place
+// (Hugging Face's rotate_half layout; cos, sin [tokens, head_dim] in qkv's dtype) and, with
+// slot_mapping given, writes each token's k and v heads to slot_mapping[t] of the
+// [num_slots, kv_heads, head_dim] caches. head_dim % 32 == 0; float32 or bfloat16, one dtype.
+void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                     torch::Tensor v_cache, c10::optional<torch::Tensor> slot_mapping, int64_t num_heads) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(2) % (2 * kLanes) == 0, "rotary_write_kv: bad qkv");
+  TORCH_CHECK((qkv.size(1) - num_heads) % 2 == 0 && qkv.size(1) > num_heads, "rotary_write_kv: bad head count");
+  cos = cos.reshape({qkv.size(0), qkv.size(2)}).contiguous();
+  sin = sin.reshape({qkv.size(0), qkv.size(2)}).contiguous();
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "rotary_write_kv: dtypes differ");
+  torch::Tensor slots;
+  if (slot_mapping.has_value()) {
+    slots = slot_mapping.value().to(torch::kInt64).contiguous();
+    const int64_t kv_heads = (qkv.size(1) - num_heads) / 2;
+    TORCH_CHECK(slots.numel() == qkv.size(0), "rotary_write_kv: one slot per token");
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+                k_cache.size(1) == kv_heads && k_cache.size(2) == qkv.size(2) &&
+                k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == qkv.scalar_type() &&
+                v_cache.scalar_type() == qkv.scalar_type(), "rotary_write_kv: bad cache");
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < slots.numel(); ++t)
+      TORCH_CHECK(sp[t] >= 0 && sp[t] < k_cache.size(0), "rotary_write_kv: slot out of range");
+  }
+  if (qkv.scalar_type() == torch::kBFloat16)
+    rotary_write_kv_impl<c10::BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_heads);
+  else if (qkv.scalar_type() == torch::kFloat32)
+    rotary_write_kv_impl<float>(qkv, cos, sin, k_cache, v_cache, slots, num_heads);
+  else TORCH_CHECK(false, "rotary_write_kv: float32 or bfloat16 only");
+}
+
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (CPU)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache (CPU)");
+  m.def("rotary_write_kv", &rotary_write_kv, "rotary embedding in place, fused with the KV-cache write (CPU)",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slot_mapping"), py::arg("num_heads"));
   m.def("supports", &supports, "whether a (head_dim, group) pair has a kernel");
 }
