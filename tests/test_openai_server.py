@@ -476,6 +476,19 @@ def test_metrics_move(server, client):
     assert 0.0 <= after["kestrel:kv_cache_usage_perc"] <= 1.0
 
 
+def wait_until_idle(server, timeout_s: float = 10) -> dict[str, float]:
+    """The metrics once no request runs and the KV pool is empty again; fails after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = scrape(server)
+        idle = values["kestrel:num_requests_running"] == 0 and values["kestrel:kv_cache_usage_perc"] == 0
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle, values
+    return values
+
+
 def test_client_disconnect_aborts_the_request(server):
     body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
@@ -483,13 +496,7 @@ def test_client_disconnect_aborts_the_request(server):
         assert next(line for line in lines if line.startswith("data: "))
         assert scrape(server)["kestrel:num_requests_running"] == 1
     # Gone mid-stream: the engine core drops the request and its KV blocks return to the pool.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        values = scrape(server)
-        if values["kestrel:num_requests_running"] == 0 and values["kestrel:kv_cache_usage_perc"] == 0:
-            break
-        time.sleep(0.2)
-    assert values["kestrel:num_requests_running"] == 0 and values["kestrel:kv_cache_usage_perc"] == 0, values
+    values = wait_until_idle(server)
     assert values["kestrel:generation_tokens_total"] < 10_000
 
 
@@ -502,13 +509,7 @@ def test_client_disconnect_aborts_a_non_streaming_request(server, path, body):
     before = scrape(server)["kestrel:generation_tokens_total"]
     with pytest.raises(httpx.ReadTimeout):  # gives up long before 400 tokens, closing the connection
         httpx.post(f"{server.url}{path}", json=body, timeout=httpx.Timeout(60, read=1.5))
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        values = scrape(server)
-        if values["kestrel:num_requests_running"] == 0 and values["kestrel:kv_cache_usage_perc"] == 0:
-            break
-        time.sleep(0.2)
-    assert values["kestrel:num_requests_running"] == 0 and values["kestrel:kv_cache_usage_perc"] == 0, values
+    values = wait_until_idle(server)
     assert values["kestrel:generation_tokens_total"] - before < 400
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from kestrel.bench.launch import PEER_SPECS, is_llama, launch_server
 from kestrel.bench.peers import RssSampler
+from kestrel.bench.report import load_averages, markdown_table, text_table
 from kestrel.bench.serve import Target, resolve_model, send_requests
 from kestrel.bench.throughput import log, machine_info, warn_if_busy, write_report
 from kestrel.bench.workloads import random_requests
@@ -131,10 +132,7 @@ HEADER = ("engine", "concurrent", "TTFT ms", "TPOT ms", "decode tok/s", "peak RS
 
 
 def format_summary(report: dict[str, Any]) -> str:
-    rows = [HEADER, *_rows(report)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in rows]
+    lines = text_table(HEADER, _rows(report))
     w = report["workload"]
     lines.append(f"workload {w['id']}: {w['input_len']} prompt + {w['output_len']} output tokens per request; "
                  f"medians of {w['runs']} round(s)")
@@ -143,15 +141,13 @@ def format_summary(report: dict[str, Any]) -> str:
 
 def format_markdown(report: dict[str, Any]) -> str:
     w, m = report["workload"], report["machine"]
-    table = [f"| {' | '.join(HEADER)} |", "|" + "---|" * len(HEADER)]
-    table += [f"| {' | '.join(row)} |" for row in _rows(report)]
+    table = markdown_table(HEADER, _rows(report))
     lines = [
         "", f"## {w['id']} latency — {report['date']}", "",
         f"- Command: `{report['command']}`",
         f"- Machine: {m['cpu_model']}, {m['usable_cpus']} usable cpus, bf16 flags: "
-        f"{' '.join(m['bf16_flags']) or 'none'}; load average at start "
-        f"{', '.join(f'{x:.2f}' for x in report['load_average_at_start'])}, at end "
-        f"{', '.join(f'{x:.2f}' for x in report['load_average_at_end'])}",
+        f"{' '.join(m['bf16_flags']) or 'none'}; "
+        f"{load_averages(report)}",
         f"- Workload: {w['input_len']} random prompt tokens, {w['output_len']} output tokens, {w['sampling']}; "
         f"concurrency {', '.join(map(str, w['concurrency']))}; every engine is a server driven by the same "
         f"client; medians of {w['runs']} rounds of per-round means",

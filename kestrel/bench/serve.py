@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from kestrel.bench.report import load_averages, markdown_table, text_table
 from kestrel.bench.throughput import log, machine_info, warn_if_busy, write_report
 from kestrel.bench.workloads import W1_INPUT_LEN_RANGE, W1_OUTPUT_LEN_RANGE, BenchRequest, random_requests
 
@@ -184,18 +185,14 @@ COMPARISON_HEADER = ("server", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPO
 
 
 def format_comparison(report: dict[str, Any]) -> str:
-    rows = [COMPARISON_HEADER, *_comparison_rows(report)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COMPARISON_HEADER))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in rows]
+    lines = text_table(COMPARISON_HEADER, _comparison_rows(report))
     lines.append(f"workload {report['workload']['id']}; medians of {report['runs']} run(s) per server")
     return "\n".join(lines)
 
 
 def format_comparison_markdown(report: dict[str, Any]) -> str:
     w, m = report["workload"], report["machine"]
-    table = [f"| {' | '.join(COMPARISON_HEADER)} |", "|" + "---|" * len(COMPARISON_HEADER)]
-    table += [f"| {' | '.join(row)} |" for row in _comparison_rows(report)]
+    table = markdown_table(COMPARISON_HEADER, _comparison_rows(report))
     servers = "; ".join(f"{e['spec']} = {e['server']}" for e in report["engines"])
     lines = [
         "", f"## {w['id']} online serving, servers compared — {report['date']}", "",
@@ -507,10 +504,7 @@ def _totals(report: dict[str, Any]) -> str:
 
 
 def format_summary(report: dict[str, Any]) -> str:
-    rows = [HEADER, *_rows(report)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in rows]
+    lines = text_table(HEADER, _rows(report))
     w = report["workload"]
     lines += [
         _totals(report),
@@ -525,16 +519,14 @@ def format_summary(report: dict[str, Any]) -> str:
 
 def format_markdown(report: dict[str, Any]) -> str:
     w, m = report["workload"], report["machine"]
-    table = [f"| {' | '.join(HEADER)} |", "|" + "---|" * len(HEADER)]
-    table += [f"| {' | '.join(row)} |" for row in _rows(report)]
+    table = markdown_table(HEADER, _rows(report))
     lines = [
         "", f"## {w['id']} online serving: {report['label']} — {report['date']}", "",
         f"- Command: `{report['command']}`",
         f"- Target: {report['base_url']}, model {report['model']}",
         f"- Machine: {m['cpu_model']}, {m['usable_cpus']} usable cpus, bf16 flags: "
-        f"{' '.join(m['bf16_flags']) or 'none'}; load average at start "
-        f"{', '.join(f'{x:.2f}' for x in report['load_average_at_start'])}, at end "
-        f"{', '.join(f'{x:.2f}' for x in report['load_average_at_end'])}",
+        f"{' '.join(m['bf16_flags']) or 'none'}; "
+        f"{load_averages(report)}",
         f"- Workload: {w['num_requests']} requests, Poisson arrivals at {w['request_rate']:g} req/s "
         f"(seed {w['seed']}), max concurrency {w['max_concurrency'] or 'unlimited'}, input "
         f"{w['input_len_range'][0]}..{w['input_len_range'][1]} ({w['input_tokens']} tokens), output "

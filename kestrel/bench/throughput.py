@@ -47,6 +47,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kestrel.bench.report import load_averages, markdown_table, text_table
 from kestrel.bench.workloads import (W1_INPUT_LEN_RANGE, W1_NUM_REQUESTS, W1_OUTPUT_LEN_RANGE, W1_SEED,
                                      BenchRequest, is_standard_w1, random_requests, w1_offline_throughput,
                                      W4_PREFIX_LEN, W4_UNIQUE_LEN, w4_shared_prefix)
@@ -598,10 +599,7 @@ def _roofline_line(report: dict[str, Any]) -> str | None:
 
 
 def format_summary(report: dict[str, Any]) -> str:
-    rows = [HEADER, *_rows(report)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-             for r in rows]
+    lines = text_table(HEADER, _rows(report))
     w, e, m = report["workload"], report["engine"], report["machine"]
     lines += [
         f"workload {w['id']}: {w['num_requests']} requests, {w['input_tokens']} prompt + {w['output_tokens']} "
@@ -629,8 +627,7 @@ def _workload_line(w: dict[str, Any]) -> str:
 
 def format_markdown(report: dict[str, Any]) -> str:
     w, e, m = report["workload"], report["engine"], report["machine"]
-    table = [f"| {' | '.join(HEADER)} |", "|" + "---|" * len(HEADER)]
-    table += [f"| {' | '.join(row)} |" for row in _rows(report)]
+    table = markdown_table(HEADER, _rows(report))
     runs = "; ".join(f"{side['name']}: {', '.join(f'{t:.2f}' for t in side['run_wall_s'])} s"
                      for side in report["results"])
     title = "offline throughput" if w["id"].startswith("W1") else "shared prefix"
@@ -639,9 +636,8 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"- Command: `{report['command']}`",
         f"- Machine: {m['cpu_model']}, {m['usable_cpus']} usable cpus, bf16 flags: "
         f"{' '.join(m['bf16_flags']) or 'none'} (torch capability {m['torch_cpu_capability']}); "
-        f"torch {m['torch']}, transformers {m['transformers']}; load average at start "
-        f"{', '.join(f'{x:.2f}' for x in report['load_average_at_start'])}, at end "
-        f"{', '.join(f'{x:.2f}' for x in report['load_average_at_end'])}; threads: "
+        f"torch {m['torch']}, transformers {m['transformers']}; "
+        f"{load_averages(report)}; threads: "
         + ", ".join(f"{side['name']} {side['torch_threads']}" for side in report["results"]),
         f"- Model: {e['model']}, {e['format']}, {e['dtype']} on {e['device']}",
         f"- Workload: {_workload_line(w)}",
