@@ -1,5 +1,5 @@
-"""Hand-written CPU kernels, compiled on first use with the machine's C++ compiler (~40 s the first
-time), cached under ~/.cache/kestrel/kernels (KESTREL_KERNEL_CACHE overrides).
+"""Hand-written CPU kernels, compiled on first use with the machine's C++ compiler (~100 s the first
+time on 2 cores), cached under ~/.cache/kestrel/kernels (KESTREL_KERNEL_CACHE overrides).
 
 Each has a pure-PyTorch reference that the tests compare it with, and that runs wherever the kernel
 cannot be built (no compiler, no AVX-512) or when KESTREL_DISABLE_CPU_KERNELS=1.
@@ -19,19 +19,20 @@ logger = logging.getLogger(__name__)
 
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
-# A first build takes ~40 s on 2 busy cores; a wait far past that means something is wrong.
+# A first build takes ~100 s on 2 cores; a wait far past that means something is wrong.
 _BUILD_WAIT_S = float(os.environ.get("KESTREL_KERNEL_BUILD_WAIT_S", "900"))
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 def _cpu_has_avx512() -> bool:
