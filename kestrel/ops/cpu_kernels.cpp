@@ -818,13 +818,16 @@ bool supports(int64_t head_dim, int64_t group) {
 
 namespace {
 
-inline void store_row_chunk(float* p, VecF v) { _mm512_storeu_ps(p, v); }
-// float → bf16 with round-to-nearest-even, as torch's .to(torch.bfloat16) does.
-inline void store_row_chunk(c10::BFloat16* p, VecF v) {
-  __m512i b = _mm512_castps_si512(v);
+// float → bf16 with round-to-nearest-even, as torch's .to(torch.bfloat16) does: the bf16 value sits
+// in the upper 16 bits of each lane of the result.
+inline __m512i round_to_bf16_bits(VecF v) {
+  const __m512i b = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+  return _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+}
+inline void store_row_chunk(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+inline void store_row_chunk(c10::BFloat16* p, VecF v) {
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_to_bf16_bits(v), 16)));
 }
 inline VecF load_chunk(const float* p) { return _mm512_loadu_ps(p); }
 inline VecF load_chunk(const c10::BFloat16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
@@ -909,11 +912,8 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 namespace {
 
 inline VecF round_to(VecF v, float*) { return v; }
-inline VecF round_to(VecF v, c10::BFloat16*) {  // float → bf16 → float, nearest-even
-  __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  b = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-  return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xFFFF0000)));
+inline VecF round_to(VecF v, c10::BFloat16*) {  // float → bf16 → float
+  return _mm512_castsi512_ps(_mm512_and_si512(round_to_bf16_bits(v), _mm512_set1_epi32(0xFFFF0000)));
 }
 // Rounded multiply and add: the _round_ forms are never contracted into an FMA, so the result
 // rounds exactly as torch's separate `x * cos + rotate_half(x) * sin` does.
