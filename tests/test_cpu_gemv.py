@@ -1,5 +1,5 @@
-"""The small-batch bf16 linear kernel (kestrel/ops/cpu_gemv.cpp) against torch, and the dispatch in
-kestrel.model.layers.linear."""
+"""The small-batch bf16 linear kernels (kestrel/ops/cpu_gemv.cpp: AVX512-BF16 and AMX) against torch,
+and the dispatch in kestrel.model.layers.linear."""
 
 from __future__ import annotations
 
@@ -40,23 +40,93 @@ def test_rejects_what_it_cannot_do():
         kernels.linear_bf16_small(torch.zeros(1, 64), w)                        # float32 x
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 64])
-def test_linear_dispatch_matches_torch(rows, monkeypatch):
+amx = pytest.mark.skipif(kernels is None or not kernels.amx_usable(), reason="needs AMX-BF16")
+
+
+def _assert_like_torch(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    exact = x.double() @ w.double().t()
+    # float32 accumulation in another order than the exact sum, then one rounding to bf16.
+    assert torch.allclose(y.double(), exact, rtol=2 ** -8, atol=1e-3 * exact.abs().max().item())
+    torch_y = F.linear(x, w)
+    assert (y == torch_y).float().mean() > 0.98  # the same rounding, off by one ulp at most rarely
+    assert ((y.double() - torch_y.double()).abs() <= torch_y.double().abs() * 2 ** -7 + 1e-6).all()
+
+
+@amx
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 100, 127, 128])
+@pytest.mark.parametrize("out_f,in_f", [(960, 576), (3072, 576), (576, 1536), (49152, 576), (16, 32), (48, 96)])
+def test_amx_matches_float32_product_rounded_once(rows, out_f, in_f):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_f)
+    x = torch.randn(rows, in_f, generator=gen).bfloat16()
+    w = (torch.randn(out_f, in_f, generator=gen) * 0.05).bfloat16()
+    y = kernels.linear_bf16_amx(x, w)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, out_f)
+    _assert_like_torch(y, x, w)
+
+
+@amx
+def test_amx_takes_strided_rows_and_keeps_nan_and_inf():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 128, generator=gen).bfloat16()
+    w = (torch.randn(64, 64, generator=gen) * 0.05).bfloat16()
+    view = x[:, :64]                                        # not contiguous: the kernel copies it
+    _assert_like_torch(kernels.linear_bf16_amx(view, w), view.contiguous(), w)
+    special = x[:, :64].contiguous()
+    special[3, 0], special[5, 0] = float("nan"), float("inf")
+    y = kernels.linear_bf16_amx(special, w)
+    ref = F.linear(special, w)
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+
+
+@amx
+def test_amx_rejects_what_it_cannot_do():
+    w = torch.zeros(16, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        kernels.linear_bf16_amx(torch.zeros(129, 64, dtype=torch.bfloat16), w)  # too many rows
+    with pytest.raises(RuntimeError):
+        kernels.linear_bf16_amx(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(24, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError):
+        kernels.linear_bf16_amx(torch.zeros(1, 48, dtype=torch.bfloat16), torch.zeros(16, 48, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError):
+        kernels.linear_bf16_amx(torch.zeros(1, 64), w)                            # float32 x
+
+
+@pytest.mark.parametrize("use_amx", [True, False])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 64, 128, 129])
+def test_linear_dispatch_matches_torch(rows, use_amx, monkeypatch):
     calls = []
-    real = kernels.linear_bf16_small
 
     class Spy:
+        def amx_usable(self):
+            return use_amx
+
         def linear_bf16_small(self, x, w):
-            calls.append(x.shape[0])
-            return real(x, w)
+            calls.append(("small", x.shape[0]))
+            return kernels.linear_bf16_small(x, w)
+
+        def linear_bf16_amx(self, x, w):
+            calls.append(("amx", x.shape[0]))
+            return kernels.linear_bf16_amx(x, w) if kernels.amx_usable() else F.linear(x, w)
 
     monkeypatch.setattr(layers, "cpu_gemv", lambda: Spy())
-    x = torch.randn(rows, 576).bfloat16()
-    w = (torch.randn(960, 576) * 0.05).bfloat16()
-    y = layers.linear(x, w)
-    assert ((y.double() - F.linear(x, w).double()).abs() <= F.linear(x, w).double().abs() * 2 ** -7 + 1e-6).all()
-    assert calls == ([rows] if rows <= layers.SMALL_BATCH_ROWS else [])
-    # float32 (the parity tests' dtype) and biased layers always take torch's path.
-    layers.linear(x.float(), w.float())
-    layers.linear(x, w, torch.zeros(960, dtype=torch.bfloat16))
-    assert len(calls) == (1 if rows <= layers.SMALL_BATCH_ROWS else 0)
+    layers._amx_usable.cache_clear()
+    try:
+        x = torch.randn(rows, 576).bfloat16()
+        w = (torch.randn(960, 576) * 0.05).bfloat16()
+        y = layers.linear(x, w)
+        assert ((y.double() - F.linear(x, w).double()).abs() <= F.linear(x, w).double().abs() * 2 ** -7 + 1e-6).all()
+        if use_amx and rows <= layers.AMX_MAX_ROWS:
+            expected = [("amx", rows)]
+        elif not use_amx and rows <= layers.SMALL_BATCH_ROWS:
+            expected = [("small", rows)]
+        else:
+            expected = []
+        assert calls == expected
+        # float32 (the parity tests' dtype), biased layers and widths the kernels cannot tile always
+        # take torch's path.
+        layers.linear(x.float(), w.float())
+        layers.linear(x, w, torch.zeros(960, dtype=torch.bfloat16))
+        layers.linear(x[:, :48].contiguous(), w[:, :48].contiguous())
+        assert calls == expected
+    finally:
+        layers._amx_usable.cache_clear()

@@ -8,7 +8,9 @@ code here is their reference and the path everywhere else. Both follow Hugging F
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -35,23 +37,33 @@ def _kernel_for(x: torch.Tensor):
     return None
 
 
-# Up to this many rows, a bf16 linear layer streams its weights through the small-batch kernel
-# (cpu_gemv.cpp); torch's GEMM wins above it. Four rows only for layers narrower than this (the
-# output head's many rows favour the GEMM from two rows up).
+# Up to this many rows a bf16 linear layer streams its weights through the AMX kernel (cpu_gemv.cpp),
+# 1.2-2x torch's GEMM at every size from 1 to 128 rows on this machine; prefill chunks above it go
+# to torch's GEMM, which reaches the AMX rate there.
+AMX_MAX_ROWS = 128
+# Without AMX (AVX512-BF16 only): the small-batch kernel up to this many rows, four only for layers
+# narrower than SMALL_BATCH_MAX_OUT_AT_4 (the output head's many rows favour the GEMM from two up).
 SMALL_BATCH_ROWS = 4
 SMALL_BATCH_MAX_OUT_AT_4 = 8192
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the small-batch bf16 kernel where it is faster (decode at low concurrency)."""
+    """F.linear, through the small-batch bf16 kernels where they are faster (decode)."""
     rows = x.shape[0] if x.dim() == 2 else 0
-    if (bias is None and 1 <= rows <= SMALL_BATCH_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and (rows <= 2 or weight.shape[0] <= SMALL_BATCH_MAX_OUT_AT_4)
+    if (bias is None and 1 <= rows <= AMX_MAX_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu"
             and x.shape[1] % 32 == 0 and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
         kernels = cpu_gemv()
         if kernels is not None:
-            return kernels.linear_bf16_small(x, weight)
+            if weight.shape[0] % 16 == 0 and _amx_usable(kernels):
+                return kernels.linear_bf16_amx(x, weight)
+            if rows <= SMALL_BATCH_ROWS and (rows <= 2 or weight.shape[0] <= SMALL_BATCH_MAX_OUT_AT_4):
+                return kernels.linear_bf16_small(x, weight)
     return F.linear(x, weight, bias)
+
+
+@functools.cache
+def _amx_usable(kernels) -> bool:
+    return os.environ.get("KESTREL_DISABLE_AMX") != "1" and kernels.amx_usable()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,19 +1,32 @@
-// Kestrel CPU kernel: bf16 matrix-vector products for small batches (decode at low concurrency).
+// Kestrel CPU kernels: bf16 linear layers for small batches (decode), where the library GEMM reads
+// the weights at a fraction of memory bandwidth.
 //
 // linear_bf16_small(x [M, K], w [N, K]) -> y [M, N], all bf16, M <= 8, K % 32 == 0.
-// At M of 1..8 a linear layer is a stream over its weights: the library GEMM reads them at a
-// fraction of memory bandwidth there, while here each 64-byte piece of a weight row is loaded once
-// and multiplied into every row of x with AVX512-BF16 dot products (pairs of bf16 products summed
-// into float32 lanes). Accumulation is float32 throughout; each output is rounded once to bf16
-// (round to nearest even), as torch rounds a float32 result.
+// At M of 1..8 a linear layer is a stream over its weights: each 64-byte piece of a weight row is
+// loaded once and multiplied into every row of x with AVX512-BF16 dot products (pairs of bf16
+// products summed into float32 lanes).
+//
+// linear_bf16_amx(x [M, K], w [N, K]) -> y [M, N], M <= 128, K % 32 == 0, N % 16 == 0 (AMX-BF16).
+// The weights, unpacked, are the A operand: 16 of their rows by 32 of K make one tile, loaded
+// straight from w. x is the B operand, repacked once per call into the VNNI pair layout; the
+// result tiles are y transposed, turned back on the way out. Tile loads wait out cache misses, so
+// the next rows of w are prefetched while the current ones compute.
+//
+// Both accumulate in float32 throughout and round each output once to bf16 (to nearest even), as
+// torch rounds a float32 result; only the order of the float32 sums differs from torch's.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <immintrin.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 namespace {
 
@@ -58,6 +71,176 @@ void run(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t N, int64_t K
   });
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define KESTREL_AMX 1
+
+// Whether this CPU has AMX-BF16 and the process may use AMX tile data (Linux grants it on request,
+// ARCH_REQ_XCOMP_PERM, once per process).
+bool amx_usable() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Transpose a 16 x 16 matrix of 32-bit lanes held in r[0..15] (row i in r[i]).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// x [M, K] → VNNI B tiles: [mb][kt][16 pairs][16 rows of x][2], rows past M zero.
+void pack_x(const uint16_t* x, int64_t M, int64_t K, uint16_t* xb) {
+  const int64_t KT = K / 32, MB = (M + 15) / 16;
+  for (int64_t mb = 0; mb < MB; ++mb)
+    for (int64_t kt = 0; kt < KT; ++kt) {
+      __m512i r[16];
+      for (int m = 0; m < 16; ++m) {
+        const int64_t row = mb * 16 + m;
+        r[m] = row < M ? _mm512_loadu_si512(x + row * K + kt * 32) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      uint16_t* tile = xb + (mb * KT + kt) * 512;
+      for (int p = 0; p < 16; ++p) _mm512_store_si512(tile + p * 32, r[p]);
+    }
+}
+
+// float32 → bf16 bits (in the low half of each lane), to nearest even; NaN stays a quiet NaN.
+inline __m512i round_to_bf16_bits(__m512 v) {
+  __m512i b = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40)));
+}
+
+// C^T tile [16 n][16 m] in buf → y[m, n0..n0+15] for the rows m < rows.
+inline void store_transposed(const float* buf, int rows, uint16_t* y, int64_t N) {
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(buf + i * 16);
+  transpose16(r);
+  for (int m = 0; m < rows; ++m)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N),
+                        _mm512_cvtepi32_epi16(round_to_bf16_bits(_mm512_castsi512_ps(r[m]))));
+}
+
+template <class F, int... I>
+inline void static_for_impl(F&& f, std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }
+template <int N, class F>
+inline void static_for(F&& f) { static_for_impl(f, std::make_integer_sequence<int, N>{}); }
+
+// GCC's tile intrinsics take register numbers as literals; the registers are fixed: C(n, m) in
+// tmm(2n + m), A(n) (16 weight rows, straight from w) in tmm(4 + n), B(m) (packed x) in tmm(6 + m).
+template <int N, int M>
+inline void tile_zero_c() {
+  if constexpr (N == 0 && M == 0) _tile_zero(0); else if constexpr (N == 0) _tile_zero(1);
+  else if constexpr (M == 0) _tile_zero(2); else _tile_zero(3);
+}
+template <int N, int M>
+inline void tile_store_c(float* p) {
+  if constexpr (N == 0 && M == 0) _tile_stored(0, p, 64); else if constexpr (N == 0) _tile_stored(1, p, 64);
+  else if constexpr (M == 0) _tile_stored(2, p, 64); else _tile_stored(3, p, 64);
+}
+template <int N>
+inline void tile_load_a(const void* p, int64_t stride) {
+  if constexpr (N == 0) _tile_loadd(4, p, stride); else _tile_loadd(5, p, stride);
+}
+template <int M>
+inline void tile_load_b(const void* p) {
+  if constexpr (M == 0) _tile_loadd(6, p, 64); else _tile_loadd(7, p, 64);
+}
+template <int N, int M>
+inline void tile_dp() {
+  if constexpr (N == 0 && M == 0) _tile_dpbf16ps(0, 4, 6); else if constexpr (N == 0) _tile_dpbf16ps(1, 4, 7);
+  else if constexpr (M == 0) _tile_dpbf16ps(2, 5, 6); else _tile_dpbf16ps(3, 5, 7);
+}
+
+// NB (1 or 2) blocks of 16 weight rows against MB (1 or 2) blocks of 16 x rows, over all of K.
+template <int NB, int MB>
+inline void tile_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t mb, int64_t M,
+                       uint16_t* y, int64_t N, const char* pf, int64_t pf_lines) {
+  const int64_t KT = K / 32, stride = K * 2;
+  const int64_t pf_per_kt = (pf_lines + KT - 1) / KT;
+  static_for<NB>([&](auto n) { static_for<MB>([&](auto m) { tile_zero_c<decltype(n)::value, decltype(m)::value>(); }); });
+  for (int64_t kt = 0; kt < KT; ++kt) {
+    for (int64_t i = kt * pf_per_kt; i < std::min(pf_lines, (kt + 1) * pf_per_kt); ++i)
+      _mm_prefetch(pf + i * 64, _MM_HINT_T0);
+    static_for<MB>([&](auto m) { tile_load_b<decltype(m)::value>(xb + ((mb + decltype(m)::value) * KT + kt) * 512); });
+    static_for<NB>([&](auto n) {
+      constexpr int ni = decltype(n)::value;
+      tile_load_a<ni>(w + (nb + ni) * 16 * K + kt * 32, stride);
+      static_for<MB>([&](auto m) { tile_dp<ni, decltype(m)::value>(); });
+    });
+  }
+  alignas(64) float buf[NB][MB][256];
+  static_for<NB>([&](auto n) { static_for<MB>([&](auto m) {
+    tile_store_c<decltype(n)::value, decltype(m)::value>(buf[decltype(n)::value][decltype(m)::value]); }); });
+  for (int n = 0; n < NB; ++n)
+    for (int m = 0; m < MB; ++m) {
+      const int rows = (int)std::min<int64_t>(16, M - (mb + m) * 16);
+      store_transposed(buf[n][m], rows, y + (mb + m) * 16 * N + (nb + n) * 16, N);
+    }
+}
+
+template <int NB>
+inline void n_group(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t M, uint16_t* y, int64_t N) {
+  const int64_t MBS = (M + 15) / 16;
+  // Weight rows come from memory: prefetch the next group's while this one computes (the tile
+  // loads themselves wait out each miss).
+  const int64_t next = std::min<int64_t>(nb + NB, N / 16), count = std::min<int64_t>(2, N / 16 - next);
+  const char* pf = reinterpret_cast<const char*>(w + next * 16 * K);
+  const int64_t pf_lines = count * 16 * K * 2 / 64;
+  const int64_t passes = (MBS + 1) / 2, per_pass = (pf_lines + passes - 1) / passes;
+  for (int64_t mb = 0, p = 0; mb < MBS; mb += 2, ++p) {
+    const char* pf_p = pf + p * per_pass * 64;
+    const int64_t lines = std::max<int64_t>(0, std::min(per_pass, pf_lines - p * per_pass));
+    if (mb + 2 <= MBS) tile_block<NB, 2>(w, xb, K, nb, mb, M, y, N, pf_p, lines);
+    else tile_block<NB, 1>(w, xb, K, nb, mb, M, y, N, pf_p, lines);
+  }
+}
+
+void run(const uint16_t* w, const uint16_t* xb, uint16_t* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t NBS = N / 16;
+  at::parallel_for(0, (NBS + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    TileConfig cfg;
+    for (int i = 0; i < 8; ++i) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
+    _tile_loadconfig(&cfg);
+    for (int64_t g = begin; g < end; ++g) {
+      if (2 * g + 2 <= NBS) n_group<2>(w, xb, K, 2 * g, M, y, N);
+      else n_group<1>(w, xb, K, 2 * g, M, y, N);
+    }
+    _tile_release();
+  });
+}
+
+#endif  // AMX
+
 }  // namespace
 
 torch::Tensor linear_bf16_small(torch::Tensor x, torch::Tensor w) {
@@ -86,6 +269,36 @@ torch::Tensor linear_bf16_small(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
+#if KESTREL_AMX
+torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(amx_usable(), "this CPU or kernel does not allow AMX");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x and w must be 2-D");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "bf16 only");
+  TORCH_CHECK(x.size(1) == w.size(1), "x and w disagree on K");
+  TORCH_CHECK(x.size(1) % 32 == 0, "K must be a multiple of 32");
+  TORCH_CHECK(w.size(0) % 16 == 0, "N must be a multiple of 16");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 128, "M must be 1..128");
+  TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
+  x = x.contiguous();
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  const int64_t MB = (M + 15) / 16;
+  auto xb = torch::empty({MB * 16 * K + 32}, x.options());  // + room to align to 64 bytes
+  auto* xbp = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(xb.data_ptr<at::BFloat16>()) + 63) & ~uintptr_t(63));
+  pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xbp);
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  run(wp, xbp, yp, M, N, K);
+  return y;
+}
+
+#else
+torch::Tensor linear_bf16_amx(torch::Tensor, torch::Tensor) { TORCH_CHECK(false, "built without AMX"); }
+bool amx_usable() { return false; }
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_small", &linear_bf16_small, "y = x w^T for bf16 x of 1..8 rows (CPU, AVX512-BF16)");
+  m.def("linear_bf16_amx", &linear_bf16_amx, "y = x w^T for bf16 x of 1..128 rows (CPU, AMX-BF16)");
+  m.def("amx_usable", [] { return amx_usable(); }, "whether linear_bf16_amx can run here");
 }
