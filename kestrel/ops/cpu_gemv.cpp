@@ -26,7 +26,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <utility>
 
 namespace {
 
@@ -150,91 +149,77 @@ inline void store_transposed(const float* buf, int rows, uint16_t* y, int64_t N)
                         _mm512_cvtepi32_epi16(round_to_bf16_bits(_mm512_castsi512_ps(r[m]))));
 }
 
-template <class F, int... I>
-inline void static_for_impl(F&& f, std::integer_sequence<int, I...>) { (f(std::integral_constant<int, I>{}), ...); }
-template <int N, class F>
-inline void static_for(F&& f) { static_for_impl(f, std::make_integer_sequence<int, N>{}); }
-
-// GCC's tile intrinsics take register numbers as literals; the registers are fixed: C(n, m) in
-// tmm(2n + m), A(n) (16 weight rows, straight from w) in tmm(4 + n), B(m) (packed x) in tmm(6 + m).
-template <int N, int M>
-inline void tile_zero_c() {
-  if constexpr (N == 0 && M == 0) _tile_zero(0); else if constexpr (N == 0) _tile_zero(1);
-  else if constexpr (M == 0) _tile_zero(2); else _tile_zero(3);
-}
-template <int N, int M>
-inline void tile_store_c(float* p) {
-  if constexpr (N == 0 && M == 0) _tile_stored(0, p, 64); else if constexpr (N == 0) _tile_stored(1, p, 64);
-  else if constexpr (M == 0) _tile_stored(2, p, 64); else _tile_stored(3, p, 64);
-}
-template <int N>
-inline void tile_load_a(const void* p, int64_t stride) {
-  if constexpr (N == 0) _tile_loadd(4, p, stride); else _tile_loadd(5, p, stride);
-}
-template <int M>
-inline void tile_load_b(const void* p) {
-  if constexpr (M == 0) _tile_loadd(6, p, 64); else _tile_loadd(7, p, 64);
-}
-template <int N, int M>
-inline void tile_dp() {
-  if constexpr (N == 0 && M == 0) _tile_dpbf16ps(0, 4, 6); else if constexpr (N == 0) _tile_dpbf16ps(1, 4, 7);
-  else if constexpr (M == 0) _tile_dpbf16ps(2, 5, 6); else _tile_dpbf16ps(3, 5, 7);
-}
-
-// NB (1 or 2) blocks of 16 weight rows against MB (1 or 2) blocks of 16 x rows, over all of K.
-template <int NB, int MB>
+// One block of 16 weight rows against MB (1 or 2) blocks of 16 x rows, over all of K. A tile load
+// into a register must wait until the products reading it are done (tiles are not renamed), so
+// successive steps of K alternate between two sets of A and B registers: C(m) in tmm(m), A in
+// tmm2 / tmm3, B(m) in tmm(4 + m) / tmm(6 + m). (GCC's tile intrinsics take literal register numbers.)
+template <int MB>
 inline void tile_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t mb, int64_t M,
                        uint16_t* y, int64_t N, const char* pf, int64_t pf_lines) {
+  static_assert(MB == 1 || MB == 2, "one or two blocks of x rows");
   const int64_t KT = K / 32, stride = K * 2;
   const int64_t pf_per_kt = (pf_lines + KT - 1) / KT;
-  static_for<NB>([&](auto n) { static_for<MB>([&](auto m) { tile_zero_c<decltype(n)::value, decltype(m)::value>(); }); });
-  for (int64_t kt = 0; kt < KT; ++kt) {
+  const uint16_t* wn = w + nb * 16 * K;
+  const uint16_t* x0 = xb + mb * KT * 512;
+  const uint16_t* x1 = x0 + KT * 512;
+  auto prefetch = [&](int64_t kt) {
     for (int64_t i = kt * pf_per_kt; i < std::min(pf_lines, (kt + 1) * pf_per_kt); ++i)
       _mm_prefetch(pf + i * 64, _MM_HINT_T0);
-    static_for<MB>([&](auto m) { tile_load_b<decltype(m)::value>(xb + ((mb + decltype(m)::value) * KT + kt) * 512); });
-    static_for<NB>([&](auto n) {
-      constexpr int ni = decltype(n)::value;
-      tile_load_a<ni>(w + (nb + ni) * 16 * K + kt * 32, stride);
-      static_for<MB>([&](auto m) { tile_dp<ni, decltype(m)::value>(); });
-    });
+  };
+  _tile_zero(0);
+  if constexpr (MB == 2) _tile_zero(1);
+  int64_t kt = 0;
+  for (; kt + 2 <= KT; kt += 2) {
+    prefetch(kt);
+    _tile_loadd(2, wn + kt * 32, stride);
+    _tile_loadd(4, x0 + kt * 512, 64);
+    if constexpr (MB == 2) _tile_loadd(5, x1 + kt * 512, 64);
+    _tile_dpbf16ps(0, 2, 4);
+    if constexpr (MB == 2) _tile_dpbf16ps(1, 2, 5);
+    prefetch(kt + 1);
+    _tile_loadd(3, wn + (kt + 1) * 32, stride);
+    _tile_loadd(6, x0 + (kt + 1) * 512, 64);
+    if constexpr (MB == 2) _tile_loadd(7, x1 + (kt + 1) * 512, 64);
+    _tile_dpbf16ps(0, 3, 6);
+    if constexpr (MB == 2) _tile_dpbf16ps(1, 3, 7);
   }
-  alignas(64) float buf[NB][MB][256];
-  static_for<NB>([&](auto n) { static_for<MB>([&](auto m) {
-    tile_store_c<decltype(n)::value, decltype(m)::value>(buf[decltype(n)::value][decltype(m)::value]); }); });
-  for (int n = 0; n < NB; ++n)
-    for (int m = 0; m < MB; ++m) {
-      const int rows = (int)std::min<int64_t>(16, M - (mb + m) * 16);
-      store_transposed(buf[n][m], rows, y + (mb + m) * 16 * N + (nb + n) * 16, N);
-    }
+  if (kt < KT) {
+    prefetch(kt);
+    _tile_loadd(2, wn + kt * 32, stride);
+    _tile_loadd(4, x0 + kt * 512, 64);
+    if constexpr (MB == 2) _tile_loadd(5, x1 + kt * 512, 64);
+    _tile_dpbf16ps(0, 2, 4);
+    if constexpr (MB == 2) _tile_dpbf16ps(1, 2, 5);
+  }
+  alignas(64) float buf[MB][256];
+  _tile_stored(0, buf[0], 64);
+  if constexpr (MB == 2) _tile_stored(1, buf[1], 64);
+  for (int m = 0; m < MB; ++m) {
+    const int rows = (int)std::min<int64_t>(16, M - (mb + m) * 16);
+    store_transposed(buf[m], rows, y + (mb + m) * 16 * N + nb * 16, N);
+  }
 }
 
-template <int NB>
-inline void n_group(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t M, uint16_t* y, int64_t N) {
-  const int64_t MBS = (M + 15) / 16;
-  // Weight rows come from memory: prefetch the next group's while this one computes (the tile
-  // loads themselves wait out each miss).
-  const int64_t next = std::min<int64_t>(nb + NB, N / 16), count = std::min<int64_t>(2, N / 16 - next);
-  const char* pf = reinterpret_cast<const char*>(w + next * 16 * K);
-  const int64_t pf_lines = count * 16 * K * 2 / 64;
-  const int64_t passes = (MBS + 1) / 2, per_pass = (pf_lines + passes - 1) / passes;
+// All x rows against weight rows [16 nb, 16 nb + 16), in passes of two blocks of x rows; the next
+// block's weight rows are prefetched over the passes (tile loads wait out each cache miss).
+inline void n_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t M, uint16_t* y, int64_t N) {
+  const int64_t MBS = (M + 15) / 16, passes = (MBS + 1) / 2;
+  const char* pf = reinterpret_cast<const char*>(w + (nb + 1) * 16 * K);
+  const int64_t pf_lines = nb + 1 < N / 16 ? 16 * K * 2 / 64 : 0;
+  const int64_t per_pass = (pf_lines + passes - 1) / passes;
   for (int64_t mb = 0, p = 0; mb < MBS; mb += 2, ++p) {
-    const char* pf_p = pf + p * per_pass * 64;
     const int64_t lines = std::max<int64_t>(0, std::min(per_pass, pf_lines - p * per_pass));
-    if (mb + 2 <= MBS) tile_block<NB, 2>(w, xb, K, nb, mb, M, y, N, pf_p, lines);
-    else tile_block<NB, 1>(w, xb, K, nb, mb, M, y, N, pf_p, lines);
+    if (mb + 2 <= MBS) tile_block<2>(w, xb, K, nb, mb, M, y, N, pf + p * per_pass * 64, lines);
+    else tile_block<1>(w, xb, K, nb, mb, M, y, N, pf + p * per_pass * 64, lines);
   }
 }
 
 void run(const uint16_t* w, const uint16_t* xb, uint16_t* y, int64_t M, int64_t N, int64_t K) {
-  const int64_t NBS = N / 16;
-  at::parallel_for(0, (NBS + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
     TileConfig cfg;
     for (int i = 0; i < 8; ++i) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
     _tile_loadconfig(&cfg);
-    for (int64_t g = begin; g < end; ++g) {
-      if (2 * g + 2 <= NBS) n_group<2>(w, xb, K, 2 * g, M, y, N);
-      else n_group<1>(w, xb, K, 2 * g, M, y, N);
-    }
+    for (int64_t nb = begin; nb < end; ++nb) n_block(w, xb, K, nb, M, y, N);
     _tile_release();
   });
 }
