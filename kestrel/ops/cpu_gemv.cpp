@@ -200,17 +200,70 @@ inline void tile_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t
   }
 }
 
-// All x rows against weight rows [16 nb, 16 nb + 16), in passes of two blocks of x rows; the next
-// block's weight rows are prefetched over the passes (tile loads wait out each cache miss).
+// One block of 16 weight rows against MB (3 or 4) blocks of 16 x rows in one pass: C(m) in tmm(m),
+// A in tmm4 / tmm5 by turns over K, B alternating between tmm6 and tmm7 over the x blocks.
+template <int MB>
+inline void tile_block_wide(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t mb, int64_t M,
+                            uint16_t* y, int64_t N, const char* pf, int64_t pf_lines) {
+  static_assert(MB == 3 || MB == 4, "three or four blocks of x rows");
+  const int64_t KT = K / 32, stride = K * 2;
+  const int64_t pf_per_kt = (pf_lines + KT - 1) / KT;
+  const uint16_t* wn = w + nb * 16 * K;
+  const uint16_t* x0 = xb + mb * KT * 512;
+  auto prefetch = [&](int64_t kt) {
+    for (int64_t i = kt * pf_per_kt; i < std::min(pf_lines, (kt + 1) * pf_per_kt); ++i)
+      _mm_prefetch(pf + i * 64, _MM_HINT_T0);
+  };
+  _tile_zero(0); _tile_zero(1); _tile_zero(2);
+  if constexpr (MB == 4) _tile_zero(3);
+  int64_t kt = 0;
+  for (; kt + 2 <= KT; kt += 2) {
+    prefetch(kt);
+    _tile_loadd(4, wn + kt * 32, stride);
+    _tile_loadd(6, x0 + kt * 512, 64);                _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, x0 + (KT + kt) * 512, 64);         _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(6, x0 + (2 * KT + kt) * 512, 64);     _tile_dpbf16ps(2, 4, 6);
+    if constexpr (MB == 4) { _tile_loadd(7, x0 + (3 * KT + kt) * 512, 64); _tile_dpbf16ps(3, 4, 7); }
+    prefetch(kt + 1);
+    _tile_loadd(5, wn + (kt + 1) * 32, stride);
+    _tile_loadd(6, x0 + (kt + 1) * 512, 64);            _tile_dpbf16ps(0, 5, 6);
+    _tile_loadd(7, x0 + (KT + kt + 1) * 512, 64);       _tile_dpbf16ps(1, 5, 7);
+    _tile_loadd(6, x0 + (2 * KT + kt + 1) * 512, 64);   _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MB == 4) { _tile_loadd(7, x0 + (3 * KT + kt + 1) * 512, 64); _tile_dpbf16ps(3, 5, 7); }
+  }
+  if (kt < KT) {
+    prefetch(kt);
+    _tile_loadd(4, wn + kt * 32, stride);
+    _tile_loadd(6, x0 + kt * 512, 64);                _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, x0 + (KT + kt) * 512, 64);         _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(6, x0 + (2 * KT + kt) * 512, 64);     _tile_dpbf16ps(2, 4, 6);
+    if constexpr (MB == 4) { _tile_loadd(7, x0 + (3 * KT + kt) * 512, 64); _tile_dpbf16ps(3, 4, 7); }
+  }
+  alignas(64) float buf[MB][256];
+  _tile_stored(0, buf[0], 64); _tile_stored(1, buf[1], 64); _tile_stored(2, buf[2], 64);
+  if constexpr (MB == 4) _tile_stored(3, buf[3], 64);
+  for (int m = 0; m < MB; ++m) {
+    const int rows = (int)std::min<int64_t>(16, M - (mb + m) * 16);
+    store_transposed(buf[m], rows, y + (mb + m) * 16 * N + nb * 16, N);
+  }
+}
+
+// All x rows against weight rows [16 nb, 16 nb + 16), in passes of up to four blocks of x rows;
+// the next block's weight rows are prefetched over the passes (tile loads wait out each cache miss).
 inline void n_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t M, uint16_t* y, int64_t N) {
-  const int64_t MBS = (M + 15) / 16, passes = (MBS + 1) / 2;
+  const int64_t MBS = (M + 15) / 16;
+  const int64_t passes = (MBS + 3) / 4;
   const char* pf = reinterpret_cast<const char*>(w + (nb + 1) * 16 * K);
   const int64_t pf_lines = nb + 1 < N / 16 ? 16 * K * 2 / 64 : 0;
   const int64_t per_pass = (pf_lines + passes - 1) / passes;
-  for (int64_t mb = 0, p = 0; mb < MBS; mb += 2, ++p) {
+  for (int64_t mb = 0, p = 0; mb < MBS; ++p) {
     const int64_t lines = std::max<int64_t>(0, std::min(per_pass, pf_lines - p * per_pass));
-    if (mb + 2 <= MBS) tile_block<2>(w, xb, K, nb, mb, M, y, N, pf + p * per_pass * 64, lines);
-    else tile_block<1>(w, xb, K, nb, mb, M, y, N, pf + p * per_pass * 64, lines);
+    const char* pfp = pf + p * per_pass * 64;
+    const int64_t left = MBS - mb;
+    if (left >= 4) { tile_block_wide<4>(w, xb, K, nb, mb, M, y, N, pfp, lines); mb += 4; continue; }
+    if (left == 3) { tile_block_wide<3>(w, xb, K, nb, mb, M, y, N, pfp, lines); mb += 3; continue; }
+    if (left >= 2) { tile_block<2>(w, xb, K, nb, mb, M, y, N, pfp, lines); mb += 2; }
+    else { tile_block<1>(w, xb, K, nb, mb, M, y, N, pfp, lines); mb += 1; }
   }
 }
 
