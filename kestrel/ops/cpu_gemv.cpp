@@ -84,6 +84,10 @@ bool amx_usable() {
   return ok;
 }
 
+// A prefetch the compiler must keep: GCC deletes a loop of _mm_prefetch calls as a loop without
+// side effects.
+inline void prefetch_line(const char* p) { asm volatile("prefetcht0 (%0)" : : "r"(p)); }
+
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -164,7 +168,7 @@ inline void tile_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t
   const uint16_t* x1 = x0 + KT * 512;
   auto prefetch = [&](int64_t kt) {
     for (int64_t i = kt * pf_per_kt; i < std::min(pf_lines, (kt + 1) * pf_per_kt); ++i)
-      _mm_prefetch(pf + i * 64, _MM_HINT_T0);
+      prefetch_line(pf + i * 64);
   };
   _tile_zero(0);
   if constexpr (MB == 2) _tile_zero(1);
@@ -212,7 +216,7 @@ inline void tile_block_wide(const uint16_t* w, const uint16_t* xb, int64_t K, in
   const uint16_t* x0 = xb + mb * KT * 512;
   auto prefetch = [&](int64_t kt) {
     for (int64_t i = kt * pf_per_kt; i < std::min(pf_lines, (kt + 1) * pf_per_kt); ++i)
-      _mm_prefetch(pf + i * 64, _MM_HINT_T0);
+      prefetch_line(pf + i * 64);
   };
   _tile_zero(0); _tile_zero(1); _tile_zero(2);
   if constexpr (MB == 4) _tile_zero(3);
