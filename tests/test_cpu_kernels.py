@@ -181,3 +181,26 @@ def test_rotary_write_kv_rejects_a_slot_outside_the_cache():
     cos = sin = torch.ones(2, 64)
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernels.rotary_write_kv(qkv, cos, sin, cache, cache.clone(), torch.tensor([3, 16]), 1)
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (1, 17), (3, 16), (8, 49152), (48, 49152), (5, 1001)])
+def test_argmax_rows_matches_torch(rows, vocab):
+    g = torch.Generator().manual_seed(rows * 7 + vocab)
+    x = torch.randn(rows, vocab, generator=g)
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
+    # bf16-valued logits tie often: the first index of the maximum wins, as in torch.
+    xb = (x * 3).bfloat16().float()
+    assert torch.equal(kernels.argmax_rows(xb), xb.argmax(dim=-1))
+
+
+def test_argmax_rows_ties_infinities_and_nan_follow_torch():
+    x = torch.full((6, 40), -float("inf"))
+    x[1, 5] = x[1, 33] = 2.0                       # a tie: index 5
+    x[2, 39] = float("inf")                        # in the tail past the last full vector
+    x[3, 7], x[3, 20] = float("nan"), float("inf")  # NaN is above everything
+    x[4, 25], x[4, 38] = float("nan"), float("nan")
+    x[5] = 0.0                                     # all equal
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
+    assert kernels.argmax_rows(x).tolist() == [0, 5, 39, 7, 25, 0]
+    with pytest.raises(RuntimeError):
+        kernels.argmax_rows(x.bfloat16())

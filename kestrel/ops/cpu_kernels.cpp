@@ -998,7 +998,63 @@ void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
 }
 
 
+
+// ---- argmax over the rows of float32 logits ----
+
+namespace {
+
+// The first index of the row's maximum, NaN counting as above everything (torch.argmax's rule).
+int64_t argmax_row(const float* x, int64_t n) {
+  const int64_t full = n / kLanes * kLanes;
+  __m512i best_i = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  VecF best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i idx = best_i;
+  const __m512i step = _mm512_set1_epi32(kLanes);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < full; i += kLanes) {
+    const VecF v = _mm512_loadu_ps(x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strictly: each lane keeps its first
+    best = _mm512_mask_mov_ps(best, gt, v);
+    best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
+    idx = _mm512_add_epi32(idx, step);
+  }
+  if (full < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - full)) - 1);
+    const VecF v = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), tail, x + full);
+    nan |= _mm512_mask_cmp_ps_mask(tail, v, v, _CMP_UNORD_Q);
+    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, gt, v);
+    best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
+  }
+  if (nan)
+    for (int64_t i = 0; i < n; ++i)
+      if (std::isnan(x[i])) return i;
+  const float m = _mm512_reduce_max_ps(best);
+  // Among the lanes holding the maximum, the smallest index (lanes only ever hold -inf or values
+  // seen, and an all -inf row has index 0 in lane 0).
+  const __mmask16 at_max = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
+  return _mm512_mask_reduce_min_epi32(at_max, best_i);
+}
+
+}  // namespace
+
+// x [rows, n] float32 contiguous (n < 2^31) → int64 [rows]: torch.argmax(x, dim=-1).
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32 && x.size(1) > 0 &&
+              x.size(1) < (int64_t(1) << 31), "argmax_rows: float32 [rows, n] contiguous");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = torch::empty({rows}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) for float32 [rows, n] (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (CPU)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
