@@ -130,3 +130,16 @@ def test_linear_dispatch_matches_torch(rows, use_amx, monkeypatch):
         assert calls == expected
     finally:
         layers._amx_usable.cache_clear()
+
+
+@amx
+@pytest.mark.parametrize("rows", [1, 9, 48, 128])
+def test_amx_float_out_is_the_bf16_result_widened(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    w = (torch.randn(4096, 576, generator=gen) * 0.05).bfloat16()
+    y = kernels.linear_bf16_amx(x, w, float_out=True)
+    assert y.dtype == torch.float32 and torch.equal(y, kernels.linear_bf16_amx(x, w).float())
+    assert torch.equal(layers.linear_to_float(x, w), y)
+    # float32 inputs (the parity tests) keep torch's path
+    assert torch.equal(layers.linear_to_float(x.float(), w.float()), F.linear(x.float(), w.float()))

@@ -49,16 +49,32 @@ SMALL_BATCH_MAX_OUT_AT_4 = 8192
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the small-batch bf16 kernels where they are faster (decode)."""
-    rows = x.shape[0] if x.dim() == 2 else 0
-    if (bias is None and 1 <= rows <= AMX_MAX_ROWS and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-            and x.shape[1] % 32 == 0 and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
-        kernels = cpu_gemv()
-        if kernels is not None:
-            if weight.shape[0] % 16 == 0 and _amx_usable(kernels):
-                return kernels.linear_bf16_amx(x, weight)
-            if rows <= SMALL_BATCH_ROWS and (rows <= 2 or weight.shape[0] <= SMALL_BATCH_MAX_OUT_AT_4):
-                return kernels.linear_bf16_small(x, weight)
+    kernels = _small_batch_kernels(x, weight, bias)
+    if kernels is not None:
+        if weight.shape[0] % 16 == 0 and _amx_usable(kernels):
+            return kernels.linear_bf16_amx(x, weight)
+        if x.shape[0] <= SMALL_BATCH_ROWS and (x.shape[0] <= 2 or weight.shape[0] <= SMALL_BATCH_MAX_OUT_AT_4):
+            return kernels.linear_bf16_small(x, weight)
     return F.linear(x, weight, bias)
+
+
+def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """linear(x, weight).float(), in one pass where the AMX kernel runs (the output head: it writes
+    the bf16-rounded logits as float32 instead of a bf16 tensor to widen afterwards)."""
+    kernels = _small_batch_kernels(x, weight, None)
+    if kernels is not None and weight.shape[0] % 16 == 0 and _amx_usable(kernels):
+        return kernels.linear_bf16_amx(x, weight, float_out=True)
+    return linear(x, weight).float()
+
+
+def _small_batch_kernels(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The small-batch kernels (cpu_gemv.cpp) if this product is theirs to take: bf16 on CPU,
+    1..AMX_MAX_ROWS rows, K a multiple of 32, no bias; else None."""
+    if (bias is None and x.dim() == 2 and 1 <= x.shape[0] <= AMX_MAX_ROWS and x.dtype == torch.bfloat16
+            and x.device.type == "cpu" and x.shape[1] % 32 == 0 and weight.dtype == torch.bfloat16
+            and weight.is_contiguous()):
+        return cpu_gemv()
+    return None
 
 
 @functools.cache

@@ -14,8 +14,8 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.model.attention import AttentionMetadata, KVCache, paged_attention
-from kestrel.model.layers import (RMSNorm, RotaryEmbedding, add_rms_norm, linear, rms_norm, rotate_and_write_kv,
-                                  silu_and_mul)
+from kestrel.model.layers import (RMSNorm, RotaryEmbedding, add_rms_norm, linear, linear_to_float, rms_norm,
+                                  rotate_and_write_kv, silu_and_mul)
 
 
 class DecoderLayer(nn.Module):
@@ -99,7 +99,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] for the rows of `hidden` that sample."""
-        return linear(self.norm(hidden), self.lm_head.weight).float()
+        return linear_to_float(self.norm(hidden), self.lm_head.weight)
 
     # ---- weights -----------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@
 // loaded once and multiplied into every row of x with AVX512-BF16 dot products (pairs of bf16
 // products summed into float32 lanes).
 //
-// linear_bf16_amx(x [M, K], w [N, K]) -> y [M, N], M <= 128, K % 32 == 0, N % 16 == 0 (AMX-BF16).
+// linear_bf16_amx(x [M, K], w [N, K]) -> y [M, N], M <= 128, K % 32 == 0, N % 16 == 0 (AMX-BF16);
+// y bf16, or float32 holding the bf16-rounded values (the output head: logits go on in float32).
 // The weights, unpacked, are the A operand: 16 of their rows by 32 of K make one tile, loaded
 // straight from w. x is the B operand, repacked once per call into the VNNI pair layout; the
 // result tiles are y transposed, turned back on the way out. Tile loads wait out cache misses, so
@@ -26,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -144,22 +146,28 @@ inline __m512i round_to_bf16_bits(__m512 v) {
 }
 
 // C^T tile [16 n][16 m] in buf → y[m, n0..n0+15] for the rows m < rows.
-inline void store_transposed(const float* buf, int rows, uint16_t* y, int64_t N) {
+// y is bf16 (uint16_t) or, for logits, float32 holding the same bf16-rounded values.
+template <typename Y>
+inline void store_transposed(const float* buf, int rows, Y* y, int64_t N) {
   __m512i r[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(buf + i * 16);
   transpose16(r);
-  for (int m = 0; m < rows; ++m)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N),
-                        _mm512_cvtepi32_epi16(round_to_bf16_bits(_mm512_castsi512_ps(r[m]))));
+  for (int m = 0; m < rows; ++m) {
+    const __m512i bits = round_to_bf16_bits(_mm512_castsi512_ps(r[m]));
+    if constexpr (std::is_same_v<Y, float>)
+      _mm512_storeu_si512(y + m * N, _mm512_slli_epi32(bits, 16));
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N), _mm512_cvtepi32_epi16(bits));
+  }
 }
 
 // One block of 16 weight rows against MB (1 or 2) blocks of 16 x rows, over all of K. A tile load
 // into a register must wait until the products reading it are done (tiles are not renamed), so
 // successive steps of K alternate between two sets of A and B registers: C(m) in tmm(m), A in
 // tmm2 / tmm3, B(m) in tmm(4 + m) / tmm(6 + m). (GCC's tile intrinsics take literal register numbers.)
-template <int MB>
+template <int MB, typename Y>
 inline void tile_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t mb, int64_t M,
-                       uint16_t* y, int64_t N, const char* pf, int64_t pf_lines) {
+                       Y* y, int64_t N, const char* pf, int64_t pf_lines) {
   static_assert(MB == 1 || MB == 2, "one or two blocks of x rows");
   const int64_t KT = K / 32, stride = K * 2;
   const int64_t pf_per_kt = (pf_lines + KT - 1) / KT;
@@ -206,9 +214,9 @@ inline void tile_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t
 
 // One block of 16 weight rows against MB (3 or 4) blocks of 16 x rows in one pass: C(m) in tmm(m),
 // A in tmm4 / tmm5 by turns over K, B alternating between tmm6 and tmm7 over the x blocks.
-template <int MB>
+template <int MB, typename Y>
 inline void tile_block_wide(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t mb, int64_t M,
-                            uint16_t* y, int64_t N, const char* pf, int64_t pf_lines) {
+                            Y* y, int64_t N, const char* pf, int64_t pf_lines) {
   static_assert(MB == 3 || MB == 4, "three or four blocks of x rows");
   const int64_t KT = K / 32, stride = K * 2;
   const int64_t pf_per_kt = (pf_lines + KT - 1) / KT;
@@ -254,7 +262,8 @@ inline void tile_block_wide(const uint16_t* w, const uint16_t* xb, int64_t K, in
 
 // All x rows against weight rows [16 nb, 16 nb + 16), in passes of up to four blocks of x rows;
 // the next block's weight rows are prefetched over the passes (tile loads wait out each cache miss).
-inline void n_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t M, uint16_t* y, int64_t N) {
+template <typename Y>
+inline void n_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t M, Y* y, int64_t N) {
   const int64_t MBS = (M + 15) / 16;
   const int64_t passes = (MBS + 3) / 4;
   const char* pf = reinterpret_cast<const char*>(w + (nb + 1) * 16 * K);
@@ -264,14 +273,15 @@ inline void n_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb
     const int64_t lines = std::max<int64_t>(0, std::min(per_pass, pf_lines - p * per_pass));
     const char* pfp = pf + p * per_pass * 64;
     const int64_t left = MBS - mb;
-    if (left >= 4) { tile_block_wide<4>(w, xb, K, nb, mb, M, y, N, pfp, lines); mb += 4; continue; }
-    if (left == 3) { tile_block_wide<3>(w, xb, K, nb, mb, M, y, N, pfp, lines); mb += 3; continue; }
-    if (left >= 2) { tile_block<2>(w, xb, K, nb, mb, M, y, N, pfp, lines); mb += 2; }
-    else { tile_block<1>(w, xb, K, nb, mb, M, y, N, pfp, lines); mb += 1; }
+    if (left >= 4) { tile_block_wide<4, Y>(w, xb, K, nb, mb, M, y, N, pfp, lines); mb += 4; continue; }
+    if (left == 3) { tile_block_wide<3, Y>(w, xb, K, nb, mb, M, y, N, pfp, lines); mb += 3; continue; }
+    if (left >= 2) { tile_block<2, Y>(w, xb, K, nb, mb, M, y, N, pfp, lines); mb += 2; }
+    else { tile_block<1, Y>(w, xb, K, nb, mb, M, y, N, pfp, lines); mb += 1; }
   }
 }
 
-void run(const uint16_t* w, const uint16_t* xb, uint16_t* y, int64_t M, int64_t N, int64_t K) {
+template <typename Y>
+void run(const uint16_t* w, const uint16_t* xb, Y* y, int64_t M, int64_t N, int64_t K) {
   at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
     TileConfig cfg;
     for (int i = 0; i < 8; ++i) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
@@ -312,7 +322,7 @@ torch::Tensor linear_bf16_small(torch::Tensor x, torch::Tensor w) {
 }
 
 #if KESTREL_AMX
-torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w) {
+torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, bool float_out) {
   TORCH_CHECK(amx_usable(), "this CPU or kernel does not allow AMX");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x and w must be 2-D");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "bf16 only");
@@ -323,24 +333,26 @@ torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
   x = x.contiguous();
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat32 : torch::kBFloat16));
   const int64_t MB = (M + 15) / 16;
   auto xb = torch::empty({MB * 16 * K + 32}, x.options());  // + room to align to 64 bytes
   auto* xbp = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(xb.data_ptr<at::BFloat16>()) + 63) & ~uintptr_t(63));
   pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xbp);
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  run(wp, xbp, yp, M, N, K);
+  if (float_out) run(wp, xbp, y.data_ptr<float>(), M, N, K);
+  else run(wp, xbp, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, N, K);
   return y;
 }
 
 #else
-torch::Tensor linear_bf16_amx(torch::Tensor, torch::Tensor) { TORCH_CHECK(false, "built without AMX"); }
+torch::Tensor linear_bf16_amx(torch::Tensor, torch::Tensor, bool) { TORCH_CHECK(false, "built without AMX"); }
 bool amx_usable() { return false; }
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_small", &linear_bf16_small, "y = x w^T for bf16 x of 1..8 rows (CPU, AVX512-BF16)");
-  m.def("linear_bf16_amx", &linear_bf16_amx, "y = x w^T for bf16 x of 1..128 rows (CPU, AMX-BF16)");
+  m.def("linear_bf16_amx", &linear_bf16_amx,
+        "y = x w^T for bf16 x of 1..128 rows (CPU, AMX-BF16); float_out: y in float32, rounded as bf16",
+        py::arg("x"), py::arg("w"), py::arg("float_out") = false);
   m.def("amx_usable", [] { return amx_usable(); }, "whether linear_bf16_amx can run here");
 }
