@@ -14,6 +14,15 @@ kernels = cpu_gemv()
 pytestmark = pytest.mark.skipif(kernels is None, reason="needs a CPU with AVX512-BF16 and a C++ compiler")
 
 
+def _assert_like_torch(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    exact = x.double() @ w.double().t()
+    # float32 accumulation in another order than the exact sum, then one rounding to bf16.
+    assert torch.allclose(y.double(), exact, rtol=2 ** -8, atol=1e-3 * exact.abs().max().item())
+    torch_y = F.linear(x, w)
+    assert (y == torch_y).float().mean() > 0.98  # the same rounding, off by one ulp at most rarely
+    assert ((y.double() - torch_y.double()).abs() <= torch_y.double().abs() * 2 ** -7 + 1e-6).all()
+
+
 @pytest.mark.parametrize("rows", range(1, 9))
 @pytest.mark.parametrize("out_f,in_f", [(960, 576), (3072, 576), (576, 1536), (49152, 576), (7, 32), (257, 64)])
 def test_matches_float32_product_rounded_once(rows, out_f, in_f):
@@ -22,12 +31,7 @@ def test_matches_float32_product_rounded_once(rows, out_f, in_f):
     w = (torch.randn(out_f, in_f, generator=gen) * 0.05).bfloat16()
     y = kernels.linear_bf16_small(x, w)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, out_f)
-    exact = x.double() @ w.double().t()
-    # float32 accumulation in another order than the exact sum, then one rounding to bf16.
-    assert torch.allclose(y.double(), exact, rtol=2 ** -8, atol=1e-3 * exact.abs().max().item())
-    torch_y = F.linear(x, w)
-    assert (y == torch_y).float().mean() > 0.98  # the same rounding, off by one ulp at most rarely
-    assert ((y.double() - torch_y.double()).abs() <= torch_y.double().abs() * 2 ** -7 + 1e-6).all()
+    _assert_like_torch(y, x, w)
 
 
 def test_rejects_what_it_cannot_do():
@@ -41,15 +45,6 @@ def test_rejects_what_it_cannot_do():
 
 
 amx = pytest.mark.skipif(kernels is None or not kernels.amx_usable(), reason="needs AMX-BF16")
-
-
-def _assert_like_torch(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    exact = x.double() @ w.double().t()
-    # float32 accumulation in another order than the exact sum, then one rounding to bf16.
-    assert torch.allclose(y.double(), exact, rtol=2 ** -8, atol=1e-3 * exact.abs().max().item())
-    torch_y = F.linear(x, w)
-    assert (y == torch_y).float().mean() > 0.98  # the same rounding, off by one ulp at most rarely
-    assert ((y.double() - torch_y.double()).abs() <= torch_y.double().abs() * 2 ** -7 + 1e-6).all()
 
 
 @amx

@@ -49,3 +49,6 @@ def test_the_build_key_follows_the_source(tmp_path):
     b.write_text("int f() { return 2; }")
     assert _build_key(a) != _build_key(b)
     assert _build_key(a) == _build_key(a)
+    before = _build_key(a)
+    (tmp_path / "shared.h").write_text("#pragma once")       # a header beside the source counts too
+    assert _build_key(a) != before

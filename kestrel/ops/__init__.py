@@ -49,11 +49,13 @@ def _kernel_cache_root() -> Path:
 
 
 def _build_key(source: Path) -> str:
-    """What the compiled module depends on: the source, the flags, torch, and (through
-    -march=native) the CPU. Each key gets its own build directory, so two checkouts or two versions
-    of a kernel never rebuild each other's output."""
+    """What the compiled module depends on: the source and the headers beside it, the flags, torch,
+    and (through -march=native) the CPU. Each key gets its own build directory, so two checkouts or
+    two versions of a kernel never rebuild each other's output."""
     import torch
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):  # included by the kernels
+        digest.update(header.read_bytes())
     for part in (*_CFLAGS, *_LDFLAGS, torch.__version__, " ".join(sorted(_cpu_flags()))):
         digest.update(part.encode())
     return digest.hexdigest()[:16]

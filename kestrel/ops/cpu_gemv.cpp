@@ -20,9 +20,8 @@
 #include <c10/util/BFloat16.h>
 
 #include <immintrin.h>
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -75,26 +74,12 @@ void run(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t N, int64_t K
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define KESTREL_AMX 1
 
-// Whether this CPU has AMX-BF16 and the process may use AMX tile data (Linux grants it on request,
-// ARCH_REQ_XCOMP_PERM, once per process).
-bool amx_usable() {
-  static const bool ok = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-  }();
-  return ok;
-}
+using kestrel_amx::amx_usable;
+using kestrel_amx::TileConfig;
 
 // A prefetch the compiler must keep: GCC deletes a loop of _mm_prefetch calls as a loop without
 // side effects.
 inline void prefetch_line(const char* p) { asm volatile("prefetcht0 (%0)" : : "r"(p)); }
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Transpose a 16 x 16 matrix of 32-bit lanes held in r[0..15] (row i in r[i]).
 inline void transpose16(__m512i r[16]) {
@@ -161,103 +146,105 @@ inline void store_transposed(const float* buf, int rows, Y* y, int64_t N) {
   }
 }
 
-// One block of 16 weight rows against MB (1 or 2) blocks of 16 x rows, over all of K. A tile load
-// into a register must wait until the products reading it are done (tiles are not renamed), so
-// successive steps of K alternate between two sets of A and B registers: C(m) in tmm(m), A in
-// tmm2 / tmm3, B(m) in tmm(4 + m) / tmm(6 + m). (GCC's tile intrinsics take literal register numbers.)
+// Prefetches `lines` cache lines from p, spread evenly over the K steps of a block.
+struct Prefetch {
+  const char* p;
+  int64_t lines, per_step;
+  Prefetch(const char* p_, int64_t lines_, int64_t steps) : p(p_), lines(lines_), per_step((lines_ + steps - 1) / steps) {}
+  void step(int64_t kt) const {
+    for (int64_t i = kt * per_step; i < std::min(lines, (kt + 1) * per_step); ++i) prefetch_line(p + i * 64);
+  }
+};
+
+// The C tiles tmm0 .. tmm(MB - 1) (y^T for x blocks mb .. mb + MB - 1, weight block nb) into y.
 template <int MB, typename Y>
-inline void tile_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t mb, int64_t M,
-                       Y* y, int64_t N, const char* pf, int64_t pf_lines) {
-  static_assert(MB == 1 || MB == 2, "one or two blocks of x rows");
-  const int64_t KT = K / 32, stride = K * 2;
-  const int64_t pf_per_kt = (pf_lines + KT - 1) / KT;
-  const uint16_t* wn = w + nb * 16 * K;
-  const uint16_t* x0 = xb + mb * KT * 512;
-  const uint16_t* x1 = x0 + KT * 512;
-  auto prefetch = [&](int64_t kt) {
-    for (int64_t i = kt * pf_per_kt; i < std::min(pf_lines, (kt + 1) * pf_per_kt); ++i)
-      prefetch_line(pf + i * 64);
-  };
-  _tile_zero(0);
-  if constexpr (MB == 2) _tile_zero(1);
-  int64_t kt = 0;
-  for (; kt + 2 <= KT; kt += 2) {
-    prefetch(kt);
-    _tile_loadd(2, wn + kt * 32, stride);
-    _tile_loadd(4, x0 + kt * 512, 64);
-    if constexpr (MB == 2) _tile_loadd(5, x1 + kt * 512, 64);
-    _tile_dpbf16ps(0, 2, 4);
-    if constexpr (MB == 2) _tile_dpbf16ps(1, 2, 5);
-    prefetch(kt + 1);
-    _tile_loadd(3, wn + (kt + 1) * 32, stride);
-    _tile_loadd(6, x0 + (kt + 1) * 512, 64);
-    if constexpr (MB == 2) _tile_loadd(7, x1 + (kt + 1) * 512, 64);
-    _tile_dpbf16ps(0, 3, 6);
-    if constexpr (MB == 2) _tile_dpbf16ps(1, 3, 7);
-  }
-  if (kt < KT) {
-    prefetch(kt);
-    _tile_loadd(2, wn + kt * 32, stride);
-    _tile_loadd(4, x0 + kt * 512, 64);
-    if constexpr (MB == 2) _tile_loadd(5, x1 + kt * 512, 64);
-    _tile_dpbf16ps(0, 2, 4);
-    if constexpr (MB == 2) _tile_dpbf16ps(1, 2, 5);
-  }
+inline void store_c_tiles(int64_t M, int64_t mb, int64_t nb, Y* y, int64_t N) {
   alignas(64) float buf[MB][256];
   _tile_stored(0, buf[0], 64);
-  if constexpr (MB == 2) _tile_stored(1, buf[1], 64);
+  if constexpr (MB > 1) _tile_stored(1, buf[1], 64);
+  if constexpr (MB > 2) _tile_stored(2, buf[2], 64);
+  if constexpr (MB > 3) _tile_stored(3, buf[3], 64);
   for (int m = 0; m < MB; ++m) {
     const int rows = (int)std::min<int64_t>(16, M - (mb + m) * 16);
     store_transposed(buf[m], rows, y + (mb + m) * 16 * N + nb * 16, N);
   }
 }
 
+// One block of 16 weight rows against MB (1 or 2) blocks of 16 x rows, over all of K. A tile load
+// into a register must wait until the products reading it are done (tiles are not renamed), so
+// successive steps of K alternate between two sets of A and B registers: C(m) in tmm(m), A in
+// tmm2 / tmm3, B(m) in tmm(4 + m) / tmm(6 + m). (GCC's tile intrinsics take literal register numbers.)
+template <int MB, typename Y>
+inline void tile_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t mb, int64_t M,
+                       Y* y, int64_t N, const Prefetch& pf) {
+  static_assert(MB == 1 || MB == 2, "one or two blocks of x rows");
+  const int64_t KT = K / 32, stride = K * 2;
+  const uint16_t* wn = w + nb * 16 * K;
+  const uint16_t* x0 = xb + mb * KT * 512;
+  const uint16_t* x1 = x0 + KT * 512;
+  auto even = [&](int64_t kt) {
+    pf.step(kt);
+    _tile_loadd(2, wn + kt * 32, stride);
+    _tile_loadd(4, x0 + kt * 512, 64);
+    if constexpr (MB == 2) _tile_loadd(5, x1 + kt * 512, 64);
+    _tile_dpbf16ps(0, 2, 4);
+    if constexpr (MB == 2) _tile_dpbf16ps(1, 2, 5);
+  };
+  auto odd = [&](int64_t kt) {
+    pf.step(kt);
+    _tile_loadd(3, wn + kt * 32, stride);
+    _tile_loadd(6, x0 + kt * 512, 64);
+    if constexpr (MB == 2) _tile_loadd(7, x1 + kt * 512, 64);
+    _tile_dpbf16ps(0, 3, 6);
+    if constexpr (MB == 2) _tile_dpbf16ps(1, 3, 7);
+  };
+  _tile_zero(0);
+  if constexpr (MB == 2) _tile_zero(1);
+  int64_t kt = 0;
+  for (; kt + 2 <= KT; kt += 2) {
+    even(kt);
+    odd(kt + 1);
+  }
+  if (kt < KT) even(kt);
+  store_c_tiles<MB>(M, mb, nb, y, N);
+}
+
 // One block of 16 weight rows against MB (3 or 4) blocks of 16 x rows in one pass: C(m) in tmm(m),
 // A in tmm4 / tmm5 by turns over K, B alternating between tmm6 and tmm7 over the x blocks.
 template <int MB, typename Y>
 inline void tile_block_wide(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t mb, int64_t M,
-                            Y* y, int64_t N, const char* pf, int64_t pf_lines) {
+                            Y* y, int64_t N, const Prefetch& pf) {
   static_assert(MB == 3 || MB == 4, "three or four blocks of x rows");
   const int64_t KT = K / 32, stride = K * 2;
-  const int64_t pf_per_kt = (pf_lines + KT - 1) / KT;
   const uint16_t* wn = w + nb * 16 * K;
   const uint16_t* x0 = xb + mb * KT * 512;
-  auto prefetch = [&](int64_t kt) {
-    for (int64_t i = kt * pf_per_kt; i < std::min(pf_lines, (kt + 1) * pf_per_kt); ++i)
-      prefetch_line(pf + i * 64);
+  auto even = [&](int64_t kt) {
+    pf.step(kt);
+    _tile_loadd(4, wn + kt * 32, stride);
+    _tile_loadd(6, x0 + kt * 512, 64);                _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, x0 + (KT + kt) * 512, 64);         _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(6, x0 + (2 * KT + kt) * 512, 64);     _tile_dpbf16ps(2, 4, 6);
+    if constexpr (MB == 4) { _tile_loadd(7, x0 + (3 * KT + kt) * 512, 64); _tile_dpbf16ps(3, 4, 7); }
   };
-  _tile_zero(0); _tile_zero(1); _tile_zero(2);
+  auto odd = [&](int64_t kt) {
+    pf.step(kt);
+    _tile_loadd(5, wn + kt * 32, stride);
+    _tile_loadd(6, x0 + kt * 512, 64);                _tile_dpbf16ps(0, 5, 6);
+    _tile_loadd(7, x0 + (KT + kt) * 512, 64);         _tile_dpbf16ps(1, 5, 7);
+    _tile_loadd(6, x0 + (2 * KT + kt) * 512, 64);     _tile_dpbf16ps(2, 5, 6);
+    if constexpr (MB == 4) { _tile_loadd(7, x0 + (3 * KT + kt) * 512, 64); _tile_dpbf16ps(3, 5, 7); }
+  };
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
   if constexpr (MB == 4) _tile_zero(3);
   int64_t kt = 0;
   for (; kt + 2 <= KT; kt += 2) {
-    prefetch(kt);
-    _tile_loadd(4, wn + kt * 32, stride);
-    _tile_loadd(6, x0 + kt * 512, 64);                _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(7, x0 + (KT + kt) * 512, 64);         _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(6, x0 + (2 * KT + kt) * 512, 64);     _tile_dpbf16ps(2, 4, 6);
-    if constexpr (MB == 4) { _tile_loadd(7, x0 + (3 * KT + kt) * 512, 64); _tile_dpbf16ps(3, 4, 7); }
-    prefetch(kt + 1);
-    _tile_loadd(5, wn + (kt + 1) * 32, stride);
-    _tile_loadd(6, x0 + (kt + 1) * 512, 64);            _tile_dpbf16ps(0, 5, 6);
-    _tile_loadd(7, x0 + (KT + kt + 1) * 512, 64);       _tile_dpbf16ps(1, 5, 7);
-    _tile_loadd(6, x0 + (2 * KT + kt + 1) * 512, 64);   _tile_dpbf16ps(2, 5, 6);
-    if constexpr (MB == 4) { _tile_loadd(7, x0 + (3 * KT + kt + 1) * 512, 64); _tile_dpbf16ps(3, 5, 7); }
+    even(kt);
+    odd(kt + 1);
   }
-  if (kt < KT) {
-    prefetch(kt);
-    _tile_loadd(4, wn + kt * 32, stride);
-    _tile_loadd(6, x0 + kt * 512, 64);                _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(7, x0 + (KT + kt) * 512, 64);         _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(6, x0 + (2 * KT + kt) * 512, 64);     _tile_dpbf16ps(2, 4, 6);
-    if constexpr (MB == 4) { _tile_loadd(7, x0 + (3 * KT + kt) * 512, 64); _tile_dpbf16ps(3, 4, 7); }
-  }
-  alignas(64) float buf[MB][256];
-  _tile_stored(0, buf[0], 64); _tile_stored(1, buf[1], 64); _tile_stored(2, buf[2], 64);
-  if constexpr (MB == 4) _tile_stored(3, buf[3], 64);
-  for (int m = 0; m < MB; ++m) {
-    const int rows = (int)std::min<int64_t>(16, M - (mb + m) * 16);
-    store_transposed(buf[m], rows, y + (mb + m) * 16 * N + nb * 16, N);
-  }
+  if (kt < KT) even(kt);
+  store_c_tiles<MB>(M, mb, nb, y, N);
 }
 
 // All x rows against weight rows [16 nb, 16 nb + 16), in passes of up to four blocks of x rows;
@@ -270,13 +257,13 @@ inline void n_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb
   const int64_t pf_lines = nb + 1 < N / 16 ? 16 * K * 2 / 64 : 0;
   const int64_t per_pass = (pf_lines + passes - 1) / passes;
   for (int64_t mb = 0, p = 0; mb < MBS; ++p) {
-    const int64_t lines = std::max<int64_t>(0, std::min(per_pass, pf_lines - p * per_pass));
-    const char* pfp = pf + p * per_pass * 64;
+    const Prefetch pass_pf(pf + p * per_pass * 64, std::max<int64_t>(0, std::min(per_pass, pf_lines - p * per_pass)),
+                           K / 32);
     const int64_t left = MBS - mb;
-    if (left >= 4) { tile_block_wide<4, Y>(w, xb, K, nb, mb, M, y, N, pfp, lines); mb += 4; continue; }
-    if (left == 3) { tile_block_wide<3, Y>(w, xb, K, nb, mb, M, y, N, pfp, lines); mb += 3; continue; }
-    if (left >= 2) { tile_block<2, Y>(w, xb, K, nb, mb, M, y, N, pfp, lines); mb += 2; }
-    else { tile_block<1, Y>(w, xb, K, nb, mb, M, y, N, pfp, lines); mb += 1; }
+    if (left >= 4) { tile_block_wide<4, Y>(w, xb, K, nb, mb, M, y, N, pass_pf); mb += 4; continue; }
+    if (left == 3) { tile_block_wide<3, Y>(w, xb, K, nb, mb, M, y, N, pass_pf); mb += 3; continue; }
+    if (left >= 2) { tile_block<2, Y>(w, xb, K, nb, mb, M, y, N, pass_pf); mb += 2; }
+    else { tile_block<1, Y>(w, xb, K, nb, mb, M, y, N, pass_pf); mb += 1; }
   }
 }
 

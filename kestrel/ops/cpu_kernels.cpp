@@ -12,9 +12,8 @@
 #include <c10/util/BFloat16.h>
 
 #include <immintrin.h>
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx.h"
 
 #include <algorithm>
 #include <cmath>
@@ -334,22 +333,8 @@ __attribute__((always_inline)) inline void chunk_avx(PairState<D, G>& st, const 
 // The scores stay in C's [row][head] order; the softmax works lane-wise in that order (lane i of
 // vector v is head (16 v + i) % G of row (16 v + i) / G).
 
-// Whether this CPU has AMX-BF16 and the process may use AMX tile data (Linux grants it on request,
-// ARCH_REQ_XCOMP_PERM, once per process).
-bool amx_usable() {
-  static const bool ok = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using kestrel_amx::amx_usable;
+using kestrel_amx::TileConfig;
 
 template <int D, int G>
 TileConfig amx_config() {
