@@ -4,7 +4,8 @@ Layout of one step's batch (the model runner guarantees it): first the decodes (
 token this step), one row each, longest context first; then each prefill chunk's tokens, contiguous. The KV cache of a layer is a pair of tensors
 [num_slots, num_kv_heads, head_dim], slot = block_id * block_size + offset.
 
-Decodes are served by a compiled CPU kernel that reads the paged cache in place (kestrel/ops, when
+Prefill chunks are served by a compiled AMX kernel where the CPU has AMX and the model is bf16
+(kestrel/ops/cpu_prefill.cpp), else by SDPA. Decodes are served by a compiled CPU kernel that reads the paged cache in place (kestrel/ops, when
 it builds), else by the PyTorch path here: in groups, one batched SDPA call per group over the members' gathered contexts
 (padded to the group's longest, masked). The runner sorts decodes by length and cuts groups at a
 padded-size budget: on CPU one call over a large batch runs ~4x slower than the same work split
@@ -27,7 +28,9 @@ class PrefillChunk:
     token_start: int                       # first row of the chunk in the flattened batch
     token_end: int
     context_blocks: torch.Tensor | None    # [num_blocks] block ids of the whole context; None: no prior context
-    mask: torch.Tensor | None              # [q_len, num_blocks * block_size] bool, True = may attend
+    mask: torch.Tensor | None              # [q_len, num_blocks * block_size] bool, True = may attend; None
+                                           # when `prefill_kernel` serves the chunk
+    context_len: int = 0                   # keys the chunk's last token sees (its position + 1)
 
 
 @dataclass
@@ -48,6 +51,9 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     # The compiled CPU decode kernel (kestrel/ops), reading the paged cache in place; None: PyTorch path.
     decode_kernel: Callable | None = None
+    # The compiled AMX prefill kernel (kestrel/ops/cpu_prefill.cpp): causal attention of a chunk's
+    # queries over its keys, the queries being the last ones; None: SDPA.
+    prefill_kernel: Callable | None = None
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -94,7 +100,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
             out[s:e] = _decode_attention(q[s:e], cache, group, meta.block_size, scale)
     for chunk in meta.prefills:
         s, e = chunk.token_start, chunk.token_end
-        out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], cache, chunk, meta.block_size, scale)
+        if meta.prefill_kernel is not None:
+            out[s:e] = _prefill_attention_kernel(meta.prefill_kernel, q[s:e], k[s:e], v[s:e], cache, chunk,
+                                                 meta.block_size, scale)
+        else:
+            out[s:e] = _prefill_attention(q[s:e], k[s:e], v[s:e], cache, chunk, meta.block_size, scale)
     return out
 
 
@@ -108,6 +118,16 @@ def _decode_attention(q: torch.Tensor, cache: KVCache, group: DecodeGroup, block
     qg = q.view(n, kv_heads, heads // kv_heads, head_dim)
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=scale)
     return o.reshape(n, heads, head_dim)
+
+
+def _prefill_attention_kernel(kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              cache: KVCache | None, chunk: PrefillChunk, block_size: int,
+                              scale: float) -> torch.Tensor:
+    if chunk.context_blocks is not None:
+        kh, vh = gather_kv(cache, chunk.context_blocks, block_size)  # [kv_heads, len, head_dim]
+        k = kh.transpose(0, 1)[:chunk.context_len]
+        v = vh.transpose(0, 1)[:chunk.context_len]
+    return kernel(q, k, v, scale)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,

@@ -116,3 +116,12 @@ def cpu_gemv():
     """The small-batch bf16 linear kernel (cpu_gemv.cpp), or None where unavailable (no
     AVX512-BF16, no compiler, or KESTREL_DISABLE_CPU_KERNELS=1)."""
     return _load_or_none("cpu_gemv.cpp", "CPU small-batch linear kernel", _cpu_has_avx512_bf16())
+
+
+@functools.cache
+def cpu_prefill():
+    """The AMX prefill-attention kernel (cpu_prefill.cpp), or None where unavailable (no AMX-BF16,
+    no compiler, or KESTREL_DISABLE_CPU_KERNELS=1)."""
+    flags = _cpu_flags()
+    return _load_or_none("cpu_prefill.cpp", "CPU prefill-attention kernel",
+                         "amx_bf16" in flags and "amx_tile" in flags and "avx512f" in flags)

@@ -1,5 +1,5 @@
-// Shared by Kestrel's CPU kernels (cpu_kernels.cpp, cpu_gemv.cpp): the AMX permission check and the
-// tile configuration. Part of each kernel's build key (kestrel/ops/__init__.py hashes the headers).
+// Shared by Kestrel's CPU kernels (cpu_kernels.cpp, cpu_gemv.cpp, cpu_prefill.cpp): the AMX permission
+// check and the tile configuration. Part of each kernel's build key (kestrel/ops/__init__.py hashes the headers).
 #pragma once
 
 #include <cpuid.h>

@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include "amx.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -76,34 +77,12 @@ void run(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t N, int64_t K
 
 using kestrel_amx::amx_usable;
 using kestrel_amx::TileConfig;
+using kestrel_simd::round_to_bf16_bits;
+using kestrel_simd::transpose16;
 
 // A prefetch the compiler must keep: GCC deletes a loop of _mm_prefetch calls as a loop without
 // side effects.
 inline void prefetch_line(const char* p) { asm volatile("prefetcht0 (%0)" : : "r"(p)); }
-
-// Transpose a 16 x 16 matrix of 32-bit lanes held in r[0..15] (row i in r[i]).
-inline void transpose16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int h = 0; h < 16; h += 8)
-    for (int i = 0; i < 4; ++i) {
-      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
-      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
-    }
-  for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
-  }
-}
 
 // x [M, K] → VNNI B tiles: [mb][kt][16 pairs][16 rows of x][2], rows past M zero.
 void pack_x(const uint16_t* x, int64_t M, int64_t K, uint16_t* xb) {
@@ -119,15 +98,6 @@ void pack_x(const uint16_t* x, int64_t M, int64_t K, uint16_t* xb) {
       uint16_t* tile = xb + (mb * KT + kt) * 512;
       for (int p = 0; p < 16; ++p) _mm512_store_si512(tile + p * 32, r[p]);
     }
-}
-
-// float32 → bf16 bits (in the low half of each lane), to nearest even; NaN stays a quiet NaN.
-inline __m512i round_to_bf16_bits(__m512 v) {
-  __m512i b = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  return _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40)));
 }
 
 // C^T tile [16 n][16 m] in buf → y[m, n0..n0+15] for the rows m < rows.

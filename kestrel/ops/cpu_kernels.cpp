@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include "amx.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -36,22 +37,7 @@ inline VecF splat(float x) { return _mm512_set1_ps(x); }
 inline float hsum(VecF v) { return _mm512_reduce_add_ps(v); }
 inline void store(float* p, VecF v) { _mm512_storeu_ps(p, v); }
 
-// exp(x), x clamped to [-87, 88]: 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5], 2^f by a degree-6
-// polynomial (relative error ~2e-7, float's own rounding).
-inline VecF exp_clamped(VecF x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const VecF t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const VecF n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const VecF f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));  // f ln 2
-  VecF p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+using kestrel_simd::exp_clamped;
 #else
 #error "this kernel needs AVX-512; kestrel falls back to the PyTorch path elsewhere"
 #endif

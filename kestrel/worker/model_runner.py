@@ -12,6 +12,7 @@ chunk as the scheduler splits the prefill. Nothing extra runs when no request in
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +23,7 @@ from kestrel.config import EngineConfig
 from kestrel.messages import (EMPTY_MODEL_RUNNER_OUTPUT, Logprobs, ModelRunnerOutput,
                               NewRequestData, SchedulerOutput)
 from kestrel.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
-from kestrel.ops import cpu_kernels
+from kestrel.ops import cpu_kernels, cpu_prefill
 from kestrel.sample import Sampler, SamplerOutput, SamplingMetadata
 from kestrel.sample.sampler import gather_logprobs
 from kestrel.sampling_params import SamplingParams
@@ -95,6 +96,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[KVCache] = []
         self.decode_kernel = self._find_decode_kernel()
+        self.prefill_kernel = self._find_prefill_kernel()
 
     def _find_decode_kernel(self):
         m = self.config.model
@@ -104,6 +106,16 @@ class ModelRunner:
         if kernels is None or not kernels.supports(m.head_dim, m.num_heads // m.num_kv_heads):
             return None
         return kernels.paged_decode_attention
+
+    def _find_prefill_kernel(self):
+        m = self.config.model
+        if (self.device.type != "cpu" or m.dtype != torch.bfloat16 or m.head_dim % 32 != 0 or m.head_dim > 256
+                or os.environ.get("KESTREL_DISABLE_AMX") == "1"):
+            return None
+        kernels = cpu_prefill()
+        if kernels is None or not kernels.usable():
+            return None
+        return kernels.prefill_attention
 
     # ---- KV memory ---------------------------------------------------------------------------
 
@@ -122,10 +134,11 @@ class ModelRunner:
         chunks, start = [], 0
         while start < num_tokens:
             end = min(start + sched.max_model_len, num_tokens)
-            chunks.append(PrefillChunk(start, end, None, None))
+            chunks.append(PrefillChunk(start, end, None, None, end - start))
             start = end
         meta = AttentionMetadata(slot_mapping=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
-                                 block_size=self.block_size, decodes=[], prefills=chunks)
+                                 block_size=self.block_size, decodes=[], prefills=chunks,
+                                 prefill_kernel=self.prefill_kernel)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(c.token_end - c.token_start, device=self.device) for c in chunks])
         hidden = self.model(ids, positions, None, meta)
@@ -219,7 +232,7 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
                                  block_size=bs, decodes=self._decode_groups(decodes), prefills=prefills,
-                                 decode_kernel=self.decode_kernel)
+                                 decode_kernel=self.decode_kernel, prefill_kernel=self.prefill_kernel)
         return BatchInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
@@ -265,14 +278,17 @@ class ModelRunner:
     def _prefill_chunk(self, row: int, start: int, end: int, table: np.ndarray) -> PrefillChunk:
         n = end - start
         if start == 0:
-            return PrefillChunk(row, row + n, None, None)
+            return PrefillChunk(row, row + n, None, None, end)
         bs, dev = self.block_size, self.device
         num_blocks = -(-end // bs)
+        blocks = torch.from_numpy(table[:num_blocks]).to(dev)
+        if self.prefill_kernel is not None:  # it takes the first `end` keys, causal from the bottom right
+            return PrefillChunk(row, row + n, blocks, None, end)
         # Query i sits at position start + i and sees keys 0 .. start + i (the padding after `end`
         # is never visible).
         mask = (torch.arange(num_blocks * bs, device=dev)[None, :]
                 <= torch.arange(start, end, device=dev)[:, None])
-        return PrefillChunk(row, row + n, torch.from_numpy(table[:num_blocks]).to(dev), mask)
+        return PrefillChunk(row, row + n, blocks, mask, end)
 
     def _compute_prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[str, int, int, int]]
                                  ) -> dict[str, tuple[int, Logprobs]]:

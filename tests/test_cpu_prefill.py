@@ -1,0 +1,133 @@
+"""The AMX prefill-attention kernel (kestrel/ops/cpu_prefill.cpp) against exact attention and SDPA,
+and its wiring in kestrel.model.attention (fresh prompts, chunks over a cached context)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kestrel.model.attention import AttentionMetadata, PrefillChunk, paged_attention
+from kestrel.ops import _cpu_flags, cpu_prefill
+
+_has_amx = {"amx_bf16", "amx_tile", "avx512f"} <= _cpu_flags()
+kernels = cpu_prefill()
+pytestmark = pytest.mark.skipif(not _has_amx, reason="this CPU has no AMX-BF16")
+
+
+def test_kernel_builds_and_runs_on_this_cpu():
+    assert kernels is not None and kernels.usable()
+
+
+def _exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Bottom-right causal attention in float64: q [Lq, H, D] are the last Lq of k, v [Lk, KV, D]."""
+    lq, lk, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    qh = q.double().transpose(0, 1)
+    kh = k.double().transpose(0, 1).repeat_interleave(group, 0)
+    vh = v.double().transpose(0, 1).repeat_interleave(group, 0)
+    scores = qh @ kh.transpose(1, 2) * scale
+    hidden = torch.arange(lk)[None, :] > torch.arange(lq)[:, None] + (lk - lq)
+    return (scores.masked_fill(hidden, float("-inf")).softmax(-1) @ vh).transpose(0, 1)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    lq, lk = q.shape[0], k.shape[0]
+    visible = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=visible, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("lq,lk", [(1, 1), (2, 2), (15, 15), (16, 16), (17, 17), (31, 31), (33, 33), (100, 100),
+                                   (300, 300), (1, 77), (40, 300), (16, 48), (5, 1000)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (8, 2, 128), (2, 1, 32)])
+def test_matches_exact_attention_as_closely_as_sdpa(lq, lk, heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(lq * 7919 + lk * 31 + heads)
+    # q, k and v as slices of one fused projection, as the model passes them (strided rows).
+    qkv = (torch.randn(lk, heads + 2 * kv_heads, head_dim, generator=gen) * 2).bfloat16()
+    q, k, v = qkv[lk - lq:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    scale = 1 / math.sqrt(head_dim)
+    out = kernels.prefill_attention(q, k, v, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == (lq, heads, head_dim) and out.is_contiguous()
+    exact = _exact(q, k, v, scale)
+    err = (out.double() - exact).abs().max().item()
+    sdpa_err = (_sdpa(q, k, v, scale).double() - exact).abs().max().item()
+    # Both round the weights and the output to bf16; the kernel must not be markedly worse.
+    assert err <= 2 * sdpa_err + 2 ** -8, (err, sdpa_err)
+
+
+def test_large_scores_and_a_late_maximum_rescale_the_output():
+    # Scores of several hundred: the running max rises late in the row (the rescaling path), and
+    # exp would overflow without subtracting it.
+    lk, heads, kv_heads, d = 200, 4, 2, 64
+    gen = torch.Generator().manual_seed(5)
+    q = (torch.randn(lk, heads, d, generator=gen) * 4).bfloat16()
+    k = (torch.randn(lk, kv_heads, d, generator=gen) * 4).bfloat16()
+    k[150:] *= 3
+    v = torch.randn(lk, kv_heads, d, generator=gen).bfloat16()
+    out = kernels.prefill_attention(q, k, v, 1.0)
+    assert torch.isfinite(out.float()).all()
+    exact = _exact(q, k, v, 1.0)
+    assert (out.double() - exact).abs().max().item() <= 2 * (_sdpa(q, k, v, 1.0).double() - exact).abs().max().item() + 2 ** -8
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_same_result_on_any_number_of_threads(threads):
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(300, h, 64, generator=gen).bfloat16() for h in (9, 3, 3))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = kernels.prefill_attention(q, k, v, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out, kernels.prefill_attention(q, k, v, 0.125))
+
+
+def test_rejects_what_it_cannot_do():
+    q, kv = torch.zeros(4, 4, 64, dtype=torch.bfloat16), torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        kernels.prefill_attention(q.float(), kv.float(), kv.float(), 1.0)         # float32
+    with pytest.raises(RuntimeError):
+        kernels.prefill_attention(q, kv[:3], kv[:3], 1.0)                          # fewer keys than queries
+    with pytest.raises(RuntimeError):
+        kernels.prefill_attention(q[..., :48], kv[..., :48], kv[..., :48], 1.0)    # head_dim % 32 != 0
+    with pytest.raises(RuntimeError):
+        kernels.prefill_attention(torch.zeros(4, 3, 64, dtype=torch.bfloat16), kv, kv, 1.0)  # 3 heads on 2
+    with pytest.raises(RuntimeError):
+        kernels.prefill_attention(q.transpose(1, 2).contiguous().transpose(1, 2), kv, kv, 1.0)  # strided D
+
+
+def test_paged_attention_uses_it_for_fresh_and_continued_chunks():
+    """A step of two prefill chunks, one a fresh prompt and one continuing a context already in the
+    paged cache: the kernel path agrees with the SDPA path."""
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(3)
+    cache = (torch.zeros(64 * bs, kv_heads, d, dtype=torch.bfloat16), torch.zeros(64 * bs, kv_heads, d, dtype=torch.bfloat16))
+    # Request B: 50 tokens already cached in blocks 7, 3, 9, 12; this step brings tokens 50..69.
+    table_b = torch.tensor([7, 3, 9, 12, 20])
+    ctx = torch.randn(2, 50, kv_heads, d, generator=gen).bfloat16()
+    old = torch.arange(50)
+    old_slots = table_b[old // bs] * bs + old % bs
+    cache[0][old_slots], cache[1][old_slots] = ctx[0], ctx[1]
+    n_a, n_b = 37, 20
+    q = torch.randn(n_a + n_b, heads, d, generator=gen).bfloat16()
+    k = torch.randn(n_a + n_b, kv_heads, d, generator=gen).bfloat16()
+    v = torch.randn(n_a + n_b, kv_heads, d, generator=gen).bfloat16()
+    new = torch.arange(50, 70)
+    slots = torch.cat([torch.tensor([30 * bs]) + torch.arange(n_a), table_b[new // bs] * bs + new % bs])
+    mask_b = torch.arange(5 * bs)[None, :] <= new[:, None]
+    sdpa_chunks = [PrefillChunk(0, n_a, None, None, n_a), PrefillChunk(n_a, n_a + n_b, table_b, mask_b, 70)]
+    kernel_chunks = [PrefillChunk(0, n_a, None, None, n_a), PrefillChunk(n_a, n_a + n_b, table_b, None, 70)]
+    outs = []
+    for chunks, kernel in ((sdpa_chunks, None), (kernel_chunks, kernels.prefill_attention)):
+        meta = AttentionMetadata(slot_mapping=slots, block_size=bs, decodes=[], prefills=chunks, prefill_kernel=kernel)
+        outs.append(paged_attention(q, k, v, cache, meta, 0.125))
+    sdpa_out, kernel_out = (o.double() for o in outs)
+    assert (kernel_out - sdpa_out).abs().max().item() < 2 ** -5
+    # Each query's output is a weighted mean of the V rows it may see: the chunk over a context
+    # must differ from attention over its own 20 tokens alone.
+    alone = kernels.prefill_attention(q[n_a:], k[n_a:], v[n_a:], 0.125).double()
+    assert (kernel_out[n_a:] - alone).abs().max().item() > 0.1
