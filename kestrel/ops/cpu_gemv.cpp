@@ -217,6 +217,59 @@ inline void tile_block_wide(const uint16_t* w, const uint16_t* xb, int64_t K, in
   store_c_tiles<MB>(M, mb, nb, y, N);
 }
 
+// Two blocks of 16 weight rows (nb, nb + 1) against two blocks of x rows (mb, mb + 1): C(w, m) in
+// tmm(2 w + m), A in tmm4 / tmm5, B in tmm6 / tmm7. Each x tile feeds two products, where the wide
+// blocks above reload every x tile (from L2) for each block of weight rows.
+template <typename Y>
+inline void tile_block_pair(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t mb, int64_t M,
+                            Y* y, int64_t N, const Prefetch& pf) {
+  const int64_t KT = K / 32, stride = K * 2;
+  const uint16_t* w0 = w + nb * 16 * K;
+  const uint16_t* w1 = w0 + 16 * K;
+  const uint16_t* x0 = xb + mb * KT * 512;
+  const uint16_t* x1 = x0 + KT * 512;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kt = 0; kt < KT; ++kt) {
+    pf.step(kt);
+    _tile_loadd(4, w0 + kt * 32, stride);
+    _tile_loadd(6, x0 + kt * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, x1 + kt * 512, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, w1 + kt * 32, stride);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  alignas(64) float buf[4][256];
+  _tile_stored(0, buf[0], 64);
+  _tile_stored(1, buf[1], 64);
+  _tile_stored(2, buf[2], 64);
+  _tile_stored(3, buf[3], 64);
+  for (int wb = 0; wb < 2; ++wb)
+    for (int m = 0; m < 2; ++m) {
+      const int rows = (int)std::min<int64_t>(16, M - (mb + m) * 16);
+      store_transposed(buf[2 * wb + m], rows, y + (mb + m) * 16 * N + (nb + wb) * 16, N);
+    }
+}
+
+// All x rows (an even number of 16-row blocks) against weight rows [16 nb, 16 nb + 32), two x blocks
+// a pass; the next pair's weight rows are prefetched over the passes.
+template <typename Y>
+inline void n_block_pair(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t M, Y* y, int64_t N) {
+  const int64_t MBS = (M + 15) / 16, passes = MBS / 2;
+  const char* pf = reinterpret_cast<const char*>(w + (nb + 2) * 16 * K);
+  const int64_t pf_lines = nb + 2 < N / 16 ? 2 * 16 * K * 2 / 64 : 0;
+  const int64_t per_pass = (pf_lines + passes - 1) / passes;
+  for (int64_t p = 0; p < passes; ++p) {
+    const Prefetch pass_pf(pf + p * per_pass * 64, std::max<int64_t>(0, std::min(per_pass, pf_lines - p * per_pass)),
+                           K / 32);
+    tile_block_pair<Y>(w, xb, K, nb, 2 * p, M, y, N, pass_pf);
+  }
+}
+
 // All x rows against weight rows [16 nb, 16 nb + 16), in passes of up to four blocks of x rows;
 // the next block's weight rows are prefetched over the passes (tile loads wait out each cache miss).
 template <typename Y>
@@ -237,13 +290,20 @@ inline void n_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb
   }
 }
 
+// Pairs of weight blocks against pairs of x blocks where both counts are even (measured: 7-18% faster
+// at 17-32 and 65-128 rows, even at 49-64; an odd x block left over made it slower), else one weight
+// block against up to four x blocks.
 template <typename Y>
 void run(const uint16_t* w, const uint16_t* xb, Y* y, int64_t M, int64_t N, int64_t K) {
-  at::parallel_for(0, N / 16, 1, [&](int64_t begin, int64_t end) {
+  const bool pairs = ((M + 15) / 16) % 2 == 0 && (N / 16) % 2 == 0;
+  at::parallel_for(0, pairs ? N / 32 : N / 16, 1, [&](int64_t begin, int64_t end) {
     TileConfig cfg;
     for (int i = 0; i < 8; ++i) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
     _tile_loadconfig(&cfg);
-    for (int64_t nb = begin; nb < end; ++nb) n_block(w, xb, K, nb, M, y, N);
+    for (int64_t i = begin; i < end; ++i) {
+      if (pairs) n_block_pair(w, xb, K, 2 * i, M, y, N);
+      else n_block(w, xb, K, i, M, y, N);
+    }
     _tile_release();
   });
 }
