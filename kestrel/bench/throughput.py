@@ -80,7 +80,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="also run this peer (repeatable): transformers on the same weights and dtype; "
                              "llama-server on the weights written as bf16 (default), f32, or its native q4_1 file")
     parser.add_argument("--no-roofline", dest="roofline", action="store_false",
-                        help="skip measuring the machine's matmul and copy rates")
+                        help="skip measuring the machine's matmul and copy rates (W1 only: W4 never does)")
     parser.add_argument("--peer-batch-size", type=int, default=DEFAULT_PEER_BATCH_SIZE,
                         help=f"requests per transformers generate call (default: {DEFAULT_PEER_BATCH_SIZE})")
     parser.add_argument("--num-threads", type=int, help="torch threads for Kestrel and the peer alike "
@@ -106,7 +106,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     if args.num_threads:
         set_torch_threads(args.num_threads)
     limits = None
-    if args.roofline:
+    # W4's first engine skips the prefill its prefix cache holds: W1's FLOP count would not apply.
+    if args.roofline and args.workload == "W1":
         limits = measure_machine_limits(engine_kwargs)
     results, engine_info = run_kestrel(requests, engine_kwargs, args.runs, args.workload)
     for peer in args.peer:
