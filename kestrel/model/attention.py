@@ -5,13 +5,13 @@ token this step), one row each, longest context first; then each prefill chunk's
 [num_slots, num_kv_heads, head_dim], slot = block_id * block_size + offset.
 
 Prefill chunks are served by a compiled AMX kernel where the CPU has AMX and the model is bf16
-(kestrel/ops/cpu_prefill.cpp), else by SDPA. Decodes are served by a compiled CPU kernel that reads the paged cache in place (kestrel/ops, when
-it builds), else by the PyTorch path here: in groups, one batched SDPA call per group over the members' gathered contexts
-(padded to the group's longest, masked). The runner sorts decodes by length and cuts groups at a
-padded-size budget: on CPU one call over a large batch runs ~4x slower than the same work split
-into calls whose operands stay in cache, and sorting keeps the padding small. Each prefill chunk
-gets its own call: causal on its own keys when it starts at position 0, else over its gathered
-context with a bottom-right causal mask.
+(kestrel/ops/cpu_prefill.cpp), else by SDPA. Decodes are served by a compiled CPU kernel that reads
+the paged cache in place (kestrel/ops, when it builds), else by the PyTorch path here: in groups,
+one batched SDPA call per group over the members' gathered contexts (padded to the group's longest,
+masked). The runner sorts decodes by length and cuts groups at a padded-size budget: on CPU one call
+over a large batch runs ~4x slower than the same work split into calls whose operands stay in cache,
+and sorting keeps the padding small. Each prefill chunk gets its own call: causal on its own keys
+when it starts at position 0, else over its gathered context with a bottom-right causal mask.
 """
 
 from __future__ import annotations
