@@ -126,6 +126,17 @@ struct Prefetch {
   }
 };
 
+// The K steps of a block: even and odd steps alternate between two sets of tile registers.
+template <typename Even, typename Odd>
+inline void k_steps(int64_t KT, Even even, Odd odd) {
+  int64_t kt = 0;
+  for (; kt + 2 <= KT; kt += 2) {
+    even(kt);
+    odd(kt + 1);
+  }
+  if (kt < KT) even(kt);
+}
+
 // The C tiles tmm0 .. tmm(MB - 1) (y^T for x blocks mb .. mb + MB - 1, weight block nb) into y.
 template <int MB, typename Y>
 inline void store_c_tiles(int64_t M, int64_t mb, int64_t nb, Y* y, int64_t N) {
@@ -170,12 +181,7 @@ inline void tile_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t
   };
   _tile_zero(0);
   if constexpr (MB == 2) _tile_zero(1);
-  int64_t kt = 0;
-  for (; kt + 2 <= KT; kt += 2) {
-    even(kt);
-    odd(kt + 1);
-  }
-  if (kt < KT) even(kt);
+  k_steps(KT, even, odd);
   store_c_tiles<MB>(M, mb, nb, y, N);
 }
 
@@ -208,12 +214,7 @@ inline void tile_block_wide(const uint16_t* w, const uint16_t* xb, int64_t K, in
   _tile_zero(1);
   _tile_zero(2);
   if constexpr (MB == 4) _tile_zero(3);
-  int64_t kt = 0;
-  for (; kt + 2 <= KT; kt += 2) {
-    even(kt);
-    odd(kt + 1);
-  }
-  if (kt < KT) even(kt);
+  k_steps(KT, even, odd);
   store_c_tiles<MB>(M, mb, nb, y, N);
 }
 
