@@ -37,6 +37,7 @@ class ModelConfig:
     bos_token_id: int | None
     dtype: torch.dtype
     max_model_len: int
+    quantization: str | None = None  # None, or "int8": the decoder projections in int8 (W8A8)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -83,6 +84,7 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"                     # auto | bfloat16 | float16 | float32
+    quantization: str | None = None         # None | int8
     device: str = "auto"                    # auto | cpu | cuda | cuda:N
     max_model_len: int | None = None
     max_num_seqs: int = 256

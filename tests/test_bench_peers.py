@@ -25,8 +25,8 @@ from kestrel.bench.peers import (KestrelServer, LlamaServer, RssSampler, gguf_in
 from kestrel.model.gguf_loader import iter_gguf_weights
 from kestrel.model.loader import default_model_path
 
-FILE_TYPES = {"bf16": LlamaFileType.MOSTLY_BF16, "f32": LlamaFileType.ALL_F32}
-TARGET_TYPES = {"bf16": QT.BF16, "f32": QT.F32}
+FILE_TYPES = {"bf16": LlamaFileType.MOSTLY_BF16, "f32": LlamaFileType.ALL_F32, "q8_0": LlamaFileType.MOSTLY_Q8_0}
+TARGET_TYPES = {"bf16": QT.BF16, "f32": QT.F32, "q8_0": QT.Q8_0}
 
 
 # ---- gguf_in_precision ---------------------------------------------------------------------------
@@ -44,7 +44,7 @@ def source_reader(source) -> GGUFReader:
 @pytest.fixture(scope="module")
 def converted(source, tmp_path_factory) -> dict[str, Path]:
     cache = tmp_path_factory.mktemp("peers-cache")
-    return {p: gguf_in_precision(source, p, cache_dir=cache) for p in ("bf16", "f32")}
+    return {p: gguf_in_precision(source, p, cache_dir=cache) for p in ("bf16", "f32", "q8_0")}
 
 
 def _metadata(reader: GGUFReader) -> list[tuple[str, list, object]]:
@@ -55,7 +55,7 @@ def _bf16_round(values: np.ndarray) -> np.ndarray:
     return torch.from_numpy(np.array(values, dtype=np.float32)).bfloat16().float().numpy()
 
 
-@pytest.mark.parametrize("precision", ["bf16", "f32"])
+@pytest.mark.parametrize("precision", ["bf16", "f32", "q8_0"])
 def test_converted_file_keeps_metadata_and_tensors(precision, converted, source, source_reader):
     out_path = converted[precision]
     assert out_path.suffix == ".gguf" and out_path.parent != source.parent
@@ -85,6 +85,13 @@ def test_converted_file_keeps_metadata_and_tensors(precision, converted, source,
             # bf16 rounding (to nearest even, as torch does it): off by at most half a bf16 ulp.
             assert np.array_equal(out_values, _bf16_round(src_values)), src_t.name
             assert np.all(np.abs(out_values - src_values) <= np.abs(src_values) * 2.0 ** -8), src_t.name
+        elif out_t.tensor_type == QT.Q8_0:
+            # blocks of 32 along a row, scale max|x| / 127 stored in f16: off by half a step, and the
+            # scale's rounding (2^-11 relative) over up to 127 steps.
+            blocks = src_values.reshape(-1, 32)
+            step = np.abs(blocks).max(axis=1, keepdims=True) / 127
+            err = np.abs(out_values.reshape(-1, 32) - blocks)
+            assert np.all(err <= step * (0.5 + 127 * 2.0 ** -11) + 1e-12), src_t.name
         else:
             assert np.array_equal(out_values, src_values), src_t.name
 
@@ -103,7 +110,7 @@ def test_native_precisions_return_the_source(source, tmp_path):
     assert gguf_in_precision(source, "q4_1", cache_dir=tmp_path) == source
     assert gguf_in_precision(source, "native", cache_dir=tmp_path) == source
     with pytest.raises(ValueError, match="unknown precision"):
-        gguf_in_precision(source, "q8_0", cache_dir=tmp_path)
+        gguf_in_precision(source, "q5_k", cache_dir=tmp_path)
     assert not any(tmp_path.iterdir())
 
 

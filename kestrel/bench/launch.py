@@ -2,7 +2,8 @@
 
     kestrel                 `kestrel serve` (its own processes), with the given engine flags
     llama-server[:bf16]     llama.cpp's server on the model's weights written as bf16 (the pair to
-                            Kestrel's default bf16), also :f32, or :q4_1 for the native file
+                            Kestrel's default bf16), also :f32, :q8_0 (the pair to --quantization
+                            int8), or :q4_1 for the native file
 
 All are driven through the same OpenAI-compatible client (kestrel/bench/serve.py). llama.cpp gets
 `-np` slots of `ctx_per_slot` tokens, `--cache-ram 0`, every usable CPU as threads; requests to it
@@ -17,7 +18,8 @@ from pathlib import Path
 
 from kestrel.bench.peers import KestrelServer, LlamaServer, gguf_in_precision
 
-SERVER_SPECS = ("kestrel", "llama-server", "llama-server:bf16", "llama-server:f32", "llama-server:q4_1")
+SERVER_SPECS = ("kestrel", "llama-server", "llama-server:bf16", "llama-server:f32", "llama-server:q8_0",
+                "llama-server:q4_1")
 PEER_SPECS = SERVER_SPECS[1:]
 
 

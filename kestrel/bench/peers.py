@@ -58,7 +58,7 @@ REPO_ROOT = Path(kestrel.__file__).resolve().parent.parent
 DEFAULT_PEERS_SCRIPT = REPO_ROOT.parent / "shared" / "bench" / "peers" / "llama_server.sh"
 
 NATIVE_PRECISIONS = ("native", "q4_1")
-CONVERTED_PRECISIONS = ("bf16", "f32")
+CONVERTED_PRECISIONS = ("bf16", "f32", "q8_0")
 _PRECISION_ALIASES = {"bfloat16": "bf16", "float32": "f32", "fp32": "f32"}
 
 LLAMA_HEALTH_TIMEOUT_S = 300.0
@@ -133,8 +133,8 @@ def _llama_build_name(binary: Path, version: str) -> str:
 # ---- weights in another precision ---------------------------------------------------------------
 
 def gguf_in_precision(src: Path, precision: str, cache_dir: Path | None = None) -> Path:
-    """A GGUF file like `src` with every tensor dequantized to `precision` ("bf16" or "f32"; 1-D
-    tensors stay f32), written once into `cache_dir` (default ~/.cache/kestrel/peers). "native"
+    """A GGUF file like `src` with every tensor dequantized to `precision` ("bf16" or "f32", or
+    requantized to "q8_0", llama.cpp's int8 with a scale per 32 values; 1-D tensors stay f32), written once into `cache_dir` (default ~/.cache/kestrel/peers). "native"
     and "q4_1" return `src` unchanged ("q4_1" checks that `src` is a Q4_1 file)."""
     import gguf
 
@@ -172,13 +172,14 @@ def gguf_in_precision(src: Path, precision: str, cache_dir: Path | None = None) 
 
 
 def _write_dequantized_gguf(src: Path, dst: Path, precision: str) -> None:
+    import gguf
     from gguf import GGMLQuantizationType as QT
     from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
     from gguf.quants import dequantize, quantize
 
     reader = GGUFReader(src)
-    target_type = QT.BF16 if precision == "bf16" else QT.F32
-    file_type = LlamaFileType.MOSTLY_BF16 if precision == "bf16" else LlamaFileType.ALL_F32
+    target_type, file_type = {"bf16": (QT.BF16, LlamaFileType.MOSTLY_BF16), "f32": (QT.F32, LlamaFileType.ALL_F32),
+                              "q8_0": (QT.Q8_0, LlamaFileType.MOSTLY_Q8_0)}[precision]
     integer_types = {QT.I8, QT.I16, QT.I32, QT.I64}
 
     arch_field = reader.get_field("general.architecture")
@@ -207,11 +208,11 @@ def _write_dequantized_gguf(src: Path, dst: Path, precision: str) -> None:
         else:
             out_type = QT.F32 if len(np_shape) <= 1 else target_type
         n_elements = int(np.prod(np_shape, dtype=np.int64))
-        item_bytes = {QT.F32: 4, QT.BF16: 2}.get(out_type)
-        if item_bytes is None:  # integer tensor copied as it is
+        if out_type in integer_types:  # copied as it is
             writer.add_tensor_info(t.name, np_shape, t.data.dtype, int(t.n_bytes))
         else:
-            writer.add_tensor_info(t.name, np_shape, np.dtype(np.float32), n_elements * item_bytes,
+            block, block_bytes = gguf.GGML_QUANT_SIZES[out_type]  # (1, 4) for F32, (32, 34) for Q8_0
+            writer.add_tensor_info(t.name, np_shape, np.dtype(np.float32), n_elements // block * block_bytes,
                                    raw_dtype=out_type)
         plan.append((t, out_type))
 
@@ -224,10 +225,10 @@ def _write_dequantized_gguf(src: Path, dst: Path, precision: str) -> None:
                 writer.write_tensor_data(np.ascontiguousarray(t.data))
                 continue
             values = dequantize(t.data, t.tensor_type)  # float32, numpy order
-            if out_type == QT.BF16:
-                data = quantize(values, QT.BF16)  # uint8 bytes of round-to-nearest-even bf16
-            else:
+            if out_type == QT.F32:
                 data = np.ascontiguousarray(values, dtype=np.float32)
+            else:
+                data = quantize(values, out_type)  # uint8 bytes: round-to-nearest-even bf16, or Q8_0 blocks
             writer.write_tensor_data(data)
         writer.flush()
     finally:

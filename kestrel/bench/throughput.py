@@ -385,6 +385,7 @@ def describe_engine(llm: Any) -> dict[str, Any]:
         "model": source.name, "model_path": source.path, "gguf_file": source.gguf_file,
         "format": f"GGUF ({source.gguf_file}, dequantized on load)" if source.gguf_file else "Hugging Face folder",
         "dtype": str(config.model.dtype).removeprefix("torch."), "device": str(config.device.device),
+        "quantization": config.model.quantization,
         "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "max_model_len": config.model.max_model_len, "block_size": config.cache.block_size,
@@ -599,13 +600,19 @@ def _roofline_line(report: dict[str, Any]) -> str | None:
             f"{r['limit_wall_s']:.1f} s)")
 
 
+def _precision(engine: dict[str, Any]) -> str:
+    """The model dtype, and --quantization where one is on (earlier reports have no such key)."""
+    q = engine.get("quantization")
+    return engine["dtype"] if not q else f"{engine['dtype']} with --quantization {q}"
+
+
 def format_summary(report: dict[str, Any]) -> str:
     lines = text_table(HEADER, _rows(report))
     w, e, m = report["workload"], report["engine"], report["machine"]
     lines += [
         f"workload {w['id']}: {w['num_requests']} requests, {w['input_tokens']} prompt + {w['output_tokens']} "
         f"output tokens; median of {w['runs']} run(s)",
-        f"model {e['model']} ({e['format']}), {e['dtype']} on {e['device']}; "
+        f"model {e['model']} ({e['format']}), {_precision(e)} on {e['device']}; "
         f"{m['cpu_model']}, {m['usable_cpus']} cpus, bf16 flags: {' '.join(m['bf16_flags']) or 'none'}",
     ]
     if (line := _roofline_line(report)) is not None:
@@ -640,7 +647,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"torch {m['torch']}, transformers {m['transformers']}; "
         f"{load_averages(report)}; threads: "
         + ", ".join(f"{side['name']} {side['torch_threads']}" for side in report["results"]),
-        f"- Model: {e['model']}, {e['format']}, {e['dtype']} on {e['device']}",
+        f"- Model: {e['model']}, {e['format']}, {_precision(e)} on {e['device']}",
         f"- Workload: {_workload_line(w)}",
         f"- Kestrel: max_num_seqs {e['max_num_seqs']}, max_num_batched_tokens {e['max_num_batched_tokens']}, "
         f"{e['num_kv_blocks']} KV blocks of {e['block_size']}, prefix caching emptied before each run, "

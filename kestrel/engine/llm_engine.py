@@ -36,7 +36,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, o
     dtype = resolve_dtype(args.dtype, device)
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else _first(hf_config.eos_token_id)
     model = model_config_from_hf(hf_config, model=args.model, dtype=dtype, max_model_len=args.max_model_len,
-                                 eos_token_id=eos, bos_token_id=_first(getattr(hf_config, "bos_token_id", None)))
+                                 eos_token_id=eos, bos_token_id=_first(getattr(hf_config, "bos_token_id", None)),
+                                 quantization=args.quantization)
     if args.max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be at least 1, got {args.max_num_seqs}")
     if args.block_size < 1 or args.block_size & (args.block_size - 1):

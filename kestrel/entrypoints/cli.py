@@ -53,6 +53,8 @@ class EngineFlag:
 ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("--model", "model", str, "a .gguf file or a model folder (default: the embedded SmolLM2-135M-Instruct)"),
     EngineFlag("--dtype", "dtype", str, "auto, bfloat16, float16 or float32"),
+    EngineFlag("--quantization", "quantization", str,
+               "int8: the decoder layers' matrices in int8, activations quantized per token (W8A8)"),
     EngineFlag("--device", "device", str, "auto, cpu, cuda or cuda:N"),
     EngineFlag("--max-model-len", "max_model_len", int, "context length (default: the model's)"),
     EngineFlag("--max-num-seqs", "max_num_seqs", int, "most sequences in one step"),
@@ -201,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     throughput.add_cli_args(bench_throughput)
     add_engine_flags(bench_throughput)
     bench_throughput.set_defaults(handler=run_bench_throughput)
+    from kestrel.bench import parity as bench_parity
+    bench_parity_parser = benches.add_parser("parity", help="greedy agreement of a quantized mode with the "
+                                                            "unquantized engine (--quantization int8)")
+    bench_parity.add_cli_args(bench_parity_parser)
+    add_engine_flags(bench_parity_parser)
+    bench_parity_parser.set_defaults(handler=lambda args: bench_parity.main(args, engine_kwargs(args)))
     from kestrel.bench import serve as bench_serve
     bench_serve_parser = benches.add_parser("serve", help="online serving against an OpenAI-compatible URL "
                                                           "(workload W2)")

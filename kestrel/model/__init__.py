@@ -7,6 +7,7 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.model.llama import LlamaForCausalLM
+from kestrel.model.quantization import check_quantization
 
 # model_type in the checkpoint's config → our module, and whether q/k are normalised per head.
 ARCHITECTURES: dict[str, tuple[type[nn.Module], bool]] = {
@@ -27,7 +28,7 @@ def rope_settings(hf_config) -> tuple[float, dict | None]:
 
 def model_config_from_hf(hf_config, *, model: str | None, dtype: torch.dtype,
                          max_model_len: int | None, eos_token_id: int | None,
-                         bos_token_id: int | None) -> ModelConfig:
+                         bos_token_id: int | None, quantization: str | None = None) -> ModelConfig:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in ARCHITECTURES:
         raise ValueError(f"model type {model_type!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
@@ -66,6 +67,7 @@ def model_config_from_hf(hf_config, *, model: str | None, dtype: torch.dtype,
         bos_token_id=bos_token_id,
         dtype=dtype,
         max_model_len=max_model_len,
+        quantization=check_quantization(quantization),
     )
 
 

@@ -58,6 +58,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+class Linear(nn.Linear):
+    """A projection of a decoder layer: nn.Linear's parameters, forward through `linear` (the small-batch
+    kernels). --quantization replaces it (kestrel/model/quantization.py)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """linear(x, weight).float(), in one pass where the AMX kernel runs (the output head: it writes
     the bf16-rounded logits as float32 instead of a bf16 tensor to widen afterwards)."""

@@ -14,7 +14,7 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.model.attention import AttentionMetadata, KVCache, paged_attention
-from kestrel.model.layers import (RMSNorm, RotaryEmbedding, add_rms_norm, linear, linear_to_float, rms_norm,
+from kestrel.model.layers import (Linear, RMSNorm, RotaryEmbedding, add_rms_norm, linear_to_float, rms_norm,
                                   rotate_and_write_kv, silu_and_mul)
 
 
@@ -29,10 +29,10 @@ class DecoderLayer(nn.Module):
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, dtype=dt)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False, dtype=dt)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=dt)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dt)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, dtype=dt)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, dtype=dt)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=dt)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dt)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt)
@@ -55,7 +55,7 @@ class DecoderLayer(nn.Module):
     def _attention(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    cache: KVCache | None, meta: AttentionMetadata) -> torch.Tensor:
         n, heads, kv_heads = h.shape[0], self.num_heads, self.num_kv_heads
-        qkv = linear(h, self.qkv_proj.weight, self.qkv_proj.bias).view(n, heads + 2 * kv_heads, self.head_dim)
+        qkv = self.qkv_proj(h).view(n, heads + 2 * kv_heads, self.head_dim)
         if self.qk_norm:
             qkv = torch.cat((rms_norm(qkv[:, :heads], self.q_norm.weight, self.eps),
                              rms_norm(qkv[:, heads:heads + kv_heads], self.k_norm.weight, self.eps),
@@ -64,10 +64,10 @@ class DecoderLayer(nn.Module):
         kv_written = rotate_and_write_kv(qkv, heads, *rope, cache, meta.slot_mapping)
         out = paged_attention(qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:],
                               cache, meta, self.scale, kv_written=kv_written)
-        return linear(out.view(n, self.q_size), self.o_proj.weight)
+        return self.o_proj(out.view(n, self.q_size))
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(silu_and_mul(linear(h, self.gate_up_proj.weight)), self.down_proj.weight)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(h)))
 
 
 class LlamaForCausalLM(nn.Module):

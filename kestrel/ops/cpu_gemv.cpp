@@ -13,7 +13,12 @@
 // result tiles are y transposed, turned back on the way out. Tile loads wait out cache misses, so
 // the next rows of w are prefetched while the current ones compute.
 //
-// Both accumulate in float32 throughout and round each output once to bf16 (to nearest even), as
+// linear_int8_amx(x [M, K] bf16, qweight [N, K] int8, wscale [N] float32) -> y [M, N] bf16, any M,
+// K % 64 == 0, N % 16 == 0 (AMX-INT8; --quantization int8). Each row of x is quantized to int8 with
+// its own scale (max |x| / 127); the products run as int8 quads summed exactly into int32, then
+// y[m, n] = (acc * wscale[n]) * xscale[m], rounded once to bf16. Same tiles and loops as the bf16 path.
+//
+// The bf16 kernels accumulate in float32 throughout and round each output once to bf16 (to nearest even), as
 // torch rounds a float32 result; only the order of the float32 sums differs from torch's.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -28,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -72,7 +78,7 @@ void run(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t N, int64_t K
   });
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
 #define KESTREL_AMX 1
 
 using kestrel_amx::amx_usable;
@@ -84,8 +90,28 @@ using kestrel_simd::transpose16;
 // side effects.
 inline void prefetch_line(const char* p) { asm volatile("prefetcht0 (%0)" : : "r"(p)); }
 
-// x [M, K] → VNNI B tiles: [mb][kt][16 pairs][16 rows of x][2], rows past M zero.
-void pack_x(const uint16_t* x, int64_t M, int64_t K, uint16_t* xb) {
+// The two kinds of product: bf16 pairs summed into float32, or int8 quads summed into int32. Either
+// way a tile row is 64 bytes of K, and a packed x tile is 16 rows of 16 dwords (1 KiB). (GCC's tile
+// intrinsics paste their register numbers into the instruction text, so a template parameter cannot
+// name one; the instruction is written here with the numbers as immediates.)
+struct Bf16Tiles {
+  using Elem = uint16_t;
+  static constexpr int64_t kStep = 32;  // K per tile step
+  template <int C, int A, int B> static void dot() {
+    asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" : : "i"(C), "i"(A), "i"(B));
+  }
+};
+struct Int8Tiles {
+  using Elem = int8_t;
+  static constexpr int64_t kStep = 64;
+  template <int C, int A, int B> static void dot() {
+    asm volatile("tdpbssd %%tmm%c2, %%tmm%c1, %%tmm%c0" : : "i"(C), "i"(A), "i"(B));
+  }
+};
+constexpr int64_t kTileBytes = 1024;
+
+// x [M, K] bf16 → B tiles: [mb][kt][16 pairs][16 rows of x][2], rows past M zero.
+void pack_x(const uint16_t* x, int64_t M, int64_t K, char* xb) {
   const int64_t KT = K / 32, MB = (M + 15) / 16;
   for (int64_t mb = 0; mb < MB; ++mb)
     for (int64_t kt = 0; kt < KT; ++kt) {
@@ -95,26 +121,89 @@ void pack_x(const uint16_t* x, int64_t M, int64_t K, uint16_t* xb) {
         r[m] = row < M ? _mm512_loadu_si512(x + row * K + kt * 32) : _mm512_setzero_si512();
       }
       transpose16(r);
-      uint16_t* tile = xb + (mb * KT + kt) * 512;
-      for (int p = 0; p < 16; ++p) _mm512_store_si512(tile + p * 32, r[p]);
+      char* tile = xb + (mb * KT + kt) * kTileBytes;
+      for (int p = 0; p < 16; ++p) _mm512_store_si512(tile + p * 64, r[p]);
     }
 }
 
-// C^T tile [16 n][16 m] in buf → y[m, n0..n0+15] for the rows m < rows.
-// y is bf16 (uint16_t) or, for logits, float32 holding the same bf16-rounded values.
-template <typename Y>
-inline void store_transposed(const float* buf, int rows, Y* y, int64_t N) {
-  __m512i r[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(buf + i * 16);
-  transpose16(r);
-  for (int m = 0; m < rows; ++m) {
-    const __m512i bits = round_to_bf16_bits(_mm512_castsi512_ps(r[m]));
-    if constexpr (std::is_same_v<Y, float>)
-      _mm512_storeu_si512(y + m * N, _mm512_slli_epi32(bits, 16));
-    else
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * N), _mm512_cvtepi32_epi16(bits));
-  }
+inline __m512 bf16_to_float(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+
+// One row of x, quantized: q = round_even(x * (127 / max|x|)), scale = max|x| / 127 (0 for a zero row).
+inline float quantize_row(const uint16_t* x, int64_t K, int8_t* q) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16_to_float(x + k)));
+  const float absmax = _mm512_reduce_max_ps(amax);
+  const __m512 inv = _mm512_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
+  for (int64_t k = 0; k < K; k += 16)
+    _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(bf16_to_float(x + k), inv))));
+  return absmax / 127.f;
+}
+
+// x [M, K] bf16 → per-row int8 quantization, packed as B tiles [mb][kt][16 quads][16 rows][4], rows
+// past M zero; xscale[m] the scale of row m.
+void quantize_pack_x(const uint16_t* x, int64_t M, int64_t K, char* xb, float* xscale) {
+  const int64_t KT = K / 64, MB = (M + 15) / 16;
+  at::parallel_for(0, MB, 4, [&](int64_t begin, int64_t end) {
+    std::vector<int8_t> rows(16 * K);
+    for (int64_t mb = begin; mb < end; ++mb) {
+      for (int m = 0; m < 16; ++m) {
+        const int64_t row = mb * 16 + m;
+        if (row < M) xscale[row] = quantize_row(x + row * K, K, rows.data() + m * K);
+        else std::memset(rows.data() + m * K, 0, K);
+      }
+      for (int64_t kt = 0; kt < KT; ++kt) {
+        __m512i r[16];
+        for (int m = 0; m < 16; ++m) r[m] = _mm512_loadu_si512(rows.data() + m * K + kt * 64);
+        transpose16(r);
+        char* tile = xb + (mb * KT + kt) * kTileBytes;
+        for (int p = 0; p < 16; ++p) _mm512_store_si512(tile + p * 64, r[p]);
+      }
+    }
+  });
+}
+
+// Where the C tiles go. Each takes one tile, C^T [16 n][16 m] as stored, for x rows m0 .. m0 + rows
+// and weight rows n0 .. n0 + 15, and writes y[m, n] rounded to bf16 (to nearest even).
+// bf16 products: y bf16, or float32 holding the same bf16-rounded values (logits).
+template <typename Y>
+struct FloatSink {
+  Y* y;
+  int64_t N;
+  void operator()(const uint32_t* buf, int rows, int64_t m0, int64_t n0) const {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(buf + i * 16);
+    transpose16(r);
+    for (int m = 0; m < rows; ++m) {
+      const __m512i bits = round_to_bf16_bits(_mm512_castsi512_ps(r[m]));
+      Y* out = y + (m0 + m) * N + n0;
+      if constexpr (std::is_same_v<Y, float>)
+        _mm512_storeu_si512(out, _mm512_slli_epi32(bits, 16));
+      else
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(bits));
+    }
+  }
+};
+
+// int8 products: y[m, n] = (float(acc) * wscale[n]) * xscale[m], in that order, then bf16.
+struct ScaledSink {
+  uint16_t* y;
+  int64_t N;
+  const float* wscale;
+  const float* xscale;
+  void operator()(const uint32_t* buf, int rows, int64_t m0, int64_t n0) const {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(buf + i * 16);
+    transpose16(r);
+    const __m512 ws = _mm512_loadu_ps(wscale + n0);
+    for (int m = 0; m < rows; ++m) {
+      const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(r[m]), ws), _mm512_set1_ps(xscale[m0 + m]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + m) * N + n0),
+                          _mm512_cvtepi32_epi16(round_to_bf16_bits(v)));
+    }
+  }
+};
 
 // Prefetches `lines` cache lines from p, spread evenly over the K steps of a block.
 struct Prefetch {
@@ -137,177 +226,197 @@ inline void k_steps(int64_t KT, Even even, Odd odd) {
   if (kt < KT) even(kt);
 }
 
-// The C tiles tmm0 .. tmm(MB - 1) (y^T for x blocks mb .. mb + MB - 1, weight block nb) into y.
-template <int MB, typename Y>
-inline void store_c_tiles(int64_t M, int64_t mb, int64_t nb, Y* y, int64_t N) {
-  alignas(64) float buf[MB][256];
+// The C tiles tmm0 .. tmm(MB - 1) (y^T for x blocks mb .. mb + MB - 1, weight block nb) into the sink.
+template <int MB, typename Sink>
+inline void store_c_tiles(int64_t M, int64_t mb, int64_t nb, const Sink& sink) {
+  alignas(64) uint32_t buf[MB][256];
   _tile_stored(0, buf[0], 64);
   if constexpr (MB > 1) _tile_stored(1, buf[1], 64);
   if constexpr (MB > 2) _tile_stored(2, buf[2], 64);
   if constexpr (MB > 3) _tile_stored(3, buf[3], 64);
-  for (int m = 0; m < MB; ++m) {
-    const int rows = (int)std::min<int64_t>(16, M - (mb + m) * 16);
-    store_transposed(buf[m], rows, y + (mb + m) * 16 * N + nb * 16, N);
-  }
+  for (int m = 0; m < MB; ++m)
+    sink(buf[m], (int)std::min<int64_t>(16, M - (mb + m) * 16), (mb + m) * 16, nb * 16);
 }
+
+// What every block reads: the weights (16 rows of K each), the packed x tiles and their shape.
+template <typename T>
+struct Operands {
+  const typename T::Elem* w;
+  const char* xb;
+  int64_t M, N, K;
+  int64_t steps() const { return K / T::kStep; }
+  int64_t row_bytes() const { return K * (int64_t)sizeof(typename T::Elem); }
+  const typename T::Elem* w_block(int64_t nb) const { return w + nb * 16 * K; }
+  const char* x_block(int64_t mb) const { return xb + mb * steps() * kTileBytes; }
+};
 
 // One block of 16 weight rows against MB (1 or 2) blocks of 16 x rows, over all of K. A tile load
 // into a register must wait until the products reading it are done (tiles are not renamed), so
 // successive steps of K alternate between two sets of A and B registers: C(m) in tmm(m), A in
-// tmm2 / tmm3, B(m) in tmm(4 + m) / tmm(6 + m). (GCC's tile intrinsics take literal register numbers.)
-template <int MB, typename Y>
-inline void tile_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t mb, int64_t M,
-                       Y* y, int64_t N, const Prefetch& pf) {
+// tmm2 / tmm3, B(m) in tmm(4 + m) / tmm(6 + m). (The tile intrinsics take literal register numbers.)
+template <typename T, int MB, typename Sink>
+inline void tile_block(const Operands<T>& op, int64_t nb, int64_t mb, const Sink& sink, const Prefetch& pf) {
   static_assert(MB == 1 || MB == 2, "one or two blocks of x rows");
-  const int64_t KT = K / 32, stride = K * 2;
-  const uint16_t* wn = w + nb * 16 * K;
-  const uint16_t* x0 = xb + mb * KT * 512;
-  const uint16_t* x1 = x0 + KT * 512;
+  const auto* wn = op.w_block(nb);
+  const char* x0 = op.x_block(mb);
+  const char* x1 = op.x_block(mb + 1);
+  const int64_t stride = op.row_bytes();
   auto even = [&](int64_t kt) {
     pf.step(kt);
-    _tile_loadd(2, wn + kt * 32, stride);
-    _tile_loadd(4, x0 + kt * 512, 64);
-    if constexpr (MB == 2) _tile_loadd(5, x1 + kt * 512, 64);
-    _tile_dpbf16ps(0, 2, 4);
-    if constexpr (MB == 2) _tile_dpbf16ps(1, 2, 5);
+    _tile_loadd(2, wn + kt * T::kStep, stride);
+    _tile_loadd(4, x0 + kt * kTileBytes, 64);
+    if constexpr (MB == 2) _tile_loadd(5, x1 + kt * kTileBytes, 64);
+    T::template dot<0, 2, 4>();
+    if constexpr (MB == 2) T::template dot<1, 2, 5>();
   };
   auto odd = [&](int64_t kt) {
     pf.step(kt);
-    _tile_loadd(3, wn + kt * 32, stride);
-    _tile_loadd(6, x0 + kt * 512, 64);
-    if constexpr (MB == 2) _tile_loadd(7, x1 + kt * 512, 64);
-    _tile_dpbf16ps(0, 3, 6);
-    if constexpr (MB == 2) _tile_dpbf16ps(1, 3, 7);
+    _tile_loadd(3, wn + kt * T::kStep, stride);
+    _tile_loadd(6, x0 + kt * kTileBytes, 64);
+    if constexpr (MB == 2) _tile_loadd(7, x1 + kt * kTileBytes, 64);
+    T::template dot<0, 3, 6>();
+    if constexpr (MB == 2) T::template dot<1, 3, 7>();
   };
   _tile_zero(0);
   if constexpr (MB == 2) _tile_zero(1);
-  k_steps(KT, even, odd);
-  store_c_tiles<MB>(M, mb, nb, y, N);
+  k_steps(op.steps(), even, odd);
+  store_c_tiles<MB>(op.M, mb, nb, sink);
 }
 
 // One block of 16 weight rows against MB (3 or 4) blocks of 16 x rows in one pass: C(m) in tmm(m),
 // A in tmm4 / tmm5 by turns over K, B alternating between tmm6 and tmm7 over the x blocks.
-template <int MB, typename Y>
-inline void tile_block_wide(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t mb, int64_t M,
-                            Y* y, int64_t N, const Prefetch& pf) {
+template <typename T, int MB, typename Sink>
+inline void tile_block_wide(const Operands<T>& op, int64_t nb, int64_t mb, const Sink& sink, const Prefetch& pf) {
   static_assert(MB == 3 || MB == 4, "three or four blocks of x rows");
-  const int64_t KT = K / 32, stride = K * 2;
-  const uint16_t* wn = w + nb * 16 * K;
-  const uint16_t* x0 = xb + mb * KT * 512;
+  const auto* wn = op.w_block(nb);
+  const char* x0 = op.x_block(mb);
+  const int64_t KT = op.steps(), stride = op.row_bytes();
+  auto x_tile = [&](int m, int64_t kt) { return x0 + (m * KT + kt) * kTileBytes; };
   auto even = [&](int64_t kt) {
     pf.step(kt);
-    _tile_loadd(4, wn + kt * 32, stride);
-    _tile_loadd(6, x0 + kt * 512, 64);                _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(7, x0 + (KT + kt) * 512, 64);         _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(6, x0 + (2 * KT + kt) * 512, 64);     _tile_dpbf16ps(2, 4, 6);
-    if constexpr (MB == 4) { _tile_loadd(7, x0 + (3 * KT + kt) * 512, 64); _tile_dpbf16ps(3, 4, 7); }
+    _tile_loadd(4, wn + kt * T::kStep, stride);
+    _tile_loadd(6, x_tile(0, kt), 64);  T::template dot<0, 4, 6>();
+    _tile_loadd(7, x_tile(1, kt), 64);  T::template dot<1, 4, 7>();
+    _tile_loadd(6, x_tile(2, kt), 64);  T::template dot<2, 4, 6>();
+    if constexpr (MB == 4) { _tile_loadd(7, x_tile(3, kt), 64); T::template dot<3, 4, 7>(); }
   };
   auto odd = [&](int64_t kt) {
     pf.step(kt);
-    _tile_loadd(5, wn + kt * 32, stride);
-    _tile_loadd(6, x0 + kt * 512, 64);                _tile_dpbf16ps(0, 5, 6);
-    _tile_loadd(7, x0 + (KT + kt) * 512, 64);         _tile_dpbf16ps(1, 5, 7);
-    _tile_loadd(6, x0 + (2 * KT + kt) * 512, 64);     _tile_dpbf16ps(2, 5, 6);
-    if constexpr (MB == 4) { _tile_loadd(7, x0 + (3 * KT + kt) * 512, 64); _tile_dpbf16ps(3, 5, 7); }
+    _tile_loadd(5, wn + kt * T::kStep, stride);
+    _tile_loadd(6, x_tile(0, kt), 64);  T::template dot<0, 5, 6>();
+    _tile_loadd(7, x_tile(1, kt), 64);  T::template dot<1, 5, 7>();
+    _tile_loadd(6, x_tile(2, kt), 64);  T::template dot<2, 5, 6>();
+    if constexpr (MB == 4) { _tile_loadd(7, x_tile(3, kt), 64); T::template dot<3, 5, 7>(); }
   };
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   if constexpr (MB == 4) _tile_zero(3);
   k_steps(KT, even, odd);
-  store_c_tiles<MB>(M, mb, nb, y, N);
+  store_c_tiles<MB>(op.M, mb, nb, sink);
 }
 
 // Two blocks of 16 weight rows (nb, nb + 1) against two blocks of x rows (mb, mb + 1): C(w, m) in
 // tmm(2 w + m), A in tmm4 / tmm5, B in tmm6 / tmm7. Each x tile feeds two products, where the wide
 // blocks above reload every x tile (from L2) for each block of weight rows.
-template <typename Y>
-inline void tile_block_pair(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t mb, int64_t M,
-                            Y* y, int64_t N, const Prefetch& pf) {
-  const int64_t KT = K / 32, stride = K * 2;
-  const uint16_t* w0 = w + nb * 16 * K;
-  const uint16_t* w1 = w0 + 16 * K;
-  const uint16_t* x0 = xb + mb * KT * 512;
-  const uint16_t* x1 = x0 + KT * 512;
+template <typename T, typename Sink>
+inline void tile_block_pair(const Operands<T>& op, int64_t nb, int64_t mb, const Sink& sink, const Prefetch& pf) {
+  const auto* w0 = op.w_block(nb);
+  const auto* w1 = op.w_block(nb + 1);
+  const char* x0 = op.x_block(mb);
+  const char* x1 = op.x_block(mb + 1);
+  const int64_t stride = op.row_bytes();
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  for (int64_t kt = 0; kt < KT; ++kt) {
+  for (int64_t kt = 0; kt < op.steps(); ++kt) {
     pf.step(kt);
-    _tile_loadd(4, w0 + kt * 32, stride);
-    _tile_loadd(6, x0 + kt * 512, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(7, x1 + kt * 512, 64);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, w1 + kt * 32, stride);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(4, w0 + kt * T::kStep, stride);
+    _tile_loadd(6, x0 + kt * kTileBytes, 64);
+    T::template dot<0, 4, 6>();
+    _tile_loadd(7, x1 + kt * kTileBytes, 64);
+    T::template dot<1, 4, 7>();
+    _tile_loadd(5, w1 + kt * T::kStep, stride);
+    T::template dot<2, 5, 6>();
+    T::template dot<3, 5, 7>();
   }
-  alignas(64) float buf[4][256];
+  alignas(64) uint32_t buf[4][256];
   _tile_stored(0, buf[0], 64);
   _tile_stored(1, buf[1], 64);
   _tile_stored(2, buf[2], 64);
   _tile_stored(3, buf[3], 64);
   for (int wb = 0; wb < 2; ++wb)
-    for (int m = 0; m < 2; ++m) {
-      const int rows = (int)std::min<int64_t>(16, M - (mb + m) * 16);
-      store_transposed(buf[2 * wb + m], rows, y + (mb + m) * 16 * N + (nb + wb) * 16, N);
-    }
+    for (int m = 0; m < 2; ++m)
+      sink(buf[2 * wb + m], (int)std::min<int64_t>(16, op.M - (mb + m) * 16), (mb + m) * 16, (nb + wb) * 16);
 }
+
+// The next `blocks` weight blocks after nb, prefetched in equal shares over `passes` passes.
+template <typename T>
+struct NextWeights {
+  const char* p;
+  int64_t lines, per_pass, steps;
+  NextWeights(const Operands<T>& op, int64_t nb, int64_t blocks, int64_t passes)
+      : p(reinterpret_cast<const char*>(op.w_block(nb + blocks))),
+        lines(nb + blocks < op.N / 16 ? blocks * 16 * op.row_bytes() / 64 : 0),
+        per_pass((lines + passes - 1) / passes), steps(op.steps()) {}
+  Prefetch pass(int64_t i) const {
+    return Prefetch(p + i * per_pass * 64, std::max<int64_t>(0, std::min(per_pass, lines - i * per_pass)), steps);
+  }
+};
 
 // All x rows (an even number of 16-row blocks) against weight rows [16 nb, 16 nb + 32), two x blocks
 // a pass; the next pair's weight rows are prefetched over the passes.
-template <typename Y>
-inline void n_block_pair(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t M, Y* y, int64_t N) {
-  const int64_t MBS = (M + 15) / 16, passes = MBS / 2;
-  const char* pf = reinterpret_cast<const char*>(w + (nb + 2) * 16 * K);
-  const int64_t pf_lines = nb + 2 < N / 16 ? 2 * 16 * K * 2 / 64 : 0;
-  const int64_t per_pass = (pf_lines + passes - 1) / passes;
-  for (int64_t p = 0; p < passes; ++p) {
-    const Prefetch pass_pf(pf + p * per_pass * 64, std::max<int64_t>(0, std::min(per_pass, pf_lines - p * per_pass)),
-                           K / 32);
-    tile_block_pair<Y>(w, xb, K, nb, 2 * p, M, y, N, pass_pf);
-  }
+template <typename T, typename Sink>
+inline void n_block_pair(const Operands<T>& op, int64_t nb, const Sink& sink) {
+  const int64_t passes = (op.M + 15) / 16 / 2;
+  const NextWeights<T> next(op, nb, 2, passes);
+  for (int64_t p = 0; p < passes; ++p) tile_block_pair(op, nb, 2 * p, sink, next.pass(p));
 }
 
 // All x rows against weight rows [16 nb, 16 nb + 16), in passes of up to four blocks of x rows;
 // the next block's weight rows are prefetched over the passes (tile loads wait out each cache miss).
-template <typename Y>
-inline void n_block(const uint16_t* w, const uint16_t* xb, int64_t K, int64_t nb, int64_t M, Y* y, int64_t N) {
-  const int64_t MBS = (M + 15) / 16;
-  const int64_t passes = (MBS + 3) / 4;
-  const char* pf = reinterpret_cast<const char*>(w + (nb + 1) * 16 * K);
-  const int64_t pf_lines = nb + 1 < N / 16 ? 16 * K * 2 / 64 : 0;
-  const int64_t per_pass = (pf_lines + passes - 1) / passes;
+template <typename T, typename Sink>
+inline void n_block(const Operands<T>& op, int64_t nb, const Sink& sink) {
+  const int64_t MBS = (op.M + 15) / 16;
+  const NextWeights<T> next(op, nb, 1, (MBS + 3) / 4);
   for (int64_t mb = 0, p = 0; mb < MBS; ++p) {
-    const Prefetch pass_pf(pf + p * per_pass * 64, std::max<int64_t>(0, std::min(per_pass, pf_lines - p * per_pass)),
-                           K / 32);
+    const Prefetch pf = next.pass(p);
     const int64_t left = MBS - mb;
-    if (left >= 4) { tile_block_wide<4, Y>(w, xb, K, nb, mb, M, y, N, pass_pf); mb += 4; continue; }
-    if (left == 3) { tile_block_wide<3, Y>(w, xb, K, nb, mb, M, y, N, pass_pf); mb += 3; continue; }
-    if (left >= 2) { tile_block<2, Y>(w, xb, K, nb, mb, M, y, N, pass_pf); mb += 2; }
-    else { tile_block<1, Y>(w, xb, K, nb, mb, M, y, N, pass_pf); mb += 1; }
+    if (left >= 4) { tile_block_wide<T, 4>(op, nb, mb, sink, pf); mb += 4; }
+    else if (left == 3) { tile_block_wide<T, 3>(op, nb, mb, sink, pf); mb += 3; }
+    else if (left == 2) { tile_block<T, 2>(op, nb, mb, sink, pf); mb += 2; }
+    else { tile_block<T, 1>(op, nb, mb, sink, pf); mb += 1; }
   }
 }
 
 // Pairs of weight blocks against pairs of x blocks where both counts are even (measured: 7-18% faster
 // at 17-32 and 65-128 rows, even at 49-64; an odd x block left over made it slower), else one weight
 // block against up to four x blocks.
-template <typename Y>
-void run(const uint16_t* w, const uint16_t* xb, Y* y, int64_t M, int64_t N, int64_t K) {
-  const bool pairs = ((M + 15) / 16) % 2 == 0 && (N / 16) % 2 == 0;
-  at::parallel_for(0, pairs ? N / 32 : N / 16, 1, [&](int64_t begin, int64_t end) {
+template <typename T, typename Sink>
+void run(const Operands<T>& op, const Sink& sink) {
+  const bool pairs = ((op.M + 15) / 16) % 2 == 0 && (op.N / 16) % 2 == 0;
+  at::parallel_for(0, pairs ? op.N / 32 : op.N / 16, 1, [&](int64_t begin, int64_t end) {
     TileConfig cfg;
     for (int i = 0; i < 8; ++i) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
     _tile_loadconfig(&cfg);
     for (int64_t i = begin; i < end; ++i) {
-      if (pairs) n_block_pair(w, xb, K, 2 * i, M, y, N);
-      else n_block(w, xb, K, i, M, y, N);
+      if (pairs) n_block_pair(op, 2 * i, sink);
+      else n_block(op, i, sink);
     }
     _tile_release();
   });
 }
+
+// Room for the packed x tiles of M rows, aligned to 64 bytes.
+struct PackedX {
+  torch::Tensor storage;
+  char* data;
+  PackedX(int64_t M, int64_t K_bytes) {
+    storage = torch::empty({(M + 15) / 16 * 16 * K_bytes + 64}, torch::kUInt8);
+    data = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(storage.data_ptr<uint8_t>()) + 63) & ~uintptr_t(63));
+  }
+};
 
 #endif  // AMX
 
@@ -352,18 +461,42 @@ torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, bool float_out) 
   x = x.contiguous();
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
   auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat32 : torch::kBFloat16));
-  const int64_t MB = (M + 15) / 16;
-  auto xb = torch::empty({MB * 16 * K + 32}, x.options());  // + room to align to 64 bytes
-  auto* xbp = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(xb.data_ptr<at::BFloat16>()) + 63) & ~uintptr_t(63));
-  pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xbp);
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  if (float_out) run(wp, xbp, y.data_ptr<float>(), M, N, K);
-  else run(wp, xbp, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, N, K);
+  PackedX xb(M, K * 2);
+  pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xb.data);
+  const Operands<Bf16Tiles> op{reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), xb.data, M, N, K};
+  if (float_out) run(op, FloatSink<float>{y.data_ptr<float>(), N});
+  else run(op, FloatSink<uint16_t>{reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), N});
+  return y;
+}
+
+torch::Tensor linear_int8_amx(torch::Tensor x, torch::Tensor qweight, torch::Tensor wscale) {
+  TORCH_CHECK(amx_usable(), "this CPU or kernel does not allow AMX");
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && wscale.dim() == 1, "x and qweight must be 2-D, wscale 1-D");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bf16");
+  TORCH_CHECK(qweight.scalar_type() == torch::kInt8 && wscale.scalar_type() == torch::kFloat32,
+              "qweight must be int8 and wscale float32");
+  TORCH_CHECK(x.size(1) == qweight.size(1), "x and qweight disagree on K");
+  TORCH_CHECK(wscale.size(0) == qweight.size(0), "wscale needs one scale per row of qweight");
+  TORCH_CHECK(x.size(1) % 64 == 0, "K must be a multiple of 64");
+  TORCH_CHECK(qweight.size(0) % 16 == 0, "N must be a multiple of 16");
+  TORCH_CHECK(x.size(0) >= 1, "x has no rows");
+  TORCH_CHECK(qweight.is_contiguous() && wscale.is_contiguous(), "qweight and wscale must be contiguous");
+  x = x.contiguous();
+  const int64_t M = x.size(0), N = qweight.size(0), K = x.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  auto xscale = torch::empty({M}, x.options().dtype(torch::kFloat32));
+  PackedX xb(M, K);
+  quantize_pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xb.data,
+                  xscale.data_ptr<float>());
+  const Operands<Int8Tiles> op{qweight.data_ptr<int8_t>(), xb.data, M, N, K};
+  run(op, ScaledSink{reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), N, wscale.data_ptr<float>(),
+                     xscale.data_ptr<float>()});
   return y;
 }
 
 #else
 torch::Tensor linear_bf16_amx(torch::Tensor, torch::Tensor, bool) { TORCH_CHECK(false, "built without AMX"); }
+torch::Tensor linear_int8_amx(torch::Tensor, torch::Tensor, torch::Tensor) { TORCH_CHECK(false, "built without AMX"); }
 bool amx_usable() { return false; }
 #endif
 
@@ -372,5 +505,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_amx", &linear_bf16_amx,
         "y = x w^T for bf16 x of 1..128 rows (CPU, AMX-BF16); float_out: y in float32, rounded as bf16",
         py::arg("x"), py::arg("w"), py::arg("float_out") = false);
+  m.def("linear_int8_amx", &linear_int8_amx,
+        "y = x w^T, bf16 x quantized per row to int8, w int8 with a float32 scale per row; y bf16 (CPU, AMX-INT8)",
+        py::arg("x"), py::arg("qweight"), py::arg("wscale"));
   m.def("amx_usable", [] { return amx_usable(); }, "whether linear_bf16_amx can run here");
 }

@@ -11,6 +11,7 @@ from kestrel.config import EngineConfig
 from kestrel.messages import ModelRunnerOutput, SchedulerOutput
 from kestrel.model import build_model
 from kestrel.model.loader import ModelSource, iter_weights
+from kestrel.model.quantization import quantize_model_
 from kestrel.worker.memory import MemoryProfile, num_blocks_for, profile_cpu, profile_cuda
 from kestrel.worker.model_runner import ModelRunner
 
@@ -27,6 +28,7 @@ class Worker:
         start = time.perf_counter()
         self.model = build_model(config.model, self.device)
         self.model.load_weights(iter_weights(source))
+        quantize_model_(self.model, config.model.quantization)
         logger.info("loaded %s in %.1f s", source.name, time.perf_counter() - start)
         self.runner = ModelRunner(config, self.model)
         self.memory_profile: MemoryProfile | None = None

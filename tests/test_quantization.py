@@ -1,0 +1,220 @@
+"""--quantization int8 (kestrel/model/quantization.py, cpu_gemv.cpp's linear_int8_amx): the quantizer's
+bounds, the PyTorch reference against an independent float64 product, the AMX-INT8 kernel against the
+reference bit for bit, the projections of a model replaced, the engine the same with the kernel and
+without it, and the cost in agreement on the default model (kestrel bench parity)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel import LLM, SamplingParams
+from kestrel.config import EngineArgs
+from kestrel.model import quantization as Q
+from kestrel.model.layers import Linear
+from kestrel.ops import _cpu_flags, cpu_gemv
+
+kernels = cpu_gemv()
+has_int8_kernel = kernels is not None and kernels.amx_usable()
+amx_int8 = pytest.mark.skipif(not has_int8_kernel, reason="needs AMX-INT8 and a C++ compiler")
+
+
+def _int8_weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return Q.symmetric_int8(torch.randn(n, k, generator=gen) * 0.05)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+# ---- the quantizer and the reference ------------------------------------------------------------
+
+def test_symmetric_int8_rounds_each_row_to_its_own_scale():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 128, generator=gen) * torch.tensor([1e-3, 0.1, 1.0, 30.0, 1e4, 0.0])[:, None]
+    q, scale = Q.symmetric_int8(x.bfloat16())
+    xf = x.bfloat16().float()
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (6,)
+    assert q.abs().max() <= 127
+    assert torch.equal(scale, xf.abs().amax(1) / 127)
+    # the largest value of each row lands on ±127; every value within half a step of its level
+    assert (q[:5].abs().amax(1) == 127).all()
+    assert ((q[:5].float() * scale[:5, None] - xf[:5]).abs() <= scale[:5, None] * 0.5001).all()
+    assert (q[5] == 0).all() and scale[5] == 0  # a zero row
+
+
+def test_reference_is_the_dequantized_product_rounded_once():
+    gen = torch.Generator().manual_seed(1)
+    for k in (64, 576, 2048):  # 2048: past float32's exact range, the reference sums in float64
+        x = torch.randn(9, k, generator=gen).bfloat16()
+        qw, ws = _int8_weight(48, k, gen)
+        y = Q.linear_int8_reference(x, qw, ws)
+        xq, xs = Q.symmetric_int8(x)
+        exact = (xq.double() @ qw.double().T) * ws.double() * xs.double()[:, None]
+        assert y.dtype == torch.bfloat16 and y.shape == (9, 48)
+        assert ((y.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-30).all()
+
+
+def test_linear_int8_takes_any_leading_shape_a_bias_and_float32():
+    gen = torch.Generator().manual_seed(2)
+    qw, ws = _int8_weight(32, 96, gen)  # K = 96: not a multiple of 64, so the reference path
+    bias = torch.randn(32, generator=gen)
+    x = torch.randn(2, 3, 96, generator=gen)
+    y = Q.linear_int8(x, qw, ws, bias)
+    assert y.shape == (2, 3, 32) and y.dtype == torch.float32
+    assert torch.equal(y, (Q.linear_int8_reference(x.reshape(6, 96), qw, ws) + bias).view(2, 3, 32))
+
+
+def test_unknown_method_is_refused():
+    assert Q.check_quantization(None) is None and Q.check_quantization("int8") == "int8"
+    with pytest.raises(ValueError, match="quantization 'int4' is not supported; choose one of int8"):
+        Q.check_quantization("int4")
+    with pytest.raises(ValueError, match="not supported"):
+        LLM(quantization="fp8", max_model_len=64)
+    assert "quantization" in EngineArgs.field_names()
+
+
+# ---- the AMX-INT8 kernel ------------------------------------------------------------------------
+
+def test_kernel_builds_where_the_cpu_has_amx_int8():
+    flags = _cpu_flags()
+    if {"amx_int8", "amx_bf16", "amx_tile", "avx512_bf16"} <= flags:
+        assert has_int8_kernel, "the CPU has AMX-INT8 but the int8 kernel did not build or run"
+
+
+@amx_int8
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 32, 33, 48, 64, 65, 100, 128, 129, 300, 1000])
+@pytest.mark.parametrize("out_f,in_f", [(960, 576), (576, 1536), (16, 64), (48, 192)])
+def test_kernel_matches_reference_bit_for_bit(rows, out_f, in_f):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_f)
+    x = torch.randn(rows, in_f, generator=gen).bfloat16()
+    qw, ws = _int8_weight(out_f, in_f, gen)
+    y = kernels.linear_int8_amx(x, qw, ws)
+    assert _same_bits(y, Q.linear_int8_reference(x, qw, ws))
+
+
+@amx_int8
+def test_kernel_on_zero_rows_extremes_and_a_strided_x():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 256, generator=gen)
+    x[3] = 0                              # a zero row: scale 0, output 0
+    x[5] *= 1e30                          # large, still finite after scaling
+    x[7, 11] = 500.0                      # one outlier that squeezes the rest of its row
+    x[9] = -1e-30                         # tiny values
+    qw, ws = _int8_weight(64, 256, gen)
+    qw[10] = 0                            # a zero weight row (scale 0)
+    ws[10] = 0
+    for xs in (x.bfloat16(), torch.cat([x, x], dim=1).bfloat16()[:, :256]):  # contiguous and strided
+        y = kernels.linear_int8_amx(xs, qw, ws)
+        assert _same_bits(y, Q.linear_int8_reference(xs, qw, ws))
+        assert (y[3] == 0).all() and (y[:, 10] == 0).all() and torch.isfinite(y.float()).all()
+
+
+@amx_int8
+def test_kernel_rejects_what_it_cannot_do():
+    x, qw, ws = torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(16, 64, dtype=torch.int8), torch.ones(16)
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        kernels.linear_int8_amx(torch.zeros(4, 96, dtype=torch.bfloat16), torch.zeros(16, 96, dtype=torch.int8), ws)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.linear_int8_amx(x, torch.zeros(8, 64, dtype=torch.int8), torch.ones(8))
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.linear_int8_amx(x.float(), qw, ws)
+    with pytest.raises(RuntimeError, match="int8"):
+        kernels.linear_int8_amx(x, qw.float(), ws)
+    with pytest.raises(RuntimeError, match="one scale per row"):
+        kernels.linear_int8_amx(x, qw, torch.ones(8))
+
+
+@amx_int8
+def test_dispatch_takes_the_kernel_for_bf16():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 576, generator=gen).bfloat16()
+    qw, ws = _int8_weight(960, 576, gen)
+    assert Q._int8_kernels(x, qw) is kernels
+    assert Q._int8_kernels(x.float(), qw) is None
+    assert _same_bits(Q.linear_int8(x, qw, ws), kernels.linear_int8_amx(x, qw, ws))
+
+
+# ---- the model and the engine -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory) -> str:
+    """A tiny random-weight Llama whose projections the kernel takes (K of 128 and 256)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from kestrel.model.loader import load_tokenizer, resolve_model
+    folder = tmp_path_factory.mktemp("tiny-llama-int8")
+    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder)
+    load_tokenizer(resolve_model(None)).save_pretrained(folder)
+    return str(folder)
+
+
+def _model_of(llm: LLM):
+    core = llm.llm_engine.engine_core
+    executor = next(v for k, v in vars(core).items() if "exec" in k)
+    return executor.worker.model
+
+
+def test_quantize_replaces_every_projection_and_nothing_else(tiny_bf16):
+    llm = LLM(model=tiny_bf16, dtype="bfloat16", quantization="int8", max_model_len=256,
+              kv_cache_memory=16 << 20)
+    model = _model_of(llm)
+    names = {n for n, m in model.named_modules() if isinstance(m, Q.Int8Linear)}
+    assert names == {f"layers.{i}.{p}" for i in range(2) for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    assert not any(isinstance(m, Linear) for m in model.modules())
+    assert model.layers[0].gate_up_proj.qweight.shape == (512, 128)
+    assert model.layers[0].gate_up_proj.qweight.dtype == torch.int8
+    assert model.embed_tokens.weight.dtype == torch.bfloat16  # the embedding and the tied head stay
+    assert llm.llm_engine.config.model.quantization == "int8"
+
+
+@amx_int8
+def test_engine_gives_the_same_tokens_with_the_kernel_and_the_reference(tiny_bf16, monkeypatch, engine_check):
+    """Every product is bit-identical, so whole runs are: mixed prompt lengths, chunked prefill (a
+    budget of 64 tokens) and batched decode."""
+    prompts = [{"prompt_token_ids": [100 + (7 * i + 3 * j) % 4000 for j in range(n)]}
+               for i, n in enumerate([5, 40, 130, 17, 77, 1])]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    kw = dict(model=tiny_bf16, dtype="bfloat16", quantization="int8", max_model_len=256,
+              kv_cache_memory=16 << 20, max_num_batched_tokens=64)
+    llm = LLM(**kw)
+    with_kernel = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine_check(llm)
+    del llm
+    calls = []
+    monkeypatch.setattr(Q, "_int8_kernels", lambda x, w: calls.append(1))  # always None: the reference
+    llm = LLM(**kw)
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert calls, "the reference path did not run"
+    assert with_kernel == reference
+    assert all(len(t) == 24 for t in reference)
+
+
+def test_default_model_agrees_with_bf16_mostly():
+    """The cost of int8 on SmolLM2-135M (measured 93% of positions, teacher-forced; see BENCHMARKS.md):
+    a broken quantizer or kernel gives noise, far below this floor."""
+    from kestrel.bench.parity import measure
+    result = measure({"quantization": "int8"}, num_prompts=6, max_tokens=32)
+    assert result.sequences == 6 and result.forced_positions >= 6 * 8
+    assert result.forced_agreement >= 0.8, result
+
+
+def test_bench_parity_command_reports_and_appends(tmp_path, capsys):
+    from kestrel.entrypoints.cli import main
+    md = tmp_path / "B.md"
+    assert main(["bench", "parity", "--quantization", "int8", "--num-prompts", "2", "--max-tokens", "8",
+                 "--append-md", str(md)]) == 0
+    text = md.read_text()
+    assert "Parity of --quantization int8" in text and "teacher-forced top-1 agreement" in text
+    assert "of 2 |" in text  # identical continuations out of the 2 prompts
+    assert main(["bench", "parity", "--num-prompts", "1"]) == 1
+    assert "pass --quantization" in capsys.readouterr().err
