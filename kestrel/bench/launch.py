@@ -52,8 +52,8 @@ def launch_server(spec: str, *, parallel: int, ctx_per_slot: int, kestrel_flags:
         return KestrelServer(list(kestrel_flags) + (["--model", model] if model else []))
     precision = spec.partition(":")[2] or "bf16"
     gguf = gguf_in_precision(model_gguf(model), precision)
-    # Repacked Q4_1 weights run ggml's AMX kernels, which die with SIGILL where the kernel does not
-    # grant AMX to the process (seen on these machines); plain Q4_1 kernels need no permission.
-    extra = ["--no-repack"] if precision == "q4_1" else []
+    # Repacked Q4_1 / Q8_0 weights run ggml's AMX kernels, which die with SIGILL where the kernel does
+    # not grant AMX to the process (seen on these machines); the plain kernels need no permission.
+    extra = ["--no-repack"] if precision in ("q4_1", "q8_0") else []
     return LlamaServer(gguf, parallel=parallel, ctx_per_slot=ctx_per_slot,
                        threads=len(os.sched_getaffinity(0)), extra_args=extra)

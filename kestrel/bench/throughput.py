@@ -47,12 +47,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kestrel.bench.launch import PEER_SPECS
 from kestrel.bench.report import load_averages, markdown_table, text_table
 from kestrel.bench.workloads import (W1_INPUT_LEN_RANGE, W1_NUM_REQUESTS, W1_OUTPUT_LEN_RANGE, W1_SEED,
                                      BenchRequest, is_standard_w1, random_requests, w1_offline_throughput,
                                      W4_PREFIX_LEN, W4_UNIQUE_LEN, w4_shared_prefix)
 
-PEERS = ("transformers", "llama-server", "llama-server:bf16", "llama-server:f32", "llama-server:q4_1")
+PEERS = ("transformers", *PEER_SPECS)
 WORKLOADS = ("W1", "W4")
 DEFAULT_RUNS = 3
 DEFAULT_PEER_BATCH_SIZE = 16
