@@ -218,3 +218,11 @@ def test_bench_parity_command_reports_and_appends(tmp_path, capsys):
     assert "of 2 |" in text  # identical continuations out of the 2 prompts
     assert main(["bench", "parity", "--num-prompts", "1"]) == 1
     assert "pass --quantization" in capsys.readouterr().err
+
+
+@amx_int8
+def test_kernel_bench_table_has_a_row_per_size():
+    from kestrel.bench.kernels import linear_table
+    table = linear_table([1, 20], calls=2, hidden=128, intermediate=256, qkv_out=256).splitlines()
+    assert table[0].startswith("| rows | bf16 | int8") and len(table) == 4
+    assert table[2].startswith("| 1 |") and table[3].startswith("| 20 |") and table[3].endswith("× |")

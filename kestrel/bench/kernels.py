@@ -1,6 +1,12 @@
-"""Micro-benchmark of the AMX prefill-attention kernel against SDPA, one layer at the default
-model's shapes: `python -m kestrel.bench.kernels [--lengths 64 128 ...] [--heads 9 --kv-heads 3
---head-dim 64]`. Prints a Markdown table (medians of --calls calls, after a warm-up).
+"""Micro-benchmarks of the CPU kernels at the default model's shapes; each prints a Markdown table
+(medians of --calls calls, after a warm-up).
+
+`python -m kestrel.bench.kernels [--lengths 64 128 ...] [--heads 9 --kv-heads 3 --head-dim 64]`: the
+AMX prefill-attention kernel against SDPA, one layer.
+
+`python -m kestrel.bench.kernels --linear [--rows 1 8 ...]`: the four projections of one decoder
+layer, bf16 (AMX up to 128 rows, torch's GEMM above, as Kestrel runs them) against --quantization
+int8 (AMX-INT8 at every size), the two interleaved call by call.
 """
 
 from __future__ import annotations
@@ -46,6 +52,41 @@ def prefill_attention_table(lengths: list[int], heads: int, kv_heads: int, head_
     return "\n".join(rows)
 
 
+def linear_table(rows_list: list[int], calls: int, hidden: int = 576, intermediate: int = 1536,
+                 qkv_out: int = 960) -> str:
+    import torch
+
+    from kestrel.model.layers import linear
+    from kestrel.model.quantization import _int8_kernels, linear_int8, symmetric_int8
+
+    shapes = [(qkv_out, hidden), (hidden, hidden), (2 * intermediate, hidden), (hidden, intermediate)]
+    weights = [torch.randn(n, k).mul_(0.05).bfloat16() for n, k in shapes]
+    quantized = [symmetric_int8(w) for w in weights]
+    if _int8_kernels(torch.zeros(1, hidden, dtype=torch.bfloat16), quantized[0][0]) is None:
+        raise SystemExit("the AMX-INT8 kernel is not available on this machine")
+    table = ["| rows | bf16 | int8 (W8A8) | speed-up |", "|---|---|---|---|"]
+    for rows in rows_list:
+        xs = [torch.randn(rows, k).bfloat16() for _, k in shapes]
+        bf16 = lambda: [linear(x, w) for x, w in zip(xs, weights)]  # noqa: E731
+        int8 = lambda: [linear_int8(x, q, s) for x, (q, s) in zip(xs, quantized)]  # noqa: E731
+        t_bf16, t_int8 = _interleaved_median_us(bf16, int8, calls)
+        table.append(f"| {rows} | {t_bf16:.0f} µs | {t_int8:.0f} µs | {t_bf16 / t_int8:.2f}× |")
+    return "\n".join(table)
+
+
+def _interleaved_median_us(a: Callable[[], object], b: Callable[[], object], calls: int) -> tuple[float, float]:
+    """Medians of a and b timed call by call in turn, so that a change in the machine's speed hits both."""
+    for _ in range(3):
+        a(), b()
+    ta, tb = [], []
+    for _ in range(calls):
+        for fn, times in ((a, ta), (b, tb)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return statistics.median(ta) * 1e6, statistics.median(tb) * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 128, 288, 512, 1024, 2048])
@@ -53,8 +94,13 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--linear", action="store_true", help="the decoder projections, bf16 against int8")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 512, 2048])
     args = parser.parse_args()
-    print(prefill_attention_table(args.lengths, args.heads, args.kv_heads, args.head_dim, args.calls))
+    if args.linear:
+        print(linear_table(args.rows, args.calls))
+    else:
+        print(prefill_attention_table(args.lengths, args.heads, args.kv_heads, args.head_dim, args.calls))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ elsewhere `linear_int8_reference`, which gives bit-identical results, runs in Py
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -56,23 +58,25 @@ def linear_int8_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.T
 def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ dequantized(qweight)^T (+ bias), with x quantized per token."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    kernels = _int8_kernels(x2, qweight)
-    y = kernels.linear_int8_amx(x2, qweight, scale) if kernels is not None else linear_int8_reference(x2, qweight, scale)
-    if bias is not None:
-        y = y + bias
-    return y.view(*shape[:-1], qweight.shape[0])
+    if x.dim() != 2:
+        return linear_int8(x.reshape(-1, x.shape[-1]), qweight, scale, bias).view(*x.shape[:-1], qweight.shape[0])
+    kernels = _int8_kernels(x, qweight)
+    y = kernels.linear_int8_amx(x, qweight, scale) if kernels is not None else linear_int8_reference(x, qweight, scale)
+    return y if bias is None else y + bias
 
 
 def _int8_kernels(x: torch.Tensor, qweight: torch.Tensor):
     """cpu_gemv's AMX-INT8 kernel if it can take this product (bf16 on CPU, K % 64 == 0, N % 16 == 0)."""
-    if (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[0] >= 1 and x.shape[1] % 64 == 0
+    if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[0] >= 1 and x.shape[1] % 64 == 0
             and qweight.shape[0] % 16 == 0):
-        kernels = cpu_gemv()
-        if kernels is not None and _amx_usable(kernels):
-            return kernels
+        return _amx_int8_module()
     return None
+
+
+@functools.cache
+def _amx_int8_module():
+    kernels = cpu_gemv()
+    return kernels if kernels is not None and _amx_usable(kernels) else None
 
 
 class Int8Linear(nn.Module):

@@ -408,13 +408,17 @@ void run(const Operands<T>& op, const Sink& sink) {
   });
 }
 
-// Room for the packed x tiles of M rows, aligned to 64 bytes.
+// Room for the packed x tiles of M rows (and, for int8, their scales), aligned to 64 bytes: one buffer
+// per calling thread, kept and grown, because an allocation per call costs as much as a small product.
 struct PackedX {
-  torch::Tensor storage;
   char* data;
+  float* scales;
   PackedX(int64_t M, int64_t K_bytes) {
-    storage = torch::empty({(M + 15) / 16 * 16 * K_bytes + 64}, torch::kUInt8);
-    data = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(storage.data_ptr<uint8_t>()) + 63) & ~uintptr_t(63));
+    thread_local std::vector<char> buffer;
+    const int64_t tiles = (M + 15) / 16 * 16 * K_bytes, need = tiles + M * (int64_t)sizeof(float) + 64;
+    if ((int64_t)buffer.size() < need) buffer.resize(need);
+    data = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+    scales = reinterpret_cast<float*>(data + tiles);
   }
 };
 
@@ -484,13 +488,11 @@ torch::Tensor linear_int8_amx(torch::Tensor x, torch::Tensor qweight, torch::Ten
   x = x.contiguous();
   const int64_t M = x.size(0), N = qweight.size(0), K = x.size(1);
   auto y = torch::empty({M, N}, x.options());
-  auto xscale = torch::empty({M}, x.options().dtype(torch::kFloat32));
   PackedX xb(M, K);
-  quantize_pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xb.data,
-                  xscale.data_ptr<float>());
+  quantize_pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xb.data, xb.scales);
   const Operands<Int8Tiles> op{qweight.data_ptr<int8_t>(), xb.data, M, N, K};
   run(op, ScaledSink{reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), N, wscale.data_ptr<float>(),
-                     xscale.data_ptr<float>()});
+                     xb.scales});
   return y;
 }
 
