@@ -14,9 +14,11 @@
 // the next rows of w are prefetched while the current ones compute.
 //
 // linear_int8_amx(x [M, K] bf16, qweight [N, K] int8, wscale [N] float32) -> y [M, N] bf16, any M,
-// K % 64 == 0, N % 16 == 0 (AMX-INT8; --quantization int8). Each row of x is quantized to int8 with
-// its own scale (max |x| / 127); the products run as int8 quads summed exactly into int32, then
-// y[m, n] = (acc * wscale[n]) * xscale[m], rounded once to bf16. Same tiles and loops as the bf16 path.
+// K % 64 == 0, N % 16 == 0 (AMX-INT8; --quantization int8). Each row of x is rotated by the
+// orthonormal Hadamard transform on every block of 64 values (qweight holds weights rotated the same
+// way, so the product is unchanged) and quantized to int8 with its own scale (max / 127); the products
+// run as int8 quads summed exactly into int32, then y[m, n] = (acc * wscale[n]) * xscale[m], rounded
+// once to bf16. Same tiles and loops as the bf16 path.
 //
 // The bf16 kernels accumulate in float32 throughout and round each output once to bf16 (to nearest even), as
 // torch rounds a float32 result; only the order of the float32 sums differs from torch's.
@@ -130,27 +132,64 @@ inline __m512 bf16_to_float(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// One row of x, quantized: q = round_even(x * (127 / max|x|)), scale = max|x| / 127 (0 for a zero row).
-inline float quantize_row(const uint16_t* x, int64_t K, int8_t* q) {
+// One step of the Walsh-Hadamard butterfly inside a register: lanes i and i + h (bit h of i clear)
+// become (v[i] + v[i + h], v[i] - v[i + h]). `partner` holds each lane's v[i ^ h].
+inline __m512 butterfly(__m512 v, __m512 partner, __mmask16 upper) {
+  return _mm512_mask_blend_ps(upper, _mm512_add_ps(v, partner), _mm512_sub_ps(partner, v));
+}
+
+// The Walsh-Hadamard transform of 64 values in four registers, scaled by 1/8 (orthonormal): stages
+// h = 1, 2, 4, 8 inside each register, then 16 and 32 across them, in that order (the float sums must
+// follow kestrel/model/quantization.py's hadamard64 exactly).
+inline void hadamard64(__m512 v[4]) {
+  for (int i = 0; i < 4; ++i) {
+    v[i] = butterfly(v[i], _mm512_permute_ps(v[i], 0xB1), 0xAAAA);                  // h = 1
+    v[i] = butterfly(v[i], _mm512_permute_ps(v[i], 0x4E), 0xCCCC);                  // h = 2
+    v[i] = butterfly(v[i], _mm512_shuffle_f32x4(v[i], v[i], 0xB1), 0xF0F0);        // h = 4
+    v[i] = butterfly(v[i], _mm512_shuffle_f32x4(v[i], v[i], 0x4E), 0xFF00);        // h = 8
+  }
+  for (int h = 1; h <= 2; h *= 2)                                                   // h = 16, 32
+    for (int i = 0; i < 4; ++i)
+      if (!(i & h)) {
+        const __m512 a = v[i], b = v[i + h];
+        v[i] = _mm512_add_ps(a, b);
+        v[i + h] = _mm512_sub_ps(a, b);
+      }
+  for (int i = 0; i < 4; ++i) v[i] = _mm512_mul_ps(v[i], _mm512_set1_ps(0.125f));
+}
+
+// One row of x, rotated by the Hadamard transform on each block of 64 (spreading an outlier over its
+// block) and quantized: q = round_even(r * (127 / max|r|)), scale = max|r| / 127 (0 for a zero row).
+// `rotated` is room for the K rotated values.
+inline float quantize_row(const uint16_t* x, int64_t K, int8_t* q, float* rotated) {
   __m512 amax = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(bf16_to_float(x + k)));
+  for (int64_t k = 0; k < K; k += 64) {
+    __m512 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = bf16_to_float(x + k + 16 * i);
+    hadamard64(v);
+    for (int i = 0; i < 4; ++i) {
+      _mm512_storeu_ps(rotated + k + 16 * i, v[i]);
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+    }
+  }
   const float absmax = _mm512_reduce_max_ps(amax);
   const __m512 inv = _mm512_set1_ps(absmax > 0.f ? 127.f / absmax : 0.f);
   for (int64_t k = 0; k < K; k += 16)
-    _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(bf16_to_float(x + k), inv))));
+    _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(rotated + k), inv))));
   return absmax / 127.f;
 }
 
-// x [M, K] bf16 → per-row int8 quantization, packed as B tiles [mb][kt][16 quads][16 rows][4], rows
+// x [M, K] bf16 → rotated, per-row int8 quantization, packed as B tiles [mb][kt][16 quads][16 rows][4], rows
 // past M zero; xscale[m] the scale of row m.
 void quantize_pack_x(const uint16_t* x, int64_t M, int64_t K, char* xb, float* xscale) {
   const int64_t KT = K / 64, MB = (M + 15) / 16;
   at::parallel_for(0, MB, 4, [&](int64_t begin, int64_t end) {
     std::vector<int8_t> rows(16 * K);
+    std::vector<float> rotated(K);
     for (int64_t mb = begin; mb < end; ++mb) {
       for (int m = 0; m < 16; ++m) {
         const int64_t row = mb * 16 + m;
-        if (row < M) xscale[row] = quantize_row(x + row * K, K, rows.data() + m * K);
+        if (row < M) xscale[row] = quantize_row(x + row * K, K, rows.data() + m * K, rotated.data());
         else std::memset(rows.data() + m * K, 0, K);
       }
       for (int64_t kt = 0; kt < KT; ++kt) {
