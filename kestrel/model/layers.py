@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.ops import cpu_gemv, cpu_kernels
+from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -87,7 +86,7 @@ def _small_batch_kernels(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 @functools.cache
 def _amx_usable(kernels) -> bool:
-    return os.environ.get("KESTREL_DISABLE_AMX") != "1" and kernels.amx_usable()
+    return not amx_disabled() and kernels.amx_usable()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

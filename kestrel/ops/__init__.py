@@ -35,6 +35,11 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def amx_disabled() -> bool:
+    """KESTREL_DISABLE_AMX=1: every AMX kernel off (the matmuls, int8 included, and prefill attention)."""
+    return os.environ.get("KESTREL_DISABLE_AMX") == "1"
+
+
 def _cpu_has_avx512() -> bool:
     return "avx512f" in _cpu_flags()
 

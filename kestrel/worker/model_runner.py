@@ -12,7 +12,6 @@ chunk as the scheduler splits the prefill. Nothing extra runs when no request in
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +22,7 @@ from kestrel.config import EngineConfig
 from kestrel.messages import (EMPTY_MODEL_RUNNER_OUTPUT, Logprobs, ModelRunnerOutput,
                               NewRequestData, SchedulerOutput)
 from kestrel.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
-from kestrel.ops import cpu_kernels, cpu_prefill
+from kestrel.ops import amx_disabled, cpu_kernels, cpu_prefill
 from kestrel.sample import Sampler, SamplerOutput, SamplingMetadata
 from kestrel.sample.sampler import gather_logprobs
 from kestrel.sampling_params import SamplingParams
@@ -110,7 +109,7 @@ class ModelRunner:
     def _find_prefill_kernel(self):
         m = self.config.model
         if (self.device.type != "cpu" or m.dtype != torch.bfloat16 or m.head_dim % 32 != 0 or m.head_dim > 256
-                or os.environ.get("KESTREL_DISABLE_AMX") == "1"):
+                or amx_disabled()):
             return None
         kernels = cpu_prefill()
         if kernels is None or not kernels.usable():
