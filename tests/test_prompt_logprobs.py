@@ -14,6 +14,7 @@ import torch
 
 from kestrel import LLM, SamplingParams
 from kestrel.core.scheduler import Scheduler
+from parity import save_tiny_llama
 
 VOCAB = 49152  # the default model's tokenizer is reused, so the vocabulary matches it
 ATOL = 1e-4
@@ -23,22 +24,8 @@ KW = dict(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from kestrel.model.loader import load_tokenizer, resolve_model
     folder = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    model.save_pretrained(folder)
-    load_tokenizer(resolve_model(None)).save_pretrained(folder)
-    return str(folder), model
+    return str(folder), save_tiny_llama(folder, vocab_size=VOCAB)
 
 
 def make_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:

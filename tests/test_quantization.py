@@ -13,6 +13,7 @@ from kestrel.config import EngineArgs
 from kestrel.model import quantization as Q
 from kestrel.model.layers import Linear
 from kestrel.ops import _cpu_flags, cpu_gemv
+from parity import save_tiny_llama
 
 kernels = cpu_gemv()
 has_int8_kernel = kernels is not None and kernels.amx_usable()
@@ -169,21 +170,8 @@ def test_dispatch_takes_the_kernel_for_bf16():
 @pytest.fixture(scope="module")
 def tiny_bf16(tmp_path_factory) -> str:
     """A tiny random-weight Llama whose projections the kernel takes (K of 128 and 256)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from kestrel.model.loader import load_tokenizer, resolve_model
     folder = tmp_path_factory.mktemp("tiny-llama-int8")
-    config = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    model.save_pretrained(folder)
-    load_tokenizer(resolve_model(None)).save_pretrained(folder)
+    save_tiny_llama(folder, hidden_size=128, intermediate_size=256)
     return str(folder)
 
 
