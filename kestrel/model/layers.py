@@ -61,8 +61,17 @@ class Linear(nn.Linear):
     """A projection of a decoder layer: nn.Linear's parameters, forward through `linear` (the small-batch
     kernels). --quantization replaces it (kestrel/model/quantization.py)."""
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype: torch.dtype | None = None):
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype)
+        self.has_bias = bias  # a plain attribute: reading `self.bias` goes through nn.Module.__getattr__
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias if self.has_bias else None)
+
+    # Called straight, without nn.Module's hook machinery. Each µs here is 120 µs of a decode step of
+    # the default model (measured: the module call and the bias lookup cost ~3.5 µs a call, ~2% of a
+    # batch-1 step). Kestrel registers no hooks on these modules.
+    __call__ = forward
 
 
 def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -120,10 +120,13 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scale", scale.contiguous())
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.data, requires_grad=False)
+        self.has_bias = linear.bias is not None
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_int8(x, self.qweight, self.scale, self.bias)
+        return linear_int8(x, self.qweight, self.scale, self.bias if self.has_bias else None)
+
+    __call__ = forward  # as Linear's: no hook machinery on the decode path
 
 
 def quantize_model_(model: nn.Module, method: str | None) -> int:
