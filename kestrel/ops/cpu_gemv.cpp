@@ -364,12 +364,12 @@ inline void tile_block_pair(const Operands<T>& op, int64_t nb, int64_t mb, const
   const auto* w1 = op.w_block(nb + 1);
   const char* x0 = op.x_block(mb);
   const char* x1 = op.x_block(mb + 1);
-  const int64_t stride = op.row_bytes();
-  _tile_zero(0);
-  _tile_zero(1);
+  const int64_t stride = op.row_bytes(), KT = op.steps();  // once: the tile asm may read memory, so
+  _tile_zero(0);                                              // op.K would be reloaded (and divided)
+  _tile_zero(1);                                              // at every step
   _tile_zero(2);
   _tile_zero(3);
-  for (int64_t kt = 0; kt < op.steps(); ++kt) {
+  for (int64_t kt = 0; kt < KT; ++kt) {
     pf.step(kt);
     _tile_loadd(4, w0 + kt * T::kStep, stride);
     _tile_loadd(6, x0 + kt * kTileBytes, 64);
