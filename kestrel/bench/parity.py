@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from kestrel.bench.throughput import write_report
 
 PROMPTS = (
     "What is the capital of France?",
@@ -123,8 +125,5 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     result = measure(engine_kwargs, args.num_prompts, args.max_tokens)
     text = report(result, engine_kwargs, getattr(args, "command_line", "kestrel bench parity"),
                   time.perf_counter() - start)
-    print(text)
-    if args.append_md is not None:
-        with open(args.append_md, "a") as f:
-            f.write("\n" + text)
+    write_report(asdict(result), text, "\n" + text, None, args.append_md)
     return 0
