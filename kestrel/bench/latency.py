@@ -2,17 +2,18 @@
 
 Every engine runs as a server and is driven through the same OpenAI-compatible client
 (kestrel/bench/serve.py), streaming: Kestrel as `kestrel serve` (started here, its own processes),
-and each `--peer` (llama.cpp's `llama-server`, see kestrel/bench/launch.py), one after another on
-the same cores. Per engine: one warm-up request, then for each concurrency C (default 1 and 8)
-`--runs` rounds of C requests sent at once, each of 128 random prompt tokens and 128 output tokens
-(greedy, ignore_eos). Round r at concurrency C uses seed 1000*C + r, so the rounds differ (no
-prefix-cache hits across rounds) and every engine gets the same prompts; llama.cpp is sent
-`cache_prompt: false`.
+and each `--peer` (llama.cpp's `llama-server`, see kestrel/bench/launch.py). All servers are started
+first, each gets one warm-up request, and then the rounds run interleaved on the same cores: for each
+concurrency C (default 1 and 8) and each of `--runs` rounds, every engine in turn is sent the same C
+requests at once, each of 128 random prompt tokens and 128 output tokens (greedy, ignore_eos). An idle
+server takes no CPU, and interleaving puts every engine's rounds in the same phases of a machine whose
+speed drifts. Round r at concurrency C uses seed 1000*C + r, so the rounds differ (no prefix-cache hits
+across rounds) and every engine gets the same prompts; llama.cpp is sent `cache_prompt: false`.
 
 Reported per engine and concurrency, as the median over rounds of each round's mean: TTFT, TPOT
 (time per output token after the first), and decode tok/s = C / TPOT; plus the engine's peak
 resident memory (its whole process tree) and the ratio of Kestrel's TPOT to each peer's (below 1:
-Kestrel is faster).
+Kestrel is faster), with the round-by-round ratios it comes from.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import asyncio
 import os
 import shlex
 import statistics
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -30,7 +33,7 @@ from kestrel.bench.peers import RssSampler
 from kestrel.bench.report import load_averages, markdown_table, text_table
 from kestrel.bench.serve import Target, resolve_model, send_requests
 from kestrel.bench.throughput import log, machine_info, warn_if_busy, write_report
-from kestrel.bench.workloads import random_requests
+from kestrel.bench.workloads import BenchRequest, random_requests
 
 W3_INPUT_LEN = 128
 W3_OUTPUT_LEN = 128
@@ -61,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
     started = datetime.now(timezone.utc)
     load_average = os.getloadavg()
     warn_if_busy(load_average[0])
-    engines = [run_engine(spec, args) for spec in ["kestrel", *args.peer]]
+    engines = measure_engines(["kestrel", *args.peer], args)
     report = {
         "benchmark": "latency", "workload": {
             "id": "W3" if (args.input_len, args.output_len) == (W3_INPUT_LEN, W3_OUTPUT_LEN) else "W3 (modified)",
@@ -76,40 +79,83 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_engine(spec: str, args: argparse.Namespace) -> dict[str, Any]:
+@dataclass
+class LiveEngine:
+    """A started server, what it is sent, and the rounds it has run."""
+    spec: str
+    server: Any
+    target: Target
+    model: str
+    rss: RssSampler
+    rounds: dict[int, list[dict[str, float]]] = field(default_factory=dict)
+
+
+def measure_engines(specs: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Start every engine's server, then run the rounds interleaved: for each concurrency and round,
+    every engine in turn on the same prompts. The machine's speed drifts by tens of per cent within
+    minutes; interleaving puts each engine's rounds in the same phases, so their ratio holds still."""
+    with ExitStack() as stack:
+        engines = [start_engine(stack, spec, args) for spec in specs]
+        for c, r in rounds_to_run(args.concurrency, args.runs):
+            requests = random_requests(c, (args.input_len, args.input_len),
+                                       (args.output_len, args.output_len), seed=1000 * c + r)
+            for e in engines:
+                e.rounds.setdefault(c, []).append(run_round(e, requests, args.output_len))
+                log(f"{e.spec}, {c} concurrent, round {r + 1}/{args.runs}: TTFT {e.rounds[c][-1]['ttft_s'] * 1e3:.1f} "
+                    f"ms, TPOT {e.rounds[c][-1]['tpot_s'] * 1e3:.2f} ms")
+        return [summarize(e, args.concurrency) for e in engines]
+
+
+def rounds_to_run(concurrency: list[int], runs: int) -> list[tuple[int, int]]:
+    """(concurrency, round) in the order they run; every engine runs each before the next starts."""
+    return [(c, r) for c in concurrency for r in range(runs)]
+
+
+def start_engine(stack: ExitStack, spec: str, args: argparse.Namespace) -> LiveEngine:
     server = launch_server(spec, parallel=max(args.concurrency), ctx_per_slot=args.input_len + args.output_len + 16,
                            kestrel_flags=shlex.split(args.kestrel_flags), model=args.model)
     log(f"{spec}: starting")
-    with server, RssSampler(server.pid) as rss:
-        target = Target(server.base_url, timeout=TIMEOUT_S,
-                        extra_body={"cache_prompt": False} if is_llama(spec) else {})
-        model, _ = asyncio.run(resolve_model(target))
-        warm = random_requests(1, (args.input_len, args.input_len), (16, 16), seed=1)
-        asyncio.run(send_requests(target, model, warm, [0.0]))
-        settings = []
-        for c in args.concurrency:
-            rounds = []
-            for r in range(args.runs):
-                requests = random_requests(c, (args.input_len, args.input_len),
-                                           (args.output_len, args.output_len), seed=1000 * c + r)
-                results, _ = asyncio.run(send_requests(target, model, requests, [0.0] * c))
-                failed = [x.error for x in results if not x.ok]
-                if failed:
-                    raise RuntimeError(f"{spec}: {len(failed)} request(s) failed: {failed[0]}")
-                short = [x.output_tokens for x in results if x.output_tokens != args.output_len]
-                if short:
-                    raise RuntimeError(f"{spec}: produced {short[0]} tokens, expected {args.output_len}")
-                rounds.append({"ttft_s": statistics.mean(x.ttft_s for x in results),
-                               "tpot_s": statistics.mean(x.tpot_s for x in results)})
-                log(f"{spec}, {c} concurrent, round {r + 1}/{args.runs}: TTFT {rounds[-1]['ttft_s'] * 1e3:.1f} ms, "
-                    f"TPOT {rounds[-1]['tpot_s'] * 1e3:.2f} ms")
-            ttft = statistics.median(x["ttft_s"] for x in rounds)
-            tpot = statistics.median(x["tpot_s"] for x in rounds)
-            settings.append({"concurrency": c, "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3,
-                             "decode_tok_s": c / tpot, "rounds": rounds})
-        peak = rss.peak
+    stack.enter_context(server)
+    rss = stack.enter_context(RssSampler(server.pid))
+    target = Target(server.base_url, timeout=TIMEOUT_S,
+                    extra_body={"cache_prompt": False} if is_llama(spec) else {})
+    model, _ = asyncio.run(resolve_model(target))
+    warm = random_requests(1, (args.input_len, args.input_len), (16, 16), seed=1)
+    asyncio.run(send_requests(target, model, warm, [0.0]))
+    return LiveEngine(spec, server, target, model, rss)
+
+
+def run_round(engine: LiveEngine, requests: list[BenchRequest], output_len: int) -> dict[str, float]:
+    """Send the round's requests at once; the mean TTFT and TPOT over them (seconds)."""
+    results, _ = asyncio.run(send_requests(engine.target, engine.model, requests, [0.0] * len(requests)))
+    failed = [x.error for x in results if not x.ok]
+    if failed:
+        raise RuntimeError(f"{engine.spec}: {len(failed)} request(s) failed: {failed[0]}")
+    short = [x.output_tokens for x in results if x.output_tokens != output_len]
+    if short:
+        raise RuntimeError(f"{engine.spec}: produced {short[0]} tokens, expected {output_len}")
+    return {"ttft_s": statistics.mean(x.ttft_s for x in results),
+            "tpot_s": statistics.mean(x.tpot_s for x in results)}
+
+
+def summarize(engine: LiveEngine, concurrency: list[int]) -> dict[str, Any]:
+    settings = []
+    for c in concurrency:
+        rounds = engine.rounds[c]
+        ttft = statistics.median(x["ttft_s"] for x in rounds)
+        tpot = statistics.median(x["tpot_s"] for x in rounds)
+        settings.append({"concurrency": c, "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3,
+                         "decode_tok_s": c / tpot, "rounds": rounds})
+    spec = engine.spec
     label = spec if spec == "kestrel" or ":" in spec else f"{spec}:bf16"
-    return {"spec": spec, "label": label, "server": server.label, "peak_rss_bytes": peak, "settings": settings}
+    return {"spec": spec, "label": label, "server": engine.server.label, "peak_rss_bytes": engine.rss.peak,
+            "settings": settings}
+
+
+def paired_tpot_ratios(kestrel: dict[str, Any], peer: dict[str, Any]) -> list[list[float]]:
+    """Per concurrency, Kestrel's TPOT over the peer's round by round (the rounds ran side by side)."""
+    return [[k["tpot_s"] / p["tpot_s"] for k, p in zip(ks["rounds"], ps["rounds"])]
+            for ks, ps in zip(kestrel["settings"], peer["settings"])]
 
 
 def _rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -131,8 +177,19 @@ def _rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
 HEADER = ("engine", "concurrent", "TTFT ms", "TPOT ms", "decode tok/s", "peak RSS")
 
 
+def paired_lines(report: dict[str, Any]) -> list[str]:
+    engines = report["engines"]
+    lines = []
+    for peer in engines[1:]:
+        for s, ratios in zip(engines[0]["settings"], paired_tpot_ratios(engines[0], peer)):
+            lines.append(f"Kestrel's TPOT over {peer['label']}'s at {s['concurrency']} concurrent, round by round: "
+                         f"{', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f}).")
+    return lines
+
+
 def format_summary(report: dict[str, Any]) -> str:
     lines = text_table(HEADER, _rows(report))
+    lines.extend(paired_lines(report))
     w = report["workload"]
     lines.append(f"workload {w['id']}: {w['input_len']} prompt + {w['output_len']} output tokens per request; "
                  f"medians of {w['runs']} round(s)")
@@ -153,5 +210,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"client; medians of {w['runs']} rounds of per-round means",
         "", *table, "",
         "Ratio rows: Kestrel's figure over the peer's (TTFT and TPOT: below 1 is faster; decode tok/s: above 1).",
+        "The engines' rounds ran interleaved (each round: every engine in turn, same prompts).",
+        *paired_lines(report),
     ]
     return "\n".join(lines) + "\n"

@@ -22,6 +22,7 @@ from kestrel.config import EngineConfig
 from kestrel.messages import (EMPTY_MODEL_RUNNER_OUTPUT, Logprobs, ModelRunnerOutput,
                               NewRequestData, SchedulerOutput)
 from kestrel.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
+from kestrel.model.decode_plan import DecodePlan
 from kestrel.ops import amx_disabled, cpu_kernels, cpu_prefill
 from kestrel.sample import Sampler, SamplerOutput, SamplingMetadata
 from kestrel.sample.sampler import gather_logprobs
@@ -96,6 +97,9 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         self.decode_kernel = self._find_decode_kernel()
         self.prefill_kernel = self._find_prefill_kernel()
+        # Decode-only steps run as a plan of pre-bound kernel calls where the model has one (the
+        # CPU's stand-in for graph replay; bit-identical to the model's forward).
+        self.decode_plan = DecodePlan.build(model)
 
     def _find_decode_kernel(self):
         m = self.config.model
@@ -157,7 +161,7 @@ class ModelRunner:
         if so.is_empty:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self._prepare_inputs(so)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        hidden = self._forward(batch)
         prompt_logprobs = (self._compute_prompt_logprobs(hidden, batch.prompt_logprob_spans)
                            if batch.prompt_logprob_spans else None)
         if not batch.sample_req_ids:
@@ -176,6 +180,12 @@ class ModelRunner:
         if prompt_logprobs:
             output.prompt_logprobs = prompt_logprobs
         return output
+
+    def _forward(self, batch: BatchInputs) -> torch.Tensor:
+        plan = self.decode_plan
+        if plan is not None and plan.covers(batch.input_ids.shape[0], batch.meta):
+            return plan(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:

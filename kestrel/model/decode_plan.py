@@ -1,0 +1,114 @@
+"""The decode step of a Llama-family model with its kernels bound once: the CPU's stand-in for
+replaying a captured graph.
+
+At batch 1 a decode step of the default model is ~300 kernel calls, and the Python between them
+(module calls, the dtype/shape/contiguity checks that pick a kernel, slicing, the attention
+dispatch) cost ~1.9 ms of a ~13.4 ms forward pass (measured against the same kernels called
+straight). Everything those checks decide is fixed for a model (dtype, shapes, AMX) or for a step
+(decode-only, rows), so a plan settles it once: it holds, per layer, the kernels and weights to call,
+and runs a decode-only step as a straight list of calls.
+
+Invariant: a step the plan covers gives bit-identical hidden states to `LlamaForCausalLM.forward`
+(same kernels, same order, same roundings); tests/test_decode_plan.py holds it to that. Everything
+else (prefill chunks, mixed steps, more rows than the AMX kernel takes, float32, models with q/k
+norms, no compiled kernels) runs the model's own forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kestrel.model.attention import AttentionMetadata, KVCache
+from kestrel.model.layers import AMX_MAX_ROWS, Linear
+from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels
+
+Projection = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    input_norm: torch.Tensor
+    qkv_proj: Projection
+    o_proj: Projection
+    post_attention_norm: torch.Tensor
+    gate_up_proj: Projection
+    down_proj: Projection
+
+
+class DecodePlan:
+    def __init__(self, model: torch.nn.Module, layers: list[LayerPlan]) -> None:
+        cfg = model.cfg
+        self.embed = model.embed_tokens.weight
+        self.rotary = model.rotary
+        self.layers = layers
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.scale = cfg.head_dim ** -0.5
+        kernels = cpu_kernels()
+        self.rms_norm = kernels.rms_norm
+        self.rotary_write_kv = kernels.rotary_write_kv
+        self.silu_and_mul = kernels.silu_and_mul
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> DecodePlan | None:
+        """A plan for `model`, or None where its decode steps need the general forward."""
+        cfg = getattr(model, "cfg", None)
+        if (cfg is None or cfg.qk_norm or cfg.dtype != torch.bfloat16 or cfg.hidden_size % 32
+                or next(model.parameters()).device.type != "cpu"):
+            return None
+        gemv, kernels = cpu_gemv(), cpu_kernels()
+        if gemv is None or kernels is None or amx_disabled() or not gemv.amx_usable():
+            return None
+        layers = [LayerPlan(layer.input_layernorm.weight, _projection(layer.qkv_proj, gemv),
+                            _projection(layer.o_proj, gemv), layer.post_attention_layernorm.weight,
+                            _projection(layer.gate_up_proj, gemv), _projection(layer.down_proj, gemv))
+                  for layer in model.layers]
+        return cls(model, layers)
+
+    @staticmethod
+    def covers(num_tokens: int, meta: AttentionMetadata) -> bool:
+        """A decode-only step whose attention the compiled kernel serves in one call, of no more rows
+        than the AMX matmul takes."""
+        return (not meta.prefills and len(meta.decodes) == 1 and meta.decodes[0].mask is None
+                and meta.decode_kernel is not None and num_tokens <= AMX_MAX_ROWS)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] (before the final norm), as the model's forward."""
+        n, heads, kv_heads, head_dim, q_size = (input_ids.shape[0], self.heads, self.kv_heads, self.head_dim,
+                                                self.q_size)
+        rms_norm, rotary_write_kv, silu_and_mul, eps = self.rms_norm, self.rotary_write_kv, self.silu_and_mul, self.eps
+        attend, scale, block_size = meta.decode_kernel, self.scale, meta.block_size
+        group, slots = meta.decodes[0], meta.slot_mapping
+        table, seq_lens = group.block_table, group.seq_lens
+        bf16 = torch.bfloat16
+        cos, sin = self.rotary.lookup(positions)
+        x = self.embed[input_ids]
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            if residual is None:
+                residual, h = x, rms_norm(x, None, layer.input_norm, eps)
+            else:
+                h = rms_norm(x, residual, layer.input_norm, eps)   # residual += x, in place
+            qkv = layer.qkv_proj(h).view(n, heads + 2 * kv_heads, head_dim)
+            rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads)
+            out = attend(qkv[:, :heads], k_cache, v_cache, table, seq_lens, block_size, scale)  # float32
+            h = layer.o_proj(out.to(bf16).view(n, q_size))
+            h = rms_norm(h, residual, layer.post_attention_norm, eps)
+            x = layer.down_proj(silu_and_mul(layer.gate_up_proj(h)))
+        return x + residual
+
+
+def _projection(module: torch.nn.Module, gemv) -> Projection:
+    """The call for one projection: the AMX kernel on its weight where `linear` would pick it for
+    every row count the plan covers, else the module itself (int8, bias, odd shapes)."""
+    w = getattr(module, "weight", None)
+    if (type(module) is Linear and not module.has_bias and w.dtype == torch.bfloat16 and w.is_contiguous()
+            and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0):
+        amx = gemv.linear_bf16_amx
+        return lambda x: amx(x, w)
+    return module

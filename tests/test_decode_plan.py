@@ -1,0 +1,109 @@
+"""The decode plan (kestrel/model/decode_plan.py): decode-only steps run as pre-bound kernel calls,
+and must give bit-identical hidden states to the model's own forward, hence the same tokens and
+logprobs, in bf16 and with --quantization int8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity import save_tiny_llama
+
+from kestrel import LLM, SamplingParams
+from kestrel.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from kestrel.model.decode_plan import DecodePlan
+from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels
+
+gemv = cpu_gemv()
+has_plan = cpu_kernels() is not None and gemv is not None and gemv.amx_usable() and not amx_disabled()
+needs_plan = pytest.mark.skipif(not has_plan, reason="the plan needs the compiled kernels and AMX")
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory) -> str:
+    """A tiny random-weight Llama whose attention the decode kernel takes (head_dim 64, 2 per KV head)."""
+    folder = tmp_path_factory.mktemp("tiny-llama-plan")
+    save_tiny_llama(folder, hidden_size=256, intermediate_size=512)
+    return str(folder)
+
+
+def _runner_of(llm: LLM):
+    core = llm.llm_engine.engine_core
+    executor = next(v for k, v in vars(core).items() if "exec" in k)
+    return executor.worker.runner
+
+
+PROMPTS = [{"prompt_token_ids": [100 + (7 * i + 3 * j) % 4000 for j in range(n)]}
+           for i, n in enumerate([5, 40, 130, 17, 77, 1, 300])]
+PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3)
+
+
+def _generate(llm: LLM) -> list[tuple[list[int], list]]:
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@needs_plan
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_plan_gives_the_model_forward_bit_for_bit(tiny_bf16, quantization, engine_check):
+    """Mixed prompt lengths, chunked prefill (a 64-token budget) and batched decodes of 1-7 rows: every
+    step the plan takes is checked against the model's forward on the same inputs, and whole runs
+    with and without the plan give the same tokens and logprobs."""
+    llm = LLM(model=tiny_bf16, dtype="bfloat16", max_model_len=512, kv_cache_memory=16 << 20,
+              max_num_batched_tokens=64, quantization=quantization)
+    runner = _runner_of(llm)
+    plan = runner.decode_plan
+    assert plan is not None
+    rows_seen = []
+
+    def checked(ids, positions, kv_caches, meta):
+        hidden = plan(ids, positions, kv_caches, meta)
+        # The model's forward rewrites the same K/V to the same slots: running it second is harmless.
+        assert torch.equal(hidden, runner.model(ids, positions, kv_caches, meta))
+        rows_seen.append(ids.shape[0])
+        return hidden
+
+    runner.decode_plan = type("Checked", (), {"covers": staticmethod(plan.covers), "__call__": staticmethod(checked)})()
+    with_plan = _generate(llm)
+    engine_check(llm)
+    assert rows_seen and max(rows_seen) >= 5 and 1 in rows_seen
+    runner.decode_plan = None
+    assert llm.llm_engine.engine_core.reset_prefix_cache()  # the same steps again, not cache hits
+    assert _generate(llm) == with_plan
+    assert all(len(tokens) == 20 for tokens, _ in with_plan)
+
+
+@needs_plan
+def test_plan_covers_only_decode_steps_the_kernels_serve():
+    table, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
+    kernel = cpu_kernels().paged_decode_attention
+    decode = DecodeGroup(0, 1, table, lens, None)
+
+    def meta(decodes, prefills=(), kernel=kernel):
+        return AttentionMetadata(torch.zeros(1, dtype=torch.long), 16, list(decodes), list(prefills), kernel)
+
+    assert DecodePlan.covers(1, meta([decode]))
+    assert DecodePlan.covers(128, meta([decode]))
+    assert not DecodePlan.covers(129, meta([decode]))                  # beyond the AMX matmul's rows
+    assert not DecodePlan.covers(1, meta([decode], kernel=None))       # the PyTorch attention path
+    assert not DecodePlan.covers(1, meta([DecodeGroup(0, 1, table, lens, torch.zeros(1, 1, 1, 16))]))
+    assert not DecodePlan.covers(5, meta([decode], [PrefillChunk(1, 5, None, None, 4)]))   # mixed step
+    assert not DecodePlan.covers(4, meta([], [PrefillChunk(0, 4, None, None, 4)]))
+
+
+@needs_plan
+def test_plan_is_built_only_where_it_applies(tiny_bf16):
+    llm = LLM(model=tiny_bf16, dtype="bfloat16", max_model_len=128, kv_cache_memory=8 << 20)
+    plan = _runner_of(llm).decode_plan
+    assert plan is not None and len(plan.layers) == 2
+    assert not isinstance(plan.layers[0].qkv_proj, torch.nn.Module)   # bound straight to the AMX kernel
+    del llm
+    llm = LLM(model=tiny_bf16, dtype="float32", max_model_len=128, kv_cache_memory=8 << 20)
+    assert _runner_of(llm).decode_plan is None
+
+
+def test_no_plan_without_amx(tiny_bf16, monkeypatch):
+    monkeypatch.setenv("KESTREL_DISABLE_AMX", "1")
+    llm = LLM(model=tiny_bf16, dtype="bfloat16", max_model_len=128, kv_cache_memory=8 << 20)
+    assert _runner_of(llm).decode_plan is None
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
