@@ -101,6 +101,17 @@ def test_paged_decode_attention_batch_of_one(threads, q_dtype, num_threads, leng
                                atol=TOL[torch.float32], rtol=1e-4)
 
 
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_paged_decode_attention_in_q_dtype_rounds_as_to(q_dtype):
+    """in_q_dtype: the float32 result rounded once, bit for bit as .to(q.dtype) rounds it."""
+    q, k, v, table, seq_lens = _paged_case(torch.bfloat16, 64, 3, 3, [700, 33, 1, 200], seed=5)
+    q = q.to(q_dtype)
+    wide = kernels.paged_decode_attention(q, k, v, table, seq_lens, 16, 0.125)
+    rounded = kernels.paged_decode_attention(q, k, v, table, seq_lens, 16, 0.125, in_q_dtype=True)
+    assert wide.dtype == torch.float32 and rounded.dtype == q_dtype
+    assert torch.equal(rounded, wide.to(q_dtype))
+
+
 def test_paged_decode_attention_bf16_large_scores():
     """Scores far from 0 and rising along the context (the running max moves many times)."""
     q, k, v, table, seq_lens = _paged_case(torch.bfloat16, 64, 3, 3, [700, 33, 200])

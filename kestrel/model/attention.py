@@ -89,7 +89,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
         # A decode-only step served by the kernel: its output is the whole result.
         group = meta.decodes[0]
         return meta.decode_kernel(q, cache[0], cache[1], group.block_table, group.seq_lens,
-                                  meta.block_size, scale).to(q.dtype)
+                                  meta.block_size, scale, in_q_dtype=True)
     out = torch.empty_like(q)
     for group in meta.decodes:
         s, e = group.token_start, group.token_end

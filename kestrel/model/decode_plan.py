@@ -85,7 +85,6 @@ class DecodePlan:
         attend, scale, block_size = meta.decode_kernel, self.scale, meta.block_size
         group, slots = meta.decodes[0], meta.slot_mapping
         table, seq_lens = group.block_table, group.seq_lens
-        bf16 = torch.bfloat16
         cos, sin = self.rotary.lookup(positions)
         x = self.embed[input_ids]
         residual = None
@@ -96,8 +95,8 @@ class DecodePlan:
                 h = rms_norm(x, residual, layer.input_norm, eps)   # residual += x, in place
             qkv = layer.qkv_proj(h).view(n, heads + 2 * kv_heads, head_dim)
             rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads)
-            out = attend(qkv[:, :heads], k_cache, v_cache, table, seq_lens, block_size, scale)  # float32
-            h = layer.o_proj(out.to(bf16).view(n, q_size))
+            out = attend(qkv[:, :heads], k_cache, v_cache, table, seq_lens, block_size, scale, True)
+            h = layer.o_proj(out.view(n, q_size))
             h = rms_norm(h, residual, layer.post_attention_norm, eps)
             x = layer.down_proj(silu_and_mul(layer.gate_up_proj(h)))
         return x + residual

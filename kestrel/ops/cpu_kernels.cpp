@@ -741,12 +741,31 @@ void run_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch:
 
 }  // namespace
 
+torch::Tensor paged_decode_attention_f32(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                         torch::Tensor block_tables, torch::Tensor seq_lens,
+                                         int64_t block_size, double scale);
+
 // q [num_seqs, num_heads, head_dim] float32 or bfloat16; k_cache, v_cache [num_slots, kv_heads, head_dim] float32 or
 // bfloat16; block_tables [num_seqs, max_blocks] int64; seq_lens [num_seqs] int64 (keys 0..len-1 visible).
-// Returns float32 [num_seqs, num_heads, head_dim].
+// Returns [num_seqs, num_heads, head_dim]: float32, or with `in_q_dtype` q's dtype (the float32
+// result rounded once, as .to() would; here, because .to() on so small a tensor costs ~10 µs of
+// dispatch, 30 times a decode step).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens,
-                                     int64_t block_size, double scale) {
+                                     int64_t block_size, double scale, bool in_q_dtype) {
+  torch::Tensor out = paged_decode_attention_f32(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale);
+  if (!in_q_dtype || q.scalar_type() == torch::kFloat32) return out;
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "q must be float32 or bfloat16");
+  auto rounded = torch::empty(out.sizes(), out.options().dtype(torch::kBFloat16));
+  const float* src = out.data_ptr<float>();
+  c10::BFloat16* dst = rounded.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0, n = out.numel(); i < n; ++i) dst[i] = c10::BFloat16(src[i]);  // round to nearest even
+  return rounded;
+}
+
+torch::Tensor paged_decode_attention_f32(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                         torch::Tensor block_tables, torch::Tensor seq_lens,
+                                         int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V dtypes differ");
@@ -1029,7 +1048,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (CPU)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache (CPU)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("block_size"), py::arg("scale"), py::arg("in_q_dtype") = false);
   m.def("rotary_write_kv", &rotary_write_kv, "rotary embedding in place, fused with the KV-cache write (CPU)",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slot_mapping"), py::arg("num_heads"));
