@@ -90,3 +90,9 @@ def save_tiny_llama(folder, *, hidden_size: int = 64, intermediate_size: int = 1
     model.save_pretrained(folder)
     load_tokenizer(resolve_model(None)).save_pretrained(folder)
     return model
+
+
+def worker_of(llm):
+    """The worker behind an in-process `LLM` (its model and model runner)."""
+    core = llm.llm_engine.engine_core
+    return next(v for k, v in vars(core).items() if "exec" in k).worker

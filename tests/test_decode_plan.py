@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from parity import save_tiny_llama
+from parity import save_tiny_llama, worker_of
 
 from kestrel import LLM, SamplingParams
 from kestrel.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
@@ -27,9 +27,7 @@ def tiny_bf16(tmp_path_factory) -> str:
 
 
 def _runner_of(llm: LLM):
-    core = llm.llm_engine.engine_core
-    executor = next(v for k, v in vars(core).items() if "exec" in k)
-    return executor.worker.runner
+    return worker_of(llm).runner
 
 
 PROMPTS = [{"prompt_token_ids": [100 + (7 * i + 3 * j) % 4000 for j in range(n)]}

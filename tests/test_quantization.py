@@ -13,7 +13,7 @@ from kestrel.config import EngineArgs
 from kestrel.model import quantization as Q
 from kestrel.model.layers import Linear
 from kestrel.ops import _cpu_flags, cpu_gemv
-from parity import save_tiny_llama
+from parity import save_tiny_llama, worker_of
 
 kernels = cpu_gemv()
 has_int8_kernel = kernels is not None and kernels.amx_usable()
@@ -176,9 +176,7 @@ def tiny_bf16(tmp_path_factory) -> str:
 
 
 def _model_of(llm: LLM):
-    core = llm.llm_engine.engine_core
-    executor = next(v for k, v in vars(core).items() if "exec" in k)
-    return executor.worker.model
+    return worker_of(llm).model
 
 
 def test_quantize_replaces_every_projection_and_nothing_else(tiny_bf16):

@@ -57,8 +57,10 @@ class DecodePlan:
     def build(cls, model: torch.nn.Module) -> DecodePlan | None:
         """A plan for `model`, or None where its decode steps need the general forward."""
         cfg = getattr(model, "cfg", None)
+        # The elementwise kernels take rows of a multiple of 32 values (the model's forward falls
+        # back to PyTorch elsewhere; the plan has no fallback).
         if (cfg is None or cfg.qk_norm or cfg.dtype != torch.bfloat16 or cfg.hidden_size % 32
-                or next(model.parameters()).device.type != "cpu"):
+                or (2 * cfg.intermediate_size) % 32 or next(model.parameters()).device.type != "cpu"):
             return None
         gemv, kernels = cpu_gemv(), cpu_kernels()
         if gemv is None or kernels is None or amx_disabled() or not gemv.amx_usable():
