@@ -26,6 +26,27 @@ def tiny_bf16(tmp_path_factory) -> str:
     return str(folder)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory) -> str:
+    """The same shapes as a Qwen3: per-head q and k norms, untied output head."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from kestrel.model.loader import load_tokenizer, resolve_model
+    folder = tmp_path_factory.mktemp("tiny-qwen3-plan")
+    config = Qwen3Config(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder)
+    load_tokenizer(resolve_model(None)).save_pretrained(folder)
+    return str(folder)
+
+
 def _runner_of(llm: LLM):
     return worker_of(llm).runner
 
@@ -41,12 +62,12 @@ def _generate(llm: LLM) -> list[tuple[list[int], list]]:
 
 
 @needs_plan
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_plan_gives_the_model_forward_bit_for_bit(tiny_bf16, quantization, engine_check):
+@pytest.mark.parametrize("model, quantization", [("tiny_bf16", None), ("tiny_bf16", "int8"), ("tiny_qwen3", None)])
+def test_plan_gives_the_model_forward_bit_for_bit(model, quantization, request, engine_check):
     """Mixed prompt lengths, chunked prefill (a 64-token budget) and batched decodes of 1-7 rows: every
     step the plan takes is checked against the model's forward on the same inputs, and whole runs
     with and without the plan give the same tokens and logprobs."""
-    llm = LLM(model=tiny_bf16, dtype="bfloat16", max_model_len=512, kv_cache_memory=16 << 20,
+    llm = LLM(model=request.getfixturevalue(model), dtype="bfloat16", max_model_len=512, kv_cache_memory=16 << 20,
               max_num_batched_tokens=64, quantization=quantization)
     runner = _runner_of(llm)
     plan = runner.decode_plan

@@ -10,8 +10,8 @@ and runs a decode-only step as a straight list of calls.
 
 Invariant: a step the plan covers gives bit-identical hidden states to `LlamaForCausalLM.forward`
 (same kernels, same order, same roundings); tests/test_decode_plan.py holds it to that. Everything
-else (prefill chunks, mixed steps, more rows than the AMX kernel takes, float32, models with q/k
-norms, no compiled kernels) runs the model's own forward.
+else (prefill chunks, mixed steps, more rows than the AMX kernel takes, float32, no compiled
+kernels) runs the model's own forward.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 
 from kestrel.model.attention import AttentionMetadata, KVCache
 from kestrel.model.layers import AMX_MAX_ROWS, Linear
+from kestrel.model.layers import rms_norm as head_rms_norm  # kernel or PyTorch, by the input's layout
 from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
@@ -36,6 +37,8 @@ class LayerPlan:
     post_attention_norm: torch.Tensor
     gate_up_proj: Projection
     down_proj: Projection
+    q_norm: torch.Tensor | None = None     # per-head norms of q and k (Qwen3), else None
+    k_norm: torch.Tensor | None = None
 
 
 class DecodePlan:
@@ -59,7 +62,7 @@ class DecodePlan:
         cfg = getattr(model, "cfg", None)
         # The elementwise kernels take rows of a multiple of 32 values (the model's forward falls
         # back to PyTorch elsewhere; the plan has no fallback).
-        if (cfg is None or cfg.qk_norm or cfg.dtype != torch.bfloat16 or cfg.hidden_size % 32
+        if (cfg is None or cfg.dtype != torch.bfloat16 or cfg.hidden_size % 32
                 or (2 * cfg.intermediate_size) % 32 or next(model.parameters()).device.type != "cpu"):
             return None
         gemv, kernels = cpu_gemv(), cpu_kernels()
@@ -67,7 +70,9 @@ class DecodePlan:
             return None
         layers = [LayerPlan(layer.input_layernorm.weight, _projection(layer.qkv_proj, gemv),
                             _projection(layer.o_proj, gemv), layer.post_attention_layernorm.weight,
-                            _projection(layer.gate_up_proj, gemv), _projection(layer.down_proj, gemv))
+                            _projection(layer.gate_up_proj, gemv), _projection(layer.down_proj, gemv),
+                            layer.q_norm.weight if cfg.qk_norm else None,
+                            layer.k_norm.weight if cfg.qk_norm else None)
                   for layer in model.layers]
         return cls(model, layers)
 
@@ -96,6 +101,10 @@ class DecodePlan:
             else:
                 h = rms_norm(x, residual, layer.input_norm, eps)   # residual += x, in place
             qkv = layer.qkv_proj(h).view(n, heads + 2 * kv_heads, head_dim)
+            if layer.q_norm is not None:  # as the model's forward does it (PyTorch norms over head slices)
+                qkv = torch.cat((head_rms_norm(qkv[:, :heads], layer.q_norm, eps),
+                                 head_rms_norm(qkv[:, heads:heads + kv_heads], layer.k_norm, eps),
+                                 qkv[:, heads + kv_heads:]), dim=1)
             rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads)
             out = attend(qkv[:, :heads], k_cache, v_cache, table, seq_lens, block_size, scale, True)
             h = layer.o_proj(out.view(n, q_size))
