@@ -131,8 +131,14 @@ def test_bench_throughput_writes_json(tmp_path):
     assert roof["non_embedding_params"] == 30 * 3_540_096 + 576
     assert roof["output_head_params"] == 49152 * 576
     assert 0 < roof["fraction_of_bf16"] < 1.5
+    # The run is also set against the bf16 rate measured just before it.
+    [rate] = roof["per_run_bf16_gflops"]
+    [paired] = roof["per_run_fraction"]
+    assert rate > 0 and roof["median_paired_fraction"] == paired
+    assert paired == pytest.approx(roof["workload_flops"] / kestrel["run_wall_s"][0] / 1e9 / rate)
     text = (tmp_path / "BENCHMARKS.md").read_text()
     assert "offline throughput" in text and "of the bf16 roofline" in text
+    assert "against the bf16 rate measured just before it" in text
 
 
 @pytest.mark.slow

@@ -126,6 +126,13 @@ def flop_weighted(rates: list[float], shapes: list[tuple[int, int]]) -> float:
     return sum(flops) / sum(f / r for f, r in zip(flops, rates))
 
 
+def bf16_gflops(shapes: list[tuple[int, int]]) -> float:
+    """The bf16 matmul rate alone (≈ 1 s), to pair with each timed run of a workload."""
+    import torch
+
+    return flop_weighted(matmul_gflops(shapes, torch.bfloat16), shapes)
+
+
 def measure_limits(shapes: list[tuple[int, int]]) -> MachineLimits:
     import torch
 

@@ -13,7 +13,9 @@ TTFT) with `cache_prompt: true`. Its peak memory is its process's, sampled.
 The machine's limits (kestrel/bench/roofline.py) are measured in the same run, before the engines:
 bf16 and fp32 matmul GFLOP/s at the model's layer shapes and the copy rate; Kestrel's achieved
 GFLOP/s on the workload (prompt tokens x 2 x non-embedding parameters + output tokens x 2 x all
-parameters) is reported as a fraction of the bf16 rate.
+parameters) is reported as a fraction of the bf16 rate. The bf16 rate is measured again just before
+each of Kestrel's timed runs, and each run's fraction of it is reported too, with their median: this
+machine's AMX rate drifts between runs.
 
 Kestrel: every request is submitted at once through `LLM.generate` (prompt token ids, greedy,
 ignore_eos, max_tokens = the request's output length). Only `generate` is timed, after one short
@@ -32,6 +34,7 @@ Peak resident memory: the larger of the RSS sampled while the model loads and Vm
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import os
@@ -106,11 +109,13 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     warn_if_busy(load_average[0])
     if args.num_threads:
         set_torch_threads(args.num_threads)
-    limits = None
+    limits = rate_before_run = None
     # W4's first engine skips the prefill its prefix cache holds: W1's FLOP count would not apply.
     if args.roofline and args.workload == "W1":
         limits = measure_machine_limits(engine_kwargs)
-    results, engine_info = run_kestrel(requests, engine_kwargs, args.runs, args.workload)
+        from kestrel.bench.roofline import bf16_gflops
+        rate_before_run = functools.partial(bf16_gflops, [tuple(x) for x in limits["shapes"]])
+    results, engine_info = run_kestrel(requests, engine_kwargs, args.runs, args.workload, rate_before_run)
     for peer in args.peer:
         if peer == "transformers":
             results.append(run_transformers_peer_in_child(PeerJob(
@@ -192,6 +197,7 @@ class EngineResult:
     peak_gpu_memory_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
     run_mean_ttft_s: list[float] = field(default_factory=list)   # per run; W4 (and streamed peers)
+    run_bf16_gflops: list[float] = field(default_factory=list)   # the matmul rate measured just before each run
 
     @property
     def mean_ttft_s(self) -> float | None:
@@ -271,11 +277,13 @@ def peak_gpu_memory_bytes(device: str) -> int | None:
 # ---- Kestrel ------------------------------------------------------------------------------------
 
 def run_kestrel(requests: list[BenchRequest], engine_kwargs: dict[str, Any], runs: int,
-                workload: str = "W1") -> tuple[list[EngineResult], dict[str, Any]]:
+                workload: str = "W1", rate_before_run: Callable[[], float] | None = None
+                ) -> tuple[list[EngineResult], dict[str, Any]]:
     """Load Kestrel, warm up, time `runs` generate calls of the whole workload; for W4, again with
-    prefix caching off (a second engine)."""
+    prefix caching off (a second engine). `rate_before_run` (W1): called before each timed run, its
+    value (the bf16 matmul rate) kept beside the run's wall time."""
     if workload != "W4":
-        result, info = _run_kestrel_once(requests, engine_kwargs, runs, "kestrel")
+        result, info = _run_kestrel_once(requests, engine_kwargs, runs, "kestrel", rate_before_run)
         return [result], info
     on, info = _run_kestrel_once(requests, {**engine_kwargs, "enable_prefix_caching": True}, runs,
                                  "kestrel, prefix caching on")
@@ -285,7 +293,8 @@ def run_kestrel(requests: list[BenchRequest], engine_kwargs: dict[str, Any], run
 
 
 def _run_kestrel_once(requests: list[BenchRequest], engine_kwargs: dict[str, Any], runs: int,
-                      name: str) -> tuple[EngineResult, dict[str, Any]]:
+                      name: str, rate_before_run: Callable[[], float] | None = None
+                      ) -> tuple[EngineResult, dict[str, Any]]:
     import gc
 
     import torch
@@ -300,8 +309,11 @@ def _run_kestrel_once(requests: list[BenchRequest], engine_kwargs: dict[str, Any
     warm_up_kestrel(llm)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = greedy_params(requests)
-    walls, ttfts, notes = [], [], []
+    walls, ttfts, notes, rates = [], [], [], []
     for i in range(runs):
+        if rate_before_run is not None:
+            rates.append(rate_before_run())
+            log(f"bf16 matmul {rates[-1]:.0f} GFLOP/s before run {i + 1}")
         llm.llm_engine.engine_core.reset_prefix_cache()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -318,7 +330,7 @@ def _run_kestrel_once(requests: list[BenchRequest], engine_kwargs: dict[str, Any
         output_tokens=sum(r.output_len for r in requests), generated_tokens=sum(r.output_len for r in requests),
         load_s=load_s, peak_rss_bytes=max(load_peak, peak_rss_bytes()), rss_after_load_bytes=rss_after_load,
         torch_threads=torch.get_num_threads(), peak_gpu_memory_bytes=peak_gpu_memory_bytes(engine_info["device"]),
-        notes=notes, run_mean_ttft_s=ttfts)
+        notes=notes, run_mean_ttft_s=ttfts, run_bf16_gflops=rates)
     del llm
     gc.collect()
     return result, engine_info
@@ -540,9 +552,14 @@ def build_report(args: argparse.Namespace, requests: list[BenchRequest], results
         params = ParamCounts(limits["non_embedding_params"], limits["output_head_params"])
         flops = workload_flops(kestrel.input_tokens, kestrel.output_tokens, params)
         achieved = flops / kestrel.wall_s / 1e9
+        # The machine's AMX rate drifts by 2-3x over a day: each run is also set against the rate
+        # measured just before it, and the median of those paired fractions reported.
+        paired = [flops / wall / 1e9 / rate for wall, rate in zip(kestrel.run_wall_s, kestrel.run_bf16_gflops)]
         roofline = {**limits, "workload_flops": flops, "kestrel_gflops": achieved,
                     "fraction_of_bf16": achieved / limits["bf16_gflops"],
-                    "limit_wall_s": flops / (limits["bf16_gflops"] * 1e9)}
+                    "limit_wall_s": flops / (limits["bf16_gflops"] * 1e9),
+                    "per_run_bf16_gflops": kestrel.run_bf16_gflops, "per_run_fraction": paired,
+                    "median_paired_fraction": statistics.median(paired) if paired else None}
     return {
         "benchmark": "throughput",
         "workload": {
@@ -598,7 +615,15 @@ def _roofline_line(report: dict[str, Any]) -> str | None:
             f"{r['non_embedding_params'] / 1e6:.1f} M, output head {r['output_head_params'] / 1e6:.1f} M): "
             f"{report['results'][0]['name']} reaches {r['kestrel_gflops']:.0f} GFLOP/s = "
             f"**{100 * r['fraction_of_bf16']:.0f}% of the bf16 roofline** (the limit would run it in "
-            f"{r['limit_wall_s']:.1f} s)")
+            f"{r['limit_wall_s']:.1f} s)" + _paired_roofline(r))
+
+
+def _paired_roofline(r: dict[str, Any]) -> str:
+    if not r.get("per_run_fraction"):
+        return ""
+    runs = ", ".join(f"{100 * f:.0f}% of {g:.0f}" for f, g in zip(r["per_run_fraction"], r["per_run_bf16_gflops"]))
+    return (f". Each run against the bf16 rate measured just before it: {runs} GFLOP/s; "
+            f"median **{100 * r['median_paired_fraction']:.0f}%**")
 
 
 def _precision(engine: dict[str, Any]) -> str:
