@@ -39,8 +39,11 @@ class ModelConfig:
     max_model_len: int
     quantization: str | None = None  # None, or "int8": the decoder projections in int8 (W8A8)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
+        """K and V of one token in every layer: in the model's dtype, or int8 plus a float32 scale per
+        (token, KV head) row."""
+        if kv_cache_dtype == "int8":
+            return 2 * self.num_layers * self.num_kv_heads * (self.head_dim + 4)
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
@@ -52,6 +55,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None     # bytes; overrides the budget on any device
     num_kv_blocks: int | None = None       # exact pool size (tests use it to force preemption)
+    kv_cache_dtype: str = "auto"           # auto (the model's dtype) | int8
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | None = None
     num_kv_blocks: int | None = None
+    kv_cache_dtype: str = "auto"            # auto | int8
     seed: int = 0
     enforce_eager: bool = True
     disable_log_stats: bool = True

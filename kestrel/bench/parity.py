@@ -1,12 +1,16 @@
-"""`kestrel bench parity --quantization int8`: what a quantized mode costs in agreement with the same
-engine unquantized (which the parity tests hold to transformers' tokens), on greedy decoding.
+"""`kestrel bench parity --quantization int8` (and/or `--kv-cache-dtype int8`): what a lossy mode costs
+in agreement with the default engine (which the parity tests hold to transformers' tokens), on greedy
+decoding.
 
-For each prompt the unquantized engine writes --max-tokens greedy tokens. Then:
-- free-running: the quantized engine decodes greedily from the same prompt; reported: how many
+For each prompt the default engine writes --max-tokens greedy tokens. Then:
+- free-running: the lossy engine decodes greedily from the same prompt; reported: how many
   continuations are identical, and where the first differing token falls (median, as a fraction).
-- teacher-forced: the quantized engine reads prompt + the reference continuation once
+- teacher-forced: the lossy engine reads prompt + the reference continuation once
   (prompt_logprobs) and its top-1 token is compared at every continuation position, so one early
   difference does not hide the agreement after it.
+With --kv-cache-dtype int8 the lossy engine prefills in chunks of 16 tokens, so that every chunk's
+attention reads all its keys back from the int8 cache, as decoding does (a prompt prefilled in one
+piece attends to its own keys unquantized).
 
 The prompts are plain English requests sent through the model's chat template, so that the model's
 predictions are confident where it is confident (random token ids, W1's prompts, make most
@@ -64,6 +68,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--append-md", type=Path, default=None, help="append the report to this Markdown file")
 
 
+# The lossy settings and their defaults: the reference engine runs with these.
+LOSSY_DEFAULTS = {"quantization": None, "kv_cache_dtype": "auto"}
+KV_READ_CHUNK = 16
+
+
+def lossy_flags(engine_kwargs: dict[str, Any]) -> str:
+    """The lossy settings of `engine_kwargs` as command-line flags ("" if none)."""
+    return " ".join(f"--{k.replace('_', '-')} {engine_kwargs[k]}" for k, default in LOSSY_DEFAULTS.items()
+                    if engine_kwargs.get(k, default) != default)
+
+
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                           tokenize=True, return_dict=False) for p in PROMPTS[:n]]
@@ -72,16 +87,20 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
 def measure(engine_kwargs: dict[str, Any], num_prompts: int, max_tokens: int) -> ParityResult:
     from kestrel import LLM, SamplingParams
 
-    if not engine_kwargs.get("quantization"):
-        raise ValueError("bench parity compares a quantized mode with the default one: pass --quantization")
+    if not lossy_flags(engine_kwargs):
+        raise ValueError("bench parity compares a lossy mode with the default one: pass --quantization or "
+                         "--kv-cache-dtype")
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    reference_llm = LLM(**{**engine_kwargs, "quantization": None})
+    reference_llm = LLM(**{**engine_kwargs, **LOSSY_DEFAULTS})
     prompts = chat_prompts(reference_llm.get_tokenizer(), num_prompts)
     references = [o.outputs[0].token_ids for o in reference_llm.generate(
         [{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
     del reference_llm
 
-    llm = LLM(**engine_kwargs)
+    lossy = dict(engine_kwargs)
+    if lossy.get("kv_cache_dtype", "auto") != "auto":
+        lossy["max_num_batched_tokens"] = KV_READ_CHUNK
+    llm = LLM(**lossy)
     free = [o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
     forced = llm.generate([{"prompt_token_ids": p + list(r[:-1])} for p, r in zip(prompts, references)],
@@ -106,7 +125,7 @@ def report(result: ParityResult, engine_kwargs: dict[str, Any], command: str, se
     differing = result.sequences - result.identical
     median_first = f"{statistics.median(result.first_difference):.0%}" if result.first_difference else "n/a"
     return "\n".join([
-        f"### Parity of --quantization {engine_kwargs['quantization']} against the unquantized engine "
+        f"### Parity of {lossy_flags(engine_kwargs)} against the default engine "
         f"({time.strftime('%Y-%m-%d %H:%M')})",
         "",
         f"Command: `{command}` ({seconds:.0f} s).",

@@ -16,6 +16,7 @@ from kestrel.engine.output_processor import OutputProcessor
 from kestrel.engine.processor import Processor, PromptType
 from kestrel.messages import SchedulerStats
 from kestrel.model import model_config_from_hf
+from kestrel.model.attention import INT8_BLOCK
 from kestrel.model.loader import ModelSource, load_config, load_tokenizer, resolve_model
 from kestrel.outputs import RequestOutput
 from kestrel.sampling_params import SamplingParams
@@ -24,6 +25,7 @@ from kestrel.worker.executor import UniProcExecutor
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+KV_CACHE_DTYPES = ("auto", "int8")
 
 
 def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, object]:
@@ -42,6 +44,11 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, o
         raise ValueError(f"max_num_seqs must be at least 1, got {args.max_num_seqs}")
     if args.block_size < 1 or args.block_size & (args.block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {args.block_size}")
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {args.kv_cache_dtype!r}")
+    if args.kv_cache_dtype == "int8" and args.block_size != INT8_BLOCK:
+        raise ValueError(f"--kv-cache-dtype int8 stores K in blocks of {INT8_BLOCK} tokens; "
+                         f"--block-size {args.block_size} is not supported with it")
     budget = args.max_num_batched_tokens
     if budget is None:
         budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if args.enable_chunked_prefill else max(
@@ -55,7 +62,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, o
         model=model,
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks),
+                          kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                   max_model_len=model.max_model_len,
                                   enable_chunked_prefill=args.enable_chunked_prefill),

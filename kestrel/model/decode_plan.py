@@ -54,6 +54,7 @@ class DecodePlan:
         kernels = cpu_kernels()
         self.rms_norm = kernels.rms_norm
         self.rotary_write_kv = kernels.rotary_write_kv
+        self.rotary_write_kv_int8 = kernels.rotary_write_kv_int8
         self.silu_and_mul = kernels.silu_and_mul
 
     @classmethod
@@ -88,14 +89,16 @@ class DecodePlan:
         """Hidden states [num_tokens, hidden] (before the final norm), as the model's forward."""
         n, heads, kv_heads, head_dim, q_size = (input_ids.shape[0], self.heads, self.kv_heads, self.head_dim,
                                                 self.q_size)
-        rms_norm, rotary_write_kv, silu_and_mul, eps = self.rms_norm, self.rotary_write_kv, self.silu_and_mul, self.eps
+        rms_norm, silu_and_mul, eps = self.rms_norm, self.silu_and_mul, self.eps
+        # The cache is passed unpacked: (k, v), or the int8 cache's four tensors.
+        rotary_write_kv = self.rotary_write_kv_int8 if len(kv_caches[0]) == 4 else self.rotary_write_kv
         attend, scale, block_size = meta.decode_kernel, self.scale, meta.block_size
         group, slots = meta.decodes[0], meta.slot_mapping
         table, seq_lens = group.block_table, group.seq_lens
         cos, sin = self.rotary.lookup(positions)
         x = self.embed[input_ids]
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for layer, cache in zip(self.layers, kv_caches):
             if residual is None:
                 residual, h = x, rms_norm(x, None, layer.input_norm, eps)
             else:
@@ -105,8 +108,8 @@ class DecodePlan:
                 qkv = torch.cat((head_rms_norm(qkv[:, :heads], layer.q_norm, eps),
                                  head_rms_norm(qkv[:, heads:heads + kv_heads], layer.k_norm, eps),
                                  qkv[:, heads + kv_heads:]), dim=1)
-            rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads)
-            out = attend(qkv[:, :heads], k_cache, v_cache, table, seq_lens, block_size, scale, True)
+            rotary_write_kv(qkv, cos, sin, *cache, slots, heads)
+            out = attend(qkv[:, :heads], *cache, table, seq_lens, block_size, scale, True)
             h = layer.o_proj(out.view(n, q_size))
             h = rms_norm(h, residual, layer.post_attention_norm, eps)
             x = layer.down_proj(silu_and_mul(layer.gate_up_proj(h)))

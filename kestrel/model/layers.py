@@ -174,10 +174,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def rotate_and_write_kv(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor,
-                        cache: tuple[torch.Tensor, torch.Tensor] | None, slot_mapping: torch.Tensor) -> bool:
+                        cache: tuple[torch.Tensor, ...] | None, slot_mapping: torch.Tensor) -> bool:
     """Rotate the q and k heads of qkv [tokens, num_heads + 2 kv_heads, head_dim] in place. Where
-    the CPU kernel runs, it also writes k and v to `cache` in the same pass; returns whether it did
-    (if not, the caller writes them)."""
+    the CPU kernel runs, it also writes k and v to `cache` (bf16/float32, or int8: see
+    kestrel/model/attention.py) in the same pass; returns whether it did (if not, the caller writes them)."""
     num_kv_heads = (qkv.shape[1] - num_heads) // 2
     if (qkv.device.type == "cpu" and qkv.dtype in (torch.float32, torch.bfloat16) and qkv.is_contiguous()
             and qkv.shape[-1] % 32 == 0 and cos.dtype == qkv.dtype):
@@ -186,7 +186,10 @@ def rotate_and_write_kv(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, si
             if cache is None:
                 kernels.rotary_write_kv(qkv, cos, sin, qkv, qkv, None, num_heads)  # caches unused
                 return False
-            kernels.rotary_write_kv(qkv, cos, sin, cache[0], cache[1], slot_mapping, num_heads)
+            if len(cache) == 4:
+                kernels.rotary_write_kv_int8(qkv, cos, sin, *cache, slot_mapping, num_heads)
+            else:
+                kernels.rotary_write_kv(qkv, cos, sin, cache[0], cache[1], slot_mapping, num_heads)
             return True
     qk = qkv[:, :num_heads + num_kv_heads]
     qk.copy_(apply_rotary(qk, cos, sin))

@@ -989,6 +989,238 @@ void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
 
 
 
+// ---- int8 KV cache (--kv-cache-dtype int8) ----
+//
+// Each (token, KV head) row of head_dim values is stored as int8 with one float32 scale:
+// x ≈ q * scale, scale = max|x| / 127, q = round-half-even(x / scale) (0 and scale 0 for a zero row).
+// K is stored transposed within each block of 16 tokens, k_t [num_blocks, kv_heads, head_dim, 16],
+// k_scale [num_blocks, kv_heads, 16], so that a block's 16 scores come out of one vector per
+// dimension; V by rows, v [num_slots, kv_heads, head_dim], v_scale [num_slots, kv_heads].
+// The PyTorch reference is in kestrel/model/attention.py (write_kv, gather_kv).
+
+namespace {
+
+constexpr int64_t kInt8Block = 16;
+
+// Quantize one row of d floats (d % 16 == 0); returns the scale.
+inline float quantize_row(const float* x, int64_t d, int8_t* q, int64_t q_stride) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; i += kLanes) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  const float m = _mm512_reduce_max_ps(amax);
+  if (m == 0.f) {
+    for (int64_t i = 0; i < d; ++i) q[i * q_stride] = 0;
+    return 0.f;
+  }
+  const float scale = m / 127.f;
+  const __m512 sv = _mm512_set1_ps(scale);
+  alignas(64) int32_t qi[16];
+  for (int64_t i = 0; i < d; i += kLanes) {
+    // true division, then round half to even (the default rounding mode), as torch.round(x / scale)
+    const __m512i r = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(x + i), sv));
+    _mm512_store_si512(qi, r);
+    for (int j = 0; j < kLanes; ++j) q[(i + j) * q_stride] = static_cast<int8_t>(qi[j]);
+  }
+  return scale;
+}
+
+template <typename T>
+void to_float_row(const T* x, float* out, int64_t d) {
+  for (int64_t i = 0; i < d; i += kLanes) _mm512_storeu_ps(out + i, load_chunk(x + i));
+}
+
+template <typename T>
+void rotary_write_kv_int8_impl(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                               torch::Tensor& k_t, torch::Tensor& k_scale, torch::Tensor& v, torch::Tensor& v_scale,
+                               const torch::Tensor& slots, int64_t num_heads) {
+  const int64_t n = qkv.size(0), all_heads = qkv.size(1), d = qkv.size(2);
+  const int64_t kv_heads = (all_heads - num_heads) / 2, half = d / 2;
+  T* xp = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  int8_t* ktp = k_t.data_ptr<int8_t>();
+  float* ksp = k_scale.data_ptr<float>();
+  int8_t* vp = v.data_ptr<int8_t>();
+  float* vsp = v_scale.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row_f(d);
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = xp + t * all_heads * d;
+      for (int64_t h = 0; h < num_heads + kv_heads; ++h) rotate_row(row + h * d, cp + t * d, sp + t * d, half);
+      const int64_t blk = slot[t] / kInt8Block, off = slot[t] % kInt8Block;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        to_float_row(row + (num_heads + h) * d, row_f.data(), d);
+        ksp[(blk * kv_heads + h) * kInt8Block + off] =
+            quantize_row(row_f.data(), d, ktp + (blk * kv_heads + h) * d * kInt8Block + off, kInt8Block);
+        to_float_row(row + (num_heads + kv_heads + h) * d, row_f.data(), d);
+        vsp[slot[t] * kv_heads + h] = quantize_row(row_f.data(), d, vp + (slot[t] * kv_heads + h) * d, 1);
+      }
+    }
+  });
+}
+
+// One (sequence, KV head) per work item: the scores of a block's 16 keys at once from the
+// transposed K, a softmax over them all, then the V rows weighted.
+template <int D, int G>
+void run_int8(const torch::Tensor& q, const torch::Tensor& k_t, const torch::Tensor& k_scale,
+              const torch::Tensor& v, const torch::Tensor& v_scale, const torch::Tensor& block_tables,
+              const torch::Tensor& seq_lens, torch::Tensor& out, float scale) {
+  constexpr int C = D / kLanes;
+  constexpr int64_t BS = kInt8Block;
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), kv_heads = v.size(1);
+  const int64_t max_blocks = block_tables.size(1);
+  const float* qf = q.data_ptr<float>();
+  const int8_t* ktp = k_t.data_ptr<int8_t>();
+  const float* ksp = k_scale.data_ptr<float>();
+  const int8_t* vp = v.data_ptr<int8_t>();
+  const float* vsp = v_scale.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / kv_heads, h = item % kv_heads, len = lens[s];
+      const int64_t* table = tables + s * max_blocks;
+      const int64_t nb = (len + BS - 1) / BS;
+      float qs[G][D];
+      for (int j = 0; j < G; ++j)
+        for (int dd = 0; dd < D; ++dd) qs[j][dd] = qf[(s * num_heads + h * G + j) * D + dd] * scale;
+      scores.resize(G * nb * BS);
+      VecF mx[G];
+      for (int j = 0; j < G; ++j) mx[j] = splat(neg_inf);
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t blk = table[b];
+        const int8_t* kb = ktp + (blk * kv_heads + h) * D * BS;
+        if (b + 1 < nb) {
+          const int8_t* next = ktp + (table[b + 1] * kv_heads + h) * D * BS;
+          for (int64_t c = 0; c < D * BS; c += 64) _mm_prefetch(reinterpret_cast<const char*>(next + c), _MM_HINT_T0);
+        }
+        VecF acc[G];
+        for (int j = 0; j < G; ++j) acc[j] = zero();
+        for (int dd = 0; dd < D; ++dd) {
+          const VecF kd = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kb + dd * BS))));
+          for (int j = 0; j < G; ++j) acc[j] = fma(splat(qs[j][dd]), kd, acc[j]);
+        }
+        const VecF sk = load_f32(ksp + (blk * kv_heads + h) * BS);
+        const int64_t n = std::min<int64_t>(BS, len - b * BS);
+        const __mmask16 valid = n == BS ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+        for (int j = 0; j < G; ++j) {
+          const VecF sc = _mm512_mask_blend_ps(valid, splat(neg_inf), _mm512_mul_ps(acc[j], sk));
+          store(scores.data() + (j * nb + b) * BS, sc);
+          mx[j] = _mm512_max_ps(mx[j], sc);
+        }
+      }
+      float inv[G];
+      for (int j = 0; j < G; ++j) {
+        const VecF m = splat(_mm512_reduce_max_ps(mx[j]));
+        float* sj = scores.data() + j * nb * BS;
+        VecF sum = zero();
+        for (int64_t t = 0; t < nb * BS; t += kLanes) {
+          const __mmask16 lanes = len - t >= kLanes ? (__mmask16)0xFFFF
+                                : len > t ? (__mmask16)((1u << (len - t)) - 1) : (__mmask16)0;
+          const VecF e = _mm512_maskz_mov_ps(lanes, exp_clamped(_mm512_sub_ps(load_f32(sj + t), m)));
+          store(sj + t, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        inv[j] = 1.f / hsum(sum);
+      }
+      VecF acc[G][C];
+      for (int j = 0; j < G; ++j)
+        for (int c = 0; c < C; ++c) acc[j][c] = zero();
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t base = table[b] * BS, n = std::min<int64_t>(BS, len - b * BS);
+        if (b + 1 < nb) {
+          const int64_t next = table[b + 1] * BS;
+          for (int64_t o = 0; o < BS; ++o)
+            _mm_prefetch(reinterpret_cast<const char*>(vp + ((next + o) * kv_heads + h) * D), _MM_HINT_T0);
+        }
+        for (int64_t o = 0; o < n; ++o) {
+          const int64_t slot = base + o;
+          const int8_t* row = vp + (slot * kv_heads + h) * D;
+          VecF vr[C];
+          for (int c = 0; c < C; ++c)
+            vr[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + kLanes * c))));
+          const float sv = vsp[slot * kv_heads + h];
+          for (int j = 0; j < G; ++j) {
+            const VecF p = splat(scores[(j * nb + b) * BS + o] * sv);
+            for (int c = 0; c < C; ++c) acc[j][c] = fma(p, vr[c], acc[j][c]);
+          }
+        }
+      }
+      for (int j = 0; j < G; ++j) {
+        float* dst = op + (s * num_heads + h * G + j) * D;
+        for (int c = 0; c < C; ++c) store(dst + c * kLanes, _mm512_mul_ps(acc[j][c], splat(inv[j])));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// rotary_write_kv for the int8 cache: rotates q and k in place and writes k, v quantized.
+void rotary_write_kv_int8(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_t,
+                          torch::Tensor k_scale, torch::Tensor v, torch::Tensor v_scale, torch::Tensor slot_mapping,
+                          int64_t num_heads) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(2) % (2 * kLanes) == 0, "rotary_write_kv_int8: bad qkv");
+  TORCH_CHECK((qkv.size(1) - num_heads) % 2 == 0 && qkv.size(1) > num_heads, "rotary_write_kv_int8: bad head count");
+  const int64_t kv_heads = (qkv.size(1) - num_heads) / 2, d = qkv.size(2);
+  cos = cos.reshape({qkv.size(0), d}).contiguous();
+  sin = sin.reshape({qkv.size(0), d}).contiguous();
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "rotary_write_kv_int8: dtypes differ");
+  TORCH_CHECK(k_t.scalar_type() == torch::kInt8 && v.scalar_type() == torch::kInt8 &&
+              k_scale.scalar_type() == torch::kFloat32 && v_scale.scalar_type() == torch::kFloat32 &&
+              k_t.is_contiguous() && v.is_contiguous() && k_scale.is_contiguous() && v_scale.is_contiguous() &&
+              k_t.dim() == 4 && k_t.size(1) == kv_heads && k_t.size(2) == d && k_t.size(3) == kInt8Block &&
+              v.dim() == 3 && v.size(0) == k_t.size(0) * kInt8Block && v.size(1) == kv_heads && v.size(2) == d &&
+              k_scale.numel() == v.size(0) * kv_heads && v_scale.numel() == v.size(0) * kv_heads,
+              "rotary_write_kv_int8: bad cache");
+  auto slots = slot_mapping.to(torch::kInt64).contiguous();
+  TORCH_CHECK(slots.numel() == qkv.size(0), "rotary_write_kv_int8: one slot per token");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < v.size(0), "rotary_write_kv_int8: slot out of range");
+  if (qkv.scalar_type() == torch::kBFloat16)
+    rotary_write_kv_int8_impl<c10::BFloat16>(qkv, cos, sin, k_t, k_scale, v, v_scale, slots, num_heads);
+  else if (qkv.scalar_type() == torch::kFloat32)
+    rotary_write_kv_int8_impl<float>(qkv, cos, sin, k_t, k_scale, v, v_scale, slots, num_heads);
+  else TORCH_CHECK(false, "rotary_write_kv_int8: float32 or bfloat16 only");
+}
+
+// Decode attention over the int8 cache (layout above; block_size 16). Returns float32, or with
+// `in_q_dtype` q's dtype.
+torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_t, torch::Tensor k_scale, torch::Tensor v,
+                                          torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,
+                                          int64_t block_size, double scale, bool in_q_dtype) {
+  TORCH_CHECK(block_size == kInt8Block, "the int8 KV cache takes blocks of 16 tokens");
+  TORCH_CHECK(q.dim() == 3 && k_t.dim() == 4 && v.dim() == 3 && k_t.scalar_type() == torch::kInt8 &&
+              v.scalar_type() == torch::kInt8 && k_t.is_contiguous() && v.is_contiguous() &&
+              k_scale.is_contiguous() && v_scale.is_contiguous(), "paged_decode_attention_int8: bad cache");
+  const auto out_dtype = q.scalar_type();
+  auto qf = q.to(torch::kFloat32).contiguous();
+  auto out = torch::empty(qf.sizes(), qf.options());
+  block_tables = block_tables.to(torch::kInt64).contiguous();
+  seq_lens = seq_lens.to(torch::kInt64).contiguous();
+  const int64_t d = q.size(2), g = q.size(1) / v.size(1);
+  const float sc = static_cast<float>(scale);
+  bool done = false;
+#define KESTREL_CASE(D, G) \
+  if (!done && d == D && g == G) { run_int8<D, G>(qf, k_t, k_scale, v, v_scale, block_tables, seq_lens, out, sc); done = true; }
+  KESTREL_CASE(64, 1) KESTREL_CASE(64, 2) KESTREL_CASE(64, 3) KESTREL_CASE(64, 4)
+  KESTREL_CASE(64, 5) KESTREL_CASE(64, 8)
+  KESTREL_CASE(128, 1) KESTREL_CASE(128, 2) KESTREL_CASE(128, 4) KESTREL_CASE(128, 8)
+#undef KESTREL_CASE
+  TORCH_CHECK(done, "no kernel for head_dim ", d, " with ", g, " query heads per KV head");
+  if (!in_q_dtype || out_dtype == torch::kFloat32) return out;
+  TORCH_CHECK(out_dtype == torch::kBFloat16, "q must be float32 or bfloat16");
+  auto rounded = torch::empty(out.sizes(), out.options().dtype(torch::kBFloat16));
+  const float* src = out.data_ptr<float>();
+  c10::BFloat16* dst = rounded.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0, n = out.numel(); i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+  return rounded;
+}
+
 // ---- argmax over the rows of float32 logits ----
 
 namespace {
@@ -1054,5 +1286,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_write_kv", &rotary_write_kv, "rotary embedding in place, fused with the KV-cache write (CPU)",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slot_mapping"), py::arg("num_heads"));
+  m.def("rotary_write_kv_int8", &rotary_write_kv_int8, "rotary_write_kv into the int8 KV cache (CPU)",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_t"), py::arg("k_scale"), py::arg("v"),
+        py::arg("v_scale"), py::arg("slot_mapping"), py::arg("num_heads"));
+  m.def("paged_decode_attention_int8", &paged_decode_attention_int8, "decode attention over the int8 KV cache (CPU)",
+        py::arg("q"), py::arg("k_t"), py::arg("k_scale"), py::arg("v"), py::arg("v_scale"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"), py::arg("in_q_dtype") = false);
   m.def("supports", &supports, "whether a (head_dim, group) pair has a kernel");
 }

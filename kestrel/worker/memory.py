@@ -88,7 +88,7 @@ def profile_cuda(config: EngineConfig, run_profile: Callable[[], None]) -> Memor
 def num_blocks_for(config: EngineConfig, profile: MemoryProfile) -> int:
     """Blocks in the pool, block 0 (the null block) included; errors name the knob to turn."""
     cache, model = config.cache, config.model
-    bytes_per_block = cache.block_size * model.kv_bytes_per_token
+    bytes_per_block = cache.block_size * model.kv_bytes_per_token(cache.kv_cache_dtype)
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
     else:

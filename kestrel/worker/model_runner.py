@@ -95,6 +95,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[KVCache] = []
+        self.kv_int8 = config.cache.kv_cache_dtype == "int8"
         self.decode_kernel = self._find_decode_kernel()
         self.prefill_kernel = self._find_prefill_kernel()
         # Decode-only steps run as a plan of pre-bound kernel calls where the model has one (the
@@ -102,12 +103,16 @@ class ModelRunner:
         self.decode_plan = DecodePlan.build(model)
 
     def _find_decode_kernel(self):
+        """The compiled decode attention for this model and cache, called as
+        kernel(q, *cache, block_table, seq_lens, block_size, scale[, in_q_dtype]); None: PyTorch."""
         m = self.config.model
         if self.device.type != "cpu" or m.dtype not in (torch.float32, torch.bfloat16):
             return None
         kernels = cpu_kernels()
         if kernels is None or not kernels.supports(m.head_dim, m.num_heads // m.num_kv_heads):
             return None
+        if self.kv_int8:
+            return kernels.paged_decode_attention_int8
         return kernels.paged_decode_attention
 
     def _find_prefill_kernel(self):
@@ -124,9 +129,16 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         m = self.config.model
-        shape = (num_blocks * self.block_size, m.num_kv_heads, m.head_dim)
-        self.kv_caches = [(zeroed(shape, m.dtype, self.device), zeroed(shape, m.dtype, self.device))
-                          for _ in range(m.num_layers)]
+        slots, heads, dim, dev = num_blocks * self.block_size, m.num_kv_heads, m.head_dim, self.device
+        if self.kv_int8:  # the layout of kestrel/model/attention.py: K transposed within each block
+            self.kv_caches = [(zeroed((num_blocks, heads, dim, self.block_size), torch.int8, dev),
+                               zeroed((num_blocks, heads, self.block_size), torch.float32, dev),
+                               zeroed((slots, heads, dim), torch.int8, dev),
+                               zeroed((slots, heads), torch.float32, dev))
+                              for _ in range(m.num_layers)]
+            return
+        shape = (slots, heads, dim)
+        self.kv_caches = [(zeroed(shape, m.dtype, dev), zeroed(shape, m.dtype, dev)) for _ in range(m.num_layers)]
 
     @torch.inference_mode()
     def profile_run(self) -> None:
