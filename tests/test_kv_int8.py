@@ -196,3 +196,11 @@ def test_default_model_agrees_with_the_bf16_cache():
     result = measure({"kv_cache_dtype": "int8"}, num_prompts=6, max_tokens=32)
     assert result.sequences == 6 and result.forced_positions >= 6 * 8
     assert result.forced_agreement >= 0.93, result
+
+
+def test_benchmark_reports_name_the_cache():
+    from kestrel.bench.throughput import _precision
+    assert _precision({"dtype": "bfloat16"}) == "bfloat16"
+    assert _precision({"dtype": "bfloat16", "kv_cache_dtype": "auto", "quantization": None}) == "bfloat16"
+    assert _precision({"dtype": "bfloat16", "kv_cache_dtype": "int8", "quantization": "int8"}) == \
+        "bfloat16 with --quantization int8 and an int8 KV cache"

@@ -398,7 +398,7 @@ def describe_engine(llm: Any) -> dict[str, Any]:
         "model": source.name, "model_path": source.path, "gguf_file": source.gguf_file,
         "format": f"GGUF ({source.gguf_file}, dequantized on load)" if source.gguf_file else "Hugging Face folder",
         "dtype": str(config.model.dtype).removeprefix("torch."), "device": str(config.device.device),
-        "quantization": config.model.quantization,
+        "quantization": config.model.quantization, "kv_cache_dtype": config.cache.kv_cache_dtype,
         "max_num_seqs": config.scheduler.max_num_seqs,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "max_model_len": config.model.max_model_len, "block_size": config.cache.block_size,
@@ -627,9 +627,14 @@ def _paired_roofline(r: dict[str, Any]) -> str:
 
 
 def _precision(engine: dict[str, Any]) -> str:
-    """The model dtype, and --quantization where one is on (earlier reports have no such key)."""
-    q = engine.get("quantization")
-    return engine["dtype"] if not q else f"{engine['dtype']} with --quantization {q}"
+    """The model dtype, with --quantization and --kv-cache-dtype where they are on (earlier reports
+    have no such keys)."""
+    text = engine["dtype"]
+    if engine.get("quantization"):
+        text += f" with --quantization {engine['quantization']}"
+    if engine.get("kv_cache_dtype", "auto") != "auto":
+        text += f" and an {engine['kv_cache_dtype']} KV cache"
+    return text
 
 
 def format_summary(report: dict[str, Any]) -> str:
