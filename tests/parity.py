@@ -74,13 +74,19 @@ def assert_greedy_close(ref: list[Greedy], ours: list[Greedy], *, exact: bool,
 def save_tiny_llama(folder, *, hidden_size: int = 64, intermediate_size: int = 128, vocab_size: int = 49152):
     """A 2-layer random-weight Llama (weights N(0, 0.08), seed 0) saved to `folder` with the default
     model's tokenizer, so the vocabulary matches it; returns the float32 transformers model."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
+    return save_tiny_model(folder, LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=True))
+
+
+def save_tiny_model(folder, config):
+    """A random-weight model of `config` (matrices N(0, 0.08), seed 0) saved to `folder` with the
+    default model's tokenizer; returns the float32 transformers model."""
+    from transformers import AutoModelForCausalLM
 
     from kestrel.model.loader import load_tokenizer, resolve_model
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-                         tie_word_embeddings=True)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():

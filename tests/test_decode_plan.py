@@ -1,12 +1,12 @@
 """The decode plan (kestrel/model/decode_plan.py): decode-only steps run as pre-bound kernel calls,
 and must give bit-identical hidden states to the model's own forward, hence the same tokens and
-logprobs, in bf16 and with --quantization int8."""
+logprobs, in bf16, with --quantization int8 and with --kv-cache-dtype int8."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from parity import save_tiny_llama, worker_of
+from parity import save_tiny_llama, save_tiny_model, worker_of
 
 from kestrel import LLM, SamplingParams
 from kestrel.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
@@ -29,21 +29,12 @@ def tiny_bf16(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory) -> str:
     """The same shapes as a Qwen3: per-head q and k norms, untied output head."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    from kestrel.model.loader import load_tokenizer, resolve_model
+    from transformers import Qwen3Config
     folder = tmp_path_factory.mktemp("tiny-qwen3-plan")
-    config = Qwen3Config(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-                         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    model.save_pretrained(folder)
-    load_tokenizer(resolve_model(None)).save_pretrained(folder)
+    save_tiny_model(folder, Qwen3Config(
+        vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False))
     return str(folder)
 
 
@@ -62,13 +53,15 @@ def _generate(llm: LLM) -> list[tuple[list[int], list]]:
 
 
 @needs_plan
-@pytest.mark.parametrize("model, quantization", [("tiny_bf16", None), ("tiny_bf16", "int8"), ("tiny_qwen3", None)])
-def test_plan_gives_the_model_forward_bit_for_bit(model, quantization, request, engine_check):
+@pytest.mark.parametrize("model, quantization, kv_cache_dtype", [
+    ("tiny_bf16", None, "auto"), ("tiny_bf16", "int8", "auto"), ("tiny_qwen3", None, "auto"),
+    ("tiny_bf16", None, "int8")])
+def test_plan_gives_the_model_forward_bit_for_bit(model, quantization, kv_cache_dtype, request, engine_check):
     """Mixed prompt lengths, chunked prefill (a 64-token budget) and batched decodes of 1-7 rows: every
     step the plan takes is checked against the model's forward on the same inputs, and whole runs
     with and without the plan give the same tokens and logprobs."""
     llm = LLM(model=request.getfixturevalue(model), dtype="bfloat16", max_model_len=512, kv_cache_memory=16 << 20,
-              max_num_batched_tokens=64, quantization=quantization)
+              max_num_batched_tokens=64, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     runner = _runner_of(llm)
     plan = runner.decode_plan
     assert plan is not None

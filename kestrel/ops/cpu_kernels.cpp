@@ -929,28 +929,37 @@ void rotate_row(T* x, const T* cos, const T* sin, int64_t half) {
   }
 }
 
+// Rotates the q and k heads of every token of qkv in place, then hands the token's row to
+// write(t, row) (the cache write, in whichever layout), in parallel over tokens.
+template <typename T, typename Write>
+void rotate_tokens(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t num_heads,
+                   int64_t grain, const Write& write) {
+  const int64_t n = qkv.size(0), all_heads = qkv.size(1), d = qkv.size(2);
+  const int64_t rotated = num_heads + (all_heads - num_heads) / 2, half = d / 2;
+  T* xp = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = xp + t * all_heads * d;
+      for (int64_t h = 0; h < rotated; ++h) rotate_row(row + h * d, cp + t * d, sp + t * d, half);
+      write(t, row);
+    }
+  });
+}
+
 template <typename T>
 void rotary_write_kv_impl(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                           torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
                           int64_t num_heads) {
-  const int64_t n = qkv.size(0), all_heads = qkv.size(1), d = qkv.size(2);
-  const int64_t kv_heads = (all_heads - num_heads) / 2, half = d / 2;
-  T* xp = qkv.data_ptr<T>();
-  const T* cp = cos.data_ptr<T>();
-  const T* sp = sin.data_ptr<T>();
+  const int64_t d = qkv.size(2), kv_heads = (qkv.size(1) - num_heads) / 2, kv_row = kv_heads * d;
   T* kp = k_cache.data_ptr<T>();
   T* vp = v_cache.data_ptr<T>();
   const int64_t* slot = slots.defined() ? slots.data_ptr<int64_t>() : nullptr;
-  const int64_t kv_row = kv_heads * d;
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      T* row = xp + t * all_heads * d;
-      for (int64_t h = 0; h < num_heads + kv_heads; ++h) rotate_row(row + h * d, cp + t * d, sp + t * d, half);
-      if (slot != nullptr) {
-        std::memcpy(kp + slot[t] * kv_row, row + num_heads * d, kv_row * sizeof(T));
-        std::memcpy(vp + slot[t] * kv_row, row + (num_heads + kv_heads) * d, kv_row * sizeof(T));
-      }
-    }
+  rotate_tokens<T>(qkv, cos, sin, num_heads, 64, [&](int64_t t, const T* row) {
+    if (slot == nullptr) return;
+    std::memcpy(kp + slot[t] * kv_row, row + num_heads * d, kv_row * sizeof(T));
+    std::memcpy(vp + slot[t] * kv_row, row + (num_heads + kv_heads) * d, kv_row * sizeof(T));
   });
 }
 
@@ -1032,29 +1041,21 @@ template <typename T>
 void rotary_write_kv_int8_impl(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                                torch::Tensor& k_t, torch::Tensor& k_scale, torch::Tensor& v, torch::Tensor& v_scale,
                                const torch::Tensor& slots, int64_t num_heads) {
-  const int64_t n = qkv.size(0), all_heads = qkv.size(1), d = qkv.size(2);
-  const int64_t kv_heads = (all_heads - num_heads) / 2, half = d / 2;
-  T* xp = qkv.data_ptr<T>();
-  const T* cp = cos.data_ptr<T>();
-  const T* sp = sin.data_ptr<T>();
+  const int64_t d = qkv.size(2), kv_heads = (qkv.size(1) - num_heads) / 2;
   int8_t* ktp = k_t.data_ptr<int8_t>();
   float* ksp = k_scale.data_ptr<float>();
   int8_t* vp = v.data_ptr<int8_t>();
   float* vsp = v_scale.data_ptr<float>();
   const int64_t* slot = slots.data_ptr<int64_t>();
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> row_f(d);
-    for (int64_t t = begin; t < end; ++t) {
-      T* row = xp + t * all_heads * d;
-      for (int64_t h = 0; h < num_heads + kv_heads; ++h) rotate_row(row + h * d, cp + t * d, sp + t * d, half);
-      const int64_t blk = slot[t] / kInt8Block, off = slot[t] % kInt8Block;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        to_float_row(row + (num_heads + h) * d, row_f.data(), d);
-        ksp[(blk * kv_heads + h) * kInt8Block + off] =
-            quantize_row(row_f.data(), d, ktp + (blk * kv_heads + h) * d * kInt8Block + off, kInt8Block);
-        to_float_row(row + (num_heads + kv_heads + h) * d, row_f.data(), d);
-        vsp[slot[t] * kv_heads + h] = quantize_row(row_f.data(), d, vp + (slot[t] * kv_heads + h) * d, 1);
-      }
+  rotate_tokens<T>(qkv, cos, sin, num_heads, 16, [&](int64_t t, const T* row) {
+    float row_f[256];  // head_dim <= 256
+    const int64_t blk = slot[t] / kInt8Block, off = slot[t] % kInt8Block;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      to_float_row(row + (num_heads + h) * d, row_f, d);
+      ksp[(blk * kv_heads + h) * kInt8Block + off] =
+          quantize_row(row_f, d, ktp + (blk * kv_heads + h) * d * kInt8Block + off, kInt8Block);
+      to_float_row(row + (num_heads + kv_heads + h) * d, row_f, d);
+      vsp[slot[t] * kv_heads + h] = quantize_row(row_f, d, vp + (slot[t] * kv_heads + h) * d, 1);
     }
   });
 }
@@ -1166,6 +1167,7 @@ void rotary_write_kv_int8(torch::Tensor qkv, torch::Tensor cos, torch::Tensor si
   TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(2) % (2 * kLanes) == 0, "rotary_write_kv_int8: bad qkv");
   TORCH_CHECK((qkv.size(1) - num_heads) % 2 == 0 && qkv.size(1) > num_heads, "rotary_write_kv_int8: bad head count");
   const int64_t kv_heads = (qkv.size(1) - num_heads) / 2, d = qkv.size(2);
+  TORCH_CHECK(d <= 256, "rotary_write_kv_int8: head_dim above 256");
   cos = cos.reshape({qkv.size(0), d}).contiguous();
   sin = sin.reshape({qkv.size(0), d}).contiguous();
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "rotary_write_kv_int8: dtypes differ");
