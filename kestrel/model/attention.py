@@ -101,7 +101,7 @@ def gather_kv(cache: KVCache, block_ids: torch.Tensor, block_size: int,
     (an int8 cache dequantized to `dtype`). Copying whole blocks is ~10x faster on CPU than copying the
     same bytes slot by slot."""
     if is_int8(cache):
-        return _gather_int8(cache, block_ids, dtype)
+        return _gather_int8(cache, block_ids, dtype or torch.float32)
     k_cache, v_cache = cache
     kv_heads, head_dim = k_cache.shape[1:]
     shape = (*block_ids.shape[:-1], block_ids.shape[-1] * block_size, kv_heads, head_dim)
