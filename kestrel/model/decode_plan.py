@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.model.attention import AttentionMetadata, KVCache
+from kestrel.model.attention import AttentionMetadata, KVCache, is_int8
 from kestrel.model.layers import AMX_MAX_ROWS, Linear
 from kestrel.model.layers import rms_norm as head_rms_norm  # kernel or PyTorch, by the input's layout
 from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels
@@ -91,7 +91,7 @@ class DecodePlan:
                                                 self.q_size)
         rms_norm, silu_and_mul, eps = self.rms_norm, self.silu_and_mul, self.eps
         # The cache is passed unpacked: (k, v), or the int8 cache's four tensors.
-        rotary_write_kv = self.rotary_write_kv_int8 if len(kv_caches[0]) == 4 else self.rotary_write_kv
+        rotary_write_kv = self.rotary_write_kv_int8 if is_int8(kv_caches[0]) else self.rotary_write_kv
         attend, scale, block_size = meta.decode_kernel, self.scale, meta.block_size
         group, slots = meta.decodes[0], meta.slot_mapping
         table, seq_lens = group.block_table, group.seq_lens

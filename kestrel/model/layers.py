@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel.model.attention import is_int8
 from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels
 
 
@@ -186,7 +187,7 @@ def rotate_and_write_kv(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, si
             if cache is None:
                 kernels.rotary_write_kv(qkv, cos, sin, qkv, qkv, None, num_heads)  # caches unused
                 return False
-            if len(cache) == 4:
+            if is_int8(cache):
                 kernels.rotary_write_kv_int8(qkv, cos, sin, *cache, slot_mapping, num_heads)
             else:
                 kernels.rotary_write_kv(qkv, cos, sin, cache[0], cache[1], slot_mapping, num_heads)

@@ -745,22 +745,27 @@ torch::Tensor paged_decode_attention_f32(torch::Tensor q, torch::Tensor k_cache,
                                          torch::Tensor block_tables, torch::Tensor seq_lens,
                                          int64_t block_size, double scale);
 
+// A decode kernel's float32 result, rounded once to `dtype` (bf16, round to nearest even, as .to()
+// rounds) or returned as is. Here, not through .to(): on so small a tensor .to() costs ~10 µs of
+// dispatch, 30 times a decode step.
+torch::Tensor in_dtype(const torch::Tensor& out, c10::ScalarType dtype) {
+  if (dtype == torch::kFloat32) return out;
+  TORCH_CHECK(dtype == torch::kBFloat16, "q must be float32 or bfloat16");
+  auto rounded = torch::empty(out.sizes(), out.options().dtype(torch::kBFloat16));
+  const float* src = out.data_ptr<float>();
+  c10::BFloat16* dst = rounded.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0, n = out.numel(); i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+  return rounded;
+}
+
 // q [num_seqs, num_heads, head_dim] float32 or bfloat16; k_cache, v_cache [num_slots, kv_heads, head_dim] float32 or
 // bfloat16; block_tables [num_seqs, max_blocks] int64; seq_lens [num_seqs] int64 (keys 0..len-1 visible).
-// Returns [num_seqs, num_heads, head_dim]: float32, or with `in_q_dtype` q's dtype (the float32
-// result rounded once, as .to() would; here, because .to() on so small a tensor costs ~10 µs of
-// dispatch, 30 times a decode step).
+// Returns [num_seqs, num_heads, head_dim]: float32, or with `in_q_dtype` q's dtype (see in_dtype).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens,
                                      int64_t block_size, double scale, bool in_q_dtype) {
   torch::Tensor out = paged_decode_attention_f32(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale);
-  if (!in_q_dtype || q.scalar_type() == torch::kFloat32) return out;
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "q must be float32 or bfloat16");
-  auto rounded = torch::empty(out.sizes(), out.options().dtype(torch::kBFloat16));
-  const float* src = out.data_ptr<float>();
-  c10::BFloat16* dst = rounded.data_ptr<c10::BFloat16>();
-  for (int64_t i = 0, n = out.numel(); i < n; ++i) dst[i] = c10::BFloat16(src[i]);  // round to nearest even
-  return rounded;
+  return in_q_dtype ? in_dtype(out, q.scalar_type()) : out;
 }
 
 torch::Tensor paged_decode_attention_f32(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -1214,13 +1219,7 @@ torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_t, to
   KESTREL_CASE(128, 1) KESTREL_CASE(128, 2) KESTREL_CASE(128, 4) KESTREL_CASE(128, 8)
 #undef KESTREL_CASE
   TORCH_CHECK(done, "no kernel for head_dim ", d, " with ", g, " query heads per KV head");
-  if (!in_q_dtype || out_dtype == torch::kFloat32) return out;
-  TORCH_CHECK(out_dtype == torch::kBFloat16, "q must be float32 or bfloat16");
-  auto rounded = torch::empty(out.sizes(), out.options().dtype(torch::kBFloat16));
-  const float* src = out.data_ptr<float>();
-  c10::BFloat16* dst = rounded.data_ptr<c10::BFloat16>();
-  for (int64_t i = 0, n = out.numel(); i < n; ++i) dst[i] = c10::BFloat16(src[i]);
-  return rounded;
+  return in_q_dtype ? in_dtype(out, out_dtype) : out;
 }
 
 // ---- argmax over the rows of float32 logits ----
