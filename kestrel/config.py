@@ -7,6 +7,7 @@ Nothing here loads weights; `ModelConfig` is filled from the model's config once
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import torch
@@ -97,7 +98,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None
+    kv_cache_memory: int | str | None = None  # bytes, or a size such as "2GiB"
     num_kv_blocks: int | None = None
     kv_cache_dtype: str = "auto"            # auto | int8
     seed: int = 0
@@ -107,6 +108,30 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+_BYTE_UNITS = {"": 1, "b": 1,
+               "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648, '512MiB', '1.5GB' (decimal), '4096' (bytes); ValueError otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _BYTE_UNITS:
+        raise ValueError(f"{text!r} is not a size in bytes; write e.g. 4096, 512MiB, 2GiB or 1.5GB")
+    return int(float(match.group(1)) * _BYTE_UNITS[unit])
+
+
+def resolve_bytes(name: str, value: int | str | None) -> int | None:
+    """A size setting given from Python as bytes or as text ('2GiB'), checked: None, or bytes >= 1."""
+    if value is None:
+        return None
+    size = parse_bytes(value) if isinstance(value, str) else value
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"{name} must be a positive number of bytes or a size such as '2GiB', got {value!r}")
+    return size
 
 
 def resolve_device(device: str) -> torch.device:

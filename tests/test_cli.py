@@ -130,15 +130,20 @@ def test_bench_throughput_writes_json(tmp_path):
     # SmolLM2-135M: 30 layers of 3.54 M parameters, a 49152 x 576 output head.
     assert roof["non_embedding_params"] == 30 * 3_540_096 + 576
     assert roof["output_head_params"] == 49152 * 576
-    assert 0 < roof["fraction_of_bf16"] < 1.5
-    # The run is also set against the bf16 rate measured just before it.
-    [rate] = roof["per_run_bf16_gflops"]
+    # The roofline is the matmul rate in the dtype the model runs in (float32 on a CPU without bf16).
+    dtype = report["engine"]["dtype"]
+    assert roof["roofline_dtype"] == ("float32" if dtype == "float32" else "bfloat16")
+    assert roof["roofline_gflops"] == roof["fp32_gflops" if dtype == "float32" else "bf16_gflops"]
+    assert 0 < roof["fraction_of_roofline"] < 1.5
+    # The run is also set against that rate measured just before it.
+    [rate] = roof["per_run_roofline_gflops"]
     [paired] = roof["per_run_fraction"]
     assert rate > 0 and roof["median_paired_fraction"] == paired
     assert paired == pytest.approx(roof["workload_flops"] / kestrel["run_wall_s"][0] / 1e9 / rate)
     text = (tmp_path / "BENCHMARKS.md").read_text()
-    assert "offline throughput" in text and "of the bf16 roofline" in text
-    assert "against the bf16 rate measured just before it" in text
+    short = "fp32" if dtype == "float32" else "bf16"
+    assert "offline throughput" in text and f"of the {short} roofline" in text
+    assert f"against the {short} rate measured just before it" in text
 
 
 @pytest.mark.slow

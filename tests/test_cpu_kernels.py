@@ -7,12 +7,13 @@ import torch.nn.functional as F
 
 from kestrel.model.attention import DecodeGroup, _decode_attention
 from kestrel.model.layers import rms_norm_reference
-from kestrel.ops import _cpu_has_avx512, cpu_kernels
+from kestrel.ops import cpu_kernels, cpu_kernels_source
 
-# Without AVX-512 the kernels are not built and the PyTorch path (covered by the parity tests) runs.
-# With it, a kernel that fails to build is a failure here, not a silent fallback.
-pytestmark = pytest.mark.skipif(not _cpu_has_avx512(), reason="this CPU has no AVX-512")
-kernels = cpu_kernels() if _cpu_has_avx512() else None
+# Without AVX-512 or AVX2 the kernels are not built and the PyTorch path (covered by the parity tests)
+# runs. With either, a kernel that fails to build is a failure here, not a silent fallback; the tests
+# run against whichever source this CPU builds (cpu_kernels.cpp or cpu_kernels_avx2.cpp).
+pytestmark = pytest.mark.skipif(cpu_kernels_source() is None, reason="this CPU has neither AVX-512 nor AVX2")
+kernels = cpu_kernels() if cpu_kernels_source() is not None else None
 
 
 def test_kernels_build_on_this_cpu():
@@ -215,3 +216,38 @@ def test_argmax_rows_ties_infinities_and_nan_follow_torch():
     assert kernels.argmax_rows(x).tolist() == [0, 5, 39, 7, 25, 0]
     with pytest.raises(RuntimeError):
         kernels.argmax_rows(x.bfloat16())
+
+
+linear_f32 = pytest.mark.skipif(not hasattr(kernels, "linear_f32"), reason="linear_f32 is in the AVX2 build only")
+
+
+@linear_f32
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 64])
+@pytest.mark.parametrize("out_features, in_features", [(1, 8), (2, 576), (7, 64), (960, 576), (576, 1536)])
+def test_linear_f32_matches_torch(rows, out_features, in_features):
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    torch.testing.assert_close(kernels.linear_f32(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+@linear_f32
+def test_linear_takes_the_f32_kernel_for_decode_sized_batches():
+    from kestrel.model import layers
+    g = torch.Generator().manual_seed(0)
+    w, bias = torch.randn(960, 576, generator=g), torch.randn(960, generator=g)
+    for rows in (1, layers.F32_MAX_ROWS):
+        x = torch.randn(rows, 576, generator=g)
+        assert torch.equal(layers.linear(x, w), kernels.linear_f32(x, w))
+        assert torch.equal(layers.linear(x, w, bias), kernels.linear_f32(x, w) + bias)
+    # Prefill-sized batches, and bf16, take torch's GEMM.
+    many = torch.randn(layers.F32_MAX_ROWS + 1, 576, generator=g)
+    assert torch.equal(layers.linear(many, w), F.linear(many, w))
+
+
+@linear_f32
+def test_linear_f32_rejects_bad_shapes():
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        kernels.linear_f32(torch.randn(2, 12), torch.randn(3, 12))
+    with pytest.raises(RuntimeError, match="x \\[M, K\\], w \\[N, K\\]"):
+        kernels.linear_f32(torch.randn(2, 16), torch.randn(3, 8))

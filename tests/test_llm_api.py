@@ -77,3 +77,11 @@ def test_chat_uses_the_template(llm):
     assert text.startswith("<|im_start|>system\nYou are terse.<|im_end|>")
     assert text.endswith("<|im_start|>assistant\n")
     assert "Paris" in out.outputs[0].text
+
+
+def test_kv_cache_memory_takes_a_size_in_text_and_rejects_nonsense():
+    small = LLM(max_model_len=256, kv_cache_memory="32MiB")
+    assert small.llm_engine.config.cache.kv_cache_memory == 32 << 20
+    for bad in ("lots", -1, 0, 1.5):
+        with pytest.raises(ValueError, match="kv_cache_memory|size in bytes"):
+            LLM(max_model_len=256, kv_cache_memory=bad)

@@ -6,7 +6,8 @@
     workload_flops(...)         -> the FLOPs W1 defines: prompt tokens x 2 x non-embedding params
                                    + output tokens x 2 x all params (output head included)
 
-A workload's achieved GFLOP/s over the bf16 matmul rate is the fraction of the roofline it reaches;
+A workload's achieved GFLOP/s over the matmul rate in the model's dtype (bf16, or float32 where the
+model runs in float32: roofline_dtype) is the fraction of the roofline it reaches;
 attention's own FLOPs are left out on purpose (WORKLOADS.md: "attention extra"), so the fraction is
 a little pessimistic for long contexts.
 """
@@ -126,11 +127,17 @@ def flop_weighted(rates: list[float], shapes: list[tuple[int, int]]) -> float:
     return sum(flops) / sum(f / r for f, r in zip(flops, rates))
 
 
-def bf16_gflops(shapes: list[tuple[int, int]]) -> float:
-    """The bf16 matmul rate alone (≈ 1 s), to pair with each timed run of a workload."""
+def roofline_dtype(model_dtype: str) -> str:
+    """The matmul rate a model's runs are set against: float32 for a float32 model (on a CPU without
+    bf16 instructions Kestrel runs float32, and emulated bf16 is no limit of it), else bfloat16."""
+    return "float32" if model_dtype == "float32" else "bfloat16"
+
+
+def gflops_of(shapes: list[tuple[int, int]], dtype: str) -> float:
+    """The matmul rate alone in `dtype` (≈ 1 s), to pair with each timed run of a workload."""
     import torch
 
-    return flop_weighted(matmul_gflops(shapes, torch.bfloat16), shapes)
+    return flop_weighted(matmul_gflops(shapes, getattr(torch, dtype)), shapes)
 
 
 def measure_limits(shapes: list[tuple[int, int]]) -> MachineLimits:

@@ -13,9 +13,10 @@ TTFT) with `cache_prompt: true`. Its peak memory is its process's, sampled.
 The machine's limits (kestrel/bench/roofline.py) are measured in the same run, before the engines:
 bf16 and fp32 matmul GFLOP/s at the model's layer shapes and the copy rate; Kestrel's achieved
 GFLOP/s on the workload (prompt tokens x 2 x non-embedding parameters + output tokens x 2 x all
-parameters) is reported as a fraction of the bf16 rate. The bf16 rate is measured again just before
-each of Kestrel's timed runs, and each run's fraction of it is reported too, with their median: this
-machine's AMX rate drifts between runs.
+parameters) is reported as a fraction of the rate in the model's dtype (bf16; float32 where the model
+runs in float32, as on a CPU without bf16 instructions). That rate is measured again just before each
+of Kestrel's timed runs, and each run's fraction of it is reported too, with their median: an AMX
+machine's rate drifts between runs.
 
 Kestrel: every request is submitted at once through `LLM.generate` (prompt token ids, greedy,
 ignore_eos, max_tokens = the request's output length). Only `generate` is timed, after one short
@@ -113,8 +114,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     # W4's first engine skips the prefill its prefix cache holds: W1's FLOP count would not apply.
     if args.roofline and args.workload == "W1":
         limits = measure_machine_limits(engine_kwargs)
-        from kestrel.bench.roofline import bf16_gflops
-        rate_before_run = functools.partial(bf16_gflops, [tuple(x) for x in limits["shapes"]])
+        from kestrel.bench.roofline import gflops_of
+        rate_before_run = functools.partial(gflops_of, [tuple(x) for x in limits["shapes"]], limits["roofline_dtype"])
     results, engine_info = run_kestrel(requests, engine_kwargs, args.runs, args.workload, rate_before_run)
     for peer in args.peer:
         if peer == "transformers":
@@ -130,13 +131,16 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
 
 
 def measure_machine_limits(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    from kestrel.bench.roofline import layer_shapes, measure_limits, model_param_counts
+    from kestrel.bench.roofline import layer_shapes, measure_limits, model_param_counts, roofline_dtype
+    from kestrel.config import resolve_device, resolve_dtype
     from kestrel.model.loader import load_config, resolve_model
     hf_config = load_config(resolve_model(engine_kwargs.get("model")))
     log("measuring the machine's matmul and copy rates")
     limits = measure_limits(layer_shapes(hf_config)).to_dict()
     params = model_param_counts(hf_config)
-    limits.update(non_embedding_params=params.non_embedding, output_head_params=params.output_head)
+    dtype = resolve_dtype(engine_kwargs.get("dtype") or "auto", resolve_device(engine_kwargs.get("device") or "auto"))
+    limits.update(non_embedding_params=params.non_embedding, output_head_params=params.output_head,
+                  roofline_dtype=roofline_dtype(str(dtype).removeprefix("torch.")))
     log(f"bf16 matmul {limits['bf16_gflops']:.0f} GFLOP/s, fp32 {limits['fp32_gflops']:.0f} GFLOP/s, "
         f"copy {limits['copy_gb_s']:.1f} GB/s")
     return limits
@@ -197,7 +201,7 @@ class EngineResult:
     peak_gpu_memory_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
     run_mean_ttft_s: list[float] = field(default_factory=list)   # per run; W4 (and streamed peers)
-    run_bf16_gflops: list[float] = field(default_factory=list)   # the matmul rate measured just before each run
+    run_roofline_gflops: list[float] = field(default_factory=list)  # the matmul rate measured just before each run
 
     @property
     def mean_ttft_s(self) -> float | None:
@@ -281,7 +285,7 @@ def run_kestrel(requests: list[BenchRequest], engine_kwargs: dict[str, Any], run
                 ) -> tuple[list[EngineResult], dict[str, Any]]:
     """Load Kestrel, warm up, time `runs` generate calls of the whole workload; for W4, again with
     prefix caching off (a second engine). `rate_before_run` (W1): called before each timed run, its
-    value (the bf16 matmul rate) kept beside the run's wall time."""
+    value (the matmul rate in the model's dtype) kept beside the run's wall time."""
     if workload != "W4":
         result, info = _run_kestrel_once(requests, engine_kwargs, runs, "kestrel", rate_before_run)
         return [result], info
@@ -313,7 +317,7 @@ def _run_kestrel_once(requests: list[BenchRequest], engine_kwargs: dict[str, Any
     for i in range(runs):
         if rate_before_run is not None:
             rates.append(rate_before_run())
-            log(f"bf16 matmul {rates[-1]:.0f} GFLOP/s before run {i + 1}")
+            log(f"matmul {rates[-1]:.0f} GFLOP/s before run {i + 1}")
         llm.llm_engine.engine_core.reset_prefix_cache()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -330,7 +334,7 @@ def _run_kestrel_once(requests: list[BenchRequest], engine_kwargs: dict[str, Any
         output_tokens=sum(r.output_len for r in requests), generated_tokens=sum(r.output_len for r in requests),
         load_s=load_s, peak_rss_bytes=max(load_peak, peak_rss_bytes()), rss_after_load_bytes=rss_after_load,
         torch_threads=torch.get_num_threads(), peak_gpu_memory_bytes=peak_gpu_memory_bytes(engine_info["device"]),
-        notes=notes, run_mean_ttft_s=ttfts, run_bf16_gflops=rates)
+        notes=notes, run_mean_ttft_s=ttfts, run_roofline_gflops=rates)
     del llm
     gc.collect()
     return result, engine_info
@@ -554,11 +558,12 @@ def build_report(args: argparse.Namespace, requests: list[BenchRequest], results
         achieved = flops / kestrel.wall_s / 1e9
         # The machine's AMX rate drifts by 2-3x over a day: each run is also set against the rate
         # measured just before it, and the median of those paired fractions reported.
-        paired = [flops / wall / 1e9 / rate for wall, rate in zip(kestrel.run_wall_s, kestrel.run_bf16_gflops)]
-        roofline = {**limits, "workload_flops": flops, "kestrel_gflops": achieved,
-                    "fraction_of_bf16": achieved / limits["bf16_gflops"],
-                    "limit_wall_s": flops / (limits["bf16_gflops"] * 1e9),
-                    "per_run_bf16_gflops": kestrel.run_bf16_gflops, "per_run_fraction": paired,
+        paired = [flops / wall / 1e9 / rate for wall, rate in zip(kestrel.run_wall_s, kestrel.run_roofline_gflops)]
+        rate = limits["fp32_gflops" if limits["roofline_dtype"] == "float32" else "bf16_gflops"]
+        roofline = {**limits, "workload_flops": flops, "kestrel_gflops": achieved, "roofline_gflops": rate,
+                    "fraction_of_roofline": achieved / rate, "fraction_of_bf16": achieved / limits["bf16_gflops"],
+                    "limit_wall_s": flops / (rate * 1e9),
+                    "per_run_roofline_gflops": kestrel.run_roofline_gflops, "per_run_fraction": paired,
                     "median_paired_fraction": statistics.median(paired) if paired else None}
     return {
         "benchmark": "throughput",
@@ -614,15 +619,19 @@ def _roofline_line(report: dict[str, Any]) -> str | None:
             f"Workload FLOPs {r['workload_flops'] / 1e12:.2f} T (non-embedding params "
             f"{r['non_embedding_params'] / 1e6:.1f} M, output head {r['output_head_params'] / 1e6:.1f} M): "
             f"{report['results'][0]['name']} reaches {r['kestrel_gflops']:.0f} GFLOP/s = "
-            f"**{100 * r['fraction_of_bf16']:.0f}% of the bf16 roofline** (the limit would run it in "
+            f"**{100 * r['fraction_of_roofline']:.0f}% of the {_short(r['roofline_dtype'])} roofline** (the limit would run it in "
             f"{r['limit_wall_s']:.1f} s)" + _paired_roofline(r))
+
+
+def _short(dtype: str) -> str:
+    return {"bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype)
 
 
 def _paired_roofline(r: dict[str, Any]) -> str:
     if not r.get("per_run_fraction"):
         return ""
-    runs = ", ".join(f"{100 * f:.0f}% of {g:.0f}" for f, g in zip(r["per_run_fraction"], r["per_run_bf16_gflops"]))
-    return (f". Each run against the bf16 rate measured just before it: {runs} GFLOP/s; "
+    runs = ", ".join(f"{100 * f:.0f}% of {g:.0f}" for f, g in zip(r["per_run_fraction"], r["per_run_roofline_gflops"]))
+    return (f". Each run against the {_short(r['roofline_dtype'])} rate measured just before it: {runs} GFLOP/s; "
             f"median **{100 * r['median_paired_fraction']:.0f}%**")
 
 

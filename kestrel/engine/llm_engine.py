@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 
-from kestrel.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, SchedulerConfig,
+from kestrel.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, SchedulerConfig, resolve_bytes,
                             resolve_device, resolve_dtype)
 from kestrel.core.engine_core import EngineCore
 from kestrel.engine.output_processor import OutputProcessor
@@ -62,7 +62,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, o
         model=model,
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+                          kv_cache_memory=resolve_bytes("kv_cache_memory", args.kv_cache_memory),
+                          num_kv_blocks=args.num_kv_blocks,
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                                   max_model_len=model.max_model_len,

@@ -14,30 +14,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import shlex
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kestrel.bench import throughput
+from kestrel import config
 from kestrel.config import EngineArgs
 from kestrel.entrypoints.llm import LLM
 from kestrel.sampling_params import SamplingParams
 
-_BYTE_UNITS = {"": 1, "b": 1,
-               "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_bytes(text: str) -> int:
     """'2GiB' -> 2147483648, '512MiB', '1.5GB' (decimal), '4096' (bytes)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _BYTE_UNITS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size in bytes; write e.g. 4096, 512MiB, 2GiB or 1.5GB")
-    return int(float(match.group(1)) * _BYTE_UNITS[unit])
+    try:
+        return config.parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclasses.dataclass(frozen=True)

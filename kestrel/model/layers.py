@@ -47,14 +47,23 @@ SMALL_BATCH_ROWS = 4
 SMALL_BATCH_MAX_OUT_AT_4 = 8192
 
 
+# Float32 on AVX2 machines (no bf16 there): the small-batch kernel (linear_f32, cpu_kernels_avx2.cpp) up
+# to this many rows, where torch's GEMM runs at 0.2-0.9x its speed (1.0-1.2x at 64 rows); above it,
+# torch's GEMM pulls ahead (1.3x at 128 rows). Measured on the default model's shapes, BENCHMARKS.md.
+F32_MAX_ROWS = 64
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the small-batch bf16 kernels where they are faster (decode)."""
+    """F.linear, through the small-batch bf16 or float32 kernels where they are faster (decode)."""
     kernels = _small_batch_kernels(x, weight, bias)
     if kernels is not None:
         if weight.shape[0] % 16 == 0 and _amx_usable(kernels):
             return kernels.linear_bf16_amx(x, weight)
         if x.shape[0] <= SMALL_BATCH_ROWS and (x.shape[0] <= 2 or weight.shape[0] <= SMALL_BATCH_MAX_OUT_AT_4):
             return kernels.linear_bf16_small(x, weight)
+    elif (f32 := _f32_kernels(x, weight)) is not None:
+        y = f32.linear_f32(x, weight)
+        return y if bias is None else y.add_(bias)
     return F.linear(x, weight, bias)
 
 
@@ -91,6 +100,17 @@ def _small_batch_kernels(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             and x.device.type == "cpu" and x.shape[1] % 32 == 0 and weight.dtype == torch.bfloat16
             and weight.is_contiguous()):
         return cpu_gemv()
+    return None
+
+
+def _f32_kernels(x: torch.Tensor, weight: torch.Tensor):
+    """The AVX2 kernels (linear_f32) if this float32 product is theirs to take, else None."""
+    if (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and weight.dtype == torch.float32
+            and 1 <= x.shape[0] <= F32_MAX_ROWS
+            and x.shape[1] % 8 == 0 and weight.is_contiguous()):
+        kernels = cpu_kernels()
+        if kernels is not None and hasattr(kernels, "linear_f32"):
+            return kernels
     return None
 
 
@@ -187,11 +207,12 @@ def rotate_and_write_kv(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, si
             if cache is None:
                 kernels.rotary_write_kv(qkv, cos, sin, qkv, qkv, None, num_heads)  # caches unused
                 return False
-            if is_int8(cache):
-                kernels.rotary_write_kv_int8(qkv, cos, sin, *cache, slot_mapping, num_heads)
-            else:
+            if not is_int8(cache):
                 kernels.rotary_write_kv(qkv, cos, sin, cache[0], cache[1], slot_mapping, num_heads)
-            return True
+                return True
+            if hasattr(kernels, "rotary_write_kv_int8"):  # the AVX2 build has none: PyTorch below
+                kernels.rotary_write_kv_int8(qkv, cos, sin, *cache, slot_mapping, num_heads)
+                return True
     qk = qkv[:, :num_heads + num_kv_heads]
     qk.copy_(apply_rotary(qk, cos, sin))
     return False

@@ -2,7 +2,9 @@
 time on 2 cores), cached under ~/.cache/kestrel/kernels (KESTREL_KERNEL_CACHE overrides).
 
 Each has a pure-PyTorch reference that the tests compare it with, and that runs wherever the kernel
-cannot be built (no compiler, no AVX-512) or when KESTREL_DISABLE_CPU_KERNELS=1.
+cannot be built (no compiler, or a CPU without the instructions it needs) or when
+KESTREL_DISABLE_CPU_KERNELS=1. The attention, norm and rotary kernels come in two sources:
+cpu_kernels.cpp for AVX-512 (with AMX where present), cpu_kernels_avx2.cpp for AVX2 + FMA only.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ def amx_disabled() -> bool:
 
 def _cpu_has_avx512() -> bool:
     return "avx512f" in _cpu_flags()
+
+
+def _cpu_has_avx2() -> bool:
+    return {"avx2", "fma"} <= _cpu_flags()
 
 
 def _cpu_has_avx512_bf16() -> bool:
@@ -110,10 +116,23 @@ def _load_or_none(source_name: str, what: str, usable: bool):
         return None
 
 
+def cpu_kernels_source() -> str | None:
+    """The source of cpu_kernels() for this CPU: AVX-512 (cpu_kernels.cpp) before AVX2 + FMA
+    (cpu_kernels_avx2.cpp, without the int8 KV cache kernels); None without either."""
+    if _cpu_has_avx512():
+        return "cpu_kernels.cpp"
+    if _cpu_has_avx2():
+        return "cpu_kernels_avx2.cpp"
+    return None
+
+
 @functools.cache
 def cpu_kernels():
-    """Paged attention and KV-write kernels (cpu_kernels.cpp), or None where unavailable."""
-    return _load_or_none("cpu_kernels.cpp", "CPU attention kernel", _cpu_has_avx512())
+    """Paged attention, norm, activation, rotary + KV-write and argmax kernels (cpu_kernels_source()),
+    or None where unavailable. The int8 KV cache kernels exist only in the AVX-512 build: callers ask
+    with hasattr."""
+    source = cpu_kernels_source()
+    return _load_or_none(source or "cpu_kernels.cpp", "CPU attention kernel", source is not None)
 
 
 @functools.cache

@@ -1,0 +1,579 @@
+// Kestrel's CPU kernels for AVX2 + FMA machines without AVX-512 (most laptops and desktops, AMD Zen
+// 1-3): the same Python interface as cpu_kernels.cpp for float32 or bf16 storage, float32 math, in
+// 8-lane vectors. kestrel/ops/__init__.py loads this file where the CPU has AVX2 and FMA but no
+// AVX-512. Not here: the int8 KV cache kernels and AMX (callers check with hasattr and fall back to
+// PyTorch). A separate file rather than a second instruction set inside cpu_kernels.cpp: a machine
+// runs only one of the two, so a change to one can never be tested by the other's machine.
+// Their PyTorch references live in kestrel/model/attention.py and kestrel/model/layers.py;
+// tests/test_cpu_kernels.py compares whichever file this CPU builds.
+//
+// paged_decode_attention: one query token per sequence, grouped-query heads, read straight from the
+// paged KV cache with no gathered copy. Work is cut into (sequence, KV head, segment) items, a
+// segment being up to kSegmentTokens keys, so that a batch of one still spreads over the threads;
+// each item reads its K and V rows once for all the G query heads that share them (scores, softmax,
+// then the V rows, in registers), and the items of a sequence cut into segments are merged after
+// the parallel loop (running max, sum of exponentials, unnormalised output).
+// rms_norm (optionally fused with the residual add), silu_and_mul, rotary_write_kv and argmax_rows:
+// one pass over each row, as in cpu_kernels.cpp.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "this kernel needs AVX2 and FMA; kestrel falls back to the PyTorch path elsewhere"
+#endif
+
+namespace {
+
+constexpr int kLanes = 8;
+using VecF = __m256;
+
+inline VecF load_f32(const float* p) { return _mm256_loadu_ps(p); }
+inline VecF load_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline VecF load_chunk(const float* p) { return load_f32(p); }
+inline VecF load_chunk(const c10::BFloat16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
+inline VecF fma(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF zero() { return _mm256_setzero_ps(); }
+inline VecF splat(float x) { return _mm256_set1_ps(x); }
+inline void store(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+inline float hsum(VecF v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// exp(x), x clamped to [-87, 88]: 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5], 2^f by a degree-6
+// polynomial (relative error ~2e-7); n in [-126, 127], so 2^n is built straight in the exponent field.
+inline VecF exp_clamped(VecF x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, splat(-87.f)), splat(88.f));
+  const VecF t = _mm256_mul_ps(x, splat(1.44269504088896341f));
+  const VecF n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const VecF f = _mm256_mul_ps(_mm256_sub_ps(t, n), splat(0.693147180559945309f));  // f ln 2
+  VecF p = splat(1.f / 720);
+  p = fma(p, f, splat(1.f / 120));
+  p = fma(p, f, splat(1.f / 24));
+  p = fma(p, f, splat(1.f / 6));
+  p = fma(p, f, splat(0.5f));
+  p = fma(p, f, splat(1.f));
+  p = fma(p, f, splat(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// float → bf16 with round-to-nearest-even, as torch's .to(torch.bfloat16) does: the bf16 value sits
+// in the upper 16 bits of each lane of the result.
+inline __m256i round_to_bf16_bits(VecF v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+}
+inline void store_row_chunk(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+inline void store_row_chunk(c10::BFloat16* p, VecF v) {
+  const __m256i h = _mm256_srli_epi32(round_to_bf16_bits(v), 16);  // each lane < 2^16: packus is exact
+  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+
+// ---- paged decode attention ----
+
+constexpr int64_t kSegmentTokens = 256;  // keys per work item: a batch of one still fills the threads
+
+template <int D, int G>
+struct Partial {
+  float m[G], l[G];
+  float acc[G][D];  // unnormalised
+};
+
+// Item (s, h, segment [t0, t1)) → its partial result. q rows float32, pre-scaled by the caller.
+template <typename T, int D, int G>
+void attend_segment(const float* q, const T* kp, const T* vp, const int64_t* table, int64_t block_size,
+                    int64_t stride, int64_t t0, int64_t t1, std::vector<float>& scores, Partial<D, G>& out) {
+  constexpr int C = D / kLanes;
+  const int64_t n = t1 - t0, padded = (n + kLanes - 1) / kLanes * kLanes;
+  scores.resize(G * padded);
+  VecF qv[G][C];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < C; ++c) qv[j][c] = load_f32(q + j * D + c * kLanes);
+  float mx[G];
+  for (int j = 0; j < G; ++j) mx[j] = -std::numeric_limits<float>::infinity();
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* row = kp + (table[t / block_size] * block_size + t % block_size) * stride;
+    VecF kr[C];
+    for (int c = 0; c < C; ++c) kr[c] = load_chunk(row + c * kLanes);
+    for (int j = 0; j < G; ++j) {
+      VecF acc = _mm256_mul_ps(qv[j][0], kr[0]);
+      for (int c = 1; c < C; ++c) acc = fma(qv[j][c], kr[c], acc);
+      const float sc = hsum(acc);
+      scores[j * padded + (t - t0)] = sc;
+      mx[j] = std::max(mx[j], sc);
+    }
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int j = 0; j < G; ++j) {
+    float* sj = scores.data() + j * padded;
+    const VecF m = splat(mx[j]);
+    VecF sum = zero();
+    for (int64_t i = 0; i < padded; i += kLanes) {
+      // Lanes past the segment's end are zeroed: they hold no score.
+      const VecF valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - i)), lane));
+      const VecF e = _mm256_and_ps(exp_clamped(_mm256_sub_ps(load_f32(sj + i), m)), valid);
+      store(sj + i, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    out.m[j] = mx[j];
+    out.l[j] = hsum(sum);
+  }
+  VecF acc[G][C];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < C; ++c) acc[j][c] = zero();
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* row = vp + (table[t / block_size] * block_size + t % block_size) * stride;
+    VecF vr[C];
+    for (int c = 0; c < C; ++c) vr[c] = load_chunk(row + c * kLanes);
+    for (int j = 0; j < G; ++j) {
+      const VecF p = splat(scores[j * padded + (t - t0)]);
+      for (int c = 0; c < C; ++c) acc[j][c] = fma(p, vr[c], acc[j][c]);
+    }
+  }
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < C; ++c) store(out.acc[j] + c * kLanes, acc[j][c]);
+}
+
+template <typename T, int D, int G>
+void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+         const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
+         int64_t block_size, float scale) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), kv_heads = k_cache.size(1);
+  const int64_t max_blocks = block_tables.size(1), stride = kv_heads * D;
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  // Items in (sequence, segment, KV head) order; first_item[s] is sequence s's first.
+  std::vector<int64_t> first_item(num_seqs + 1, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t segments = lens[s] > 0 ? (lens[s] + kSegmentTokens - 1) / kSegmentTokens : 0;
+    first_item[s + 1] = first_item[s] + segments * kv_heads;
+    if (lens[s] <= 0) std::memset(op + s * num_heads * D, 0, sizeof(float) * num_heads * D);
+  }
+  const int64_t total = first_item[num_seqs];
+  std::vector<Partial<D, G>> parts(total);
+  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    alignas(32) float qs[G * D];
+    int64_t s = std::upper_bound(first_item.begin(), first_item.end(), begin) - first_item.begin() - 1;
+    for (int64_t item = begin; item < end; ++item) {
+      while (item >= first_item[s + 1]) ++s;
+      const int64_t local = item - first_item[s], seg = local / kv_heads, h = local % kv_heads;
+      const float* qrow = qp + (s * num_heads + h * G) * D;
+      for (int i = 0; i < G * D; i += kLanes) store(qs + i, _mm256_mul_ps(load_f32(qrow + i), splat(scale)));
+      const int64_t t0 = seg * kSegmentTokens, t1 = std::min(lens[s], t0 + kSegmentTokens);
+      attend_segment<T, D, G>(qs, kp + h * D, vp + h * D, tables + s * max_blocks, block_size, stride, t0, t1,
+                              scores, parts[item]);
+    }
+  });
+  // Merge each (sequence, KV head)'s segments: rescale to the largest running max, sum, normalise.
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t s = pair / kv_heads, h = pair % kv_heads;
+      const int64_t segments = (first_item[s + 1] - first_item[s]) / kv_heads;
+      if (segments == 0) continue;
+      for (int j = 0; j < G; ++j) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t g = 0; g < segments; ++g) mx = std::max(mx, parts[first_item[s] + g * kv_heads + h].m[j]);
+        float sum = 0.f;
+        VecF acc[D / kLanes];
+        for (int c = 0; c < D / kLanes; ++c) acc[c] = zero();
+        for (int64_t g = 0; g < segments; ++g) {
+          const Partial<D, G>& p = parts[first_item[s] + g * kv_heads + h];
+          const float w = std::exp(p.m[j] - mx);
+          sum += p.l[j] * w;
+          for (int c = 0; c < D / kLanes; ++c) acc[c] = fma(splat(w), load_f32(p.acc[j] + c * kLanes), acc[c]);
+        }
+        float* dst = op + (s * num_heads + h * G + j) * D;
+        for (int c = 0; c < D / kLanes; ++c) store(dst + c * kLanes, _mm256_mul_ps(acc[c], splat(1.f / sum)));
+      }
+    }
+  });
+}
+
+// A decode kernel's float32 result, rounded once to `dtype` (bf16, round to nearest even, as .to()
+// rounds) or returned as is.
+torch::Tensor in_dtype(const torch::Tensor& out, c10::ScalarType dtype) {
+  if (dtype == torch::kFloat32) return out;
+  TORCH_CHECK(dtype == torch::kBFloat16, "q must be float32 or bfloat16");
+  auto rounded = torch::empty(out.sizes(), out.options().dtype(torch::kBFloat16));
+  const float* src = out.data_ptr<float>();
+  c10::BFloat16* dst = rounded.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0, n = out.numel(); i < n; ++i) dst[i] = c10::BFloat16(src[i]);
+  return rounded;
+}
+
+}  // namespace
+
+// q [num_seqs, num_heads, head_dim] float32 or bfloat16; k_cache, v_cache [num_slots, kv_heads, head_dim] float32 or
+// bfloat16; block_tables [num_seqs, max_blocks] int64; seq_lens [num_seqs] int64 (keys 0..len-1 visible).
+// Returns [num_seqs, num_heads, head_dim]: float32, or with `in_q_dtype` q's dtype (see in_dtype).
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens,
+                                     int64_t block_size, double scale, bool in_q_dtype) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V dtypes differ");
+  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || k_cache.scalar_type() == torch::kFloat32, "the KV cache must be float32 or bfloat16");
+  const auto q_dtype = q.scalar_type();
+  auto out = torch::empty(q.sizes(), q.options().dtype(torch::kFloat32));
+  q = q.to(torch::kFloat32).contiguous();
+  block_tables = block_tables.to(torch::kInt64).contiguous();
+  seq_lens = seq_lens.to(torch::kInt64).contiguous();
+  const int64_t d = q.size(2), g = q.size(1) / k_cache.size(1);
+  const float sc = static_cast<float>(scale);
+#define KESTREL_CASE(D, G)                                                                              \
+  if (d == D && g == G) {                                                                               \
+    if (bf16) run<c10::BFloat16, D, G>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, sc); \
+    else run<float, D, G>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, sc);             \
+    return in_q_dtype ? in_dtype(out, q_dtype) : out;                                                   \
+  }
+  KESTREL_CASE(64, 1) KESTREL_CASE(64, 2) KESTREL_CASE(64, 3) KESTREL_CASE(64, 4)
+  KESTREL_CASE(64, 5) KESTREL_CASE(64, 8)
+  KESTREL_CASE(128, 1) KESTREL_CASE(128, 2) KESTREL_CASE(128, 4) KESTREL_CASE(128, 8)
+#undef KESTREL_CASE
+  TORCH_CHECK(false, "no kernel for head_dim ", d, " with ", g, " query heads per KV head");
+  return out;
+}
+
+bool supports(int64_t head_dim, int64_t group) {
+  const int64_t ok[][2] = {{64, 1}, {64, 2}, {64, 3}, {64, 4}, {64, 5}, {64, 8}, {128, 1}, {128, 2}, {128, 4}, {128, 8}};
+  for (const auto& c : ok)
+    if (c[0] == head_dim && c[1] == group) return true;
+  return false;
+}
+
+// ---- elementwise kernels for the layer: RMSNorm (with the residual add fused) and SiLU-and-mul ----
+
+namespace {
+
+template <typename T>
+void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& weight,
+                   torch::Tensor& out, double eps) {
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* rp = residual.defined() ? residual.data_ptr<T>() : nullptr;
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(hidden);
+    for (int64_t r = begin; r < end; ++r) {
+      VecF ss = zero();
+      for (int64_t i = 0; i < hidden; i += kLanes) {
+        VecF v = load_chunk(xp + r * hidden + i);
+        if (rp != nullptr) {
+          // residual += x, rounded to the model dtype as an unfused add would be; normalise that.
+          store_row_chunk(rp + r * hidden + i, _mm256_add_ps(v, load_chunk(rp + r * hidden + i)));
+          v = load_chunk(rp + r * hidden + i);
+        }
+        store(row.data() + i, v);
+        ss = fma(v, v, ss);
+      }
+      const VecF scale = splat(1.f / std::sqrt(hsum(ss) / hidden + static_cast<float>(eps)));
+      for (int64_t i = 0; i < hidden; i += kLanes)
+        store_row_chunk(op + r * hidden + i, _mm256_mul_ps(_mm256_mul_ps(load_f32(row.data() + i), scale), load_chunk(wp + i)));
+    }
+  });
+}
+
+template <typename T>
+void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t rows = x.size(0), d = out.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = xp + r * 2 * d;
+      const T* up = gate + d;
+      for (int64_t i = 0; i < d; i += kLanes) {
+        const VecF g = load_chunk(gate + i);
+        const VecF silu = _mm256_div_ps(g, _mm256_add_ps(splat(1.f), exp_clamped(_mm256_sub_ps(zero(), g))));
+        store_row_chunk(op + r * d + i, _mm256_mul_ps(silu, load_chunk(up + i)));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// out = rms_norm(x) * weight, or with `residual` given: residual += x, out = rms_norm(residual) * weight.
+// x, residual, out [rows, hidden] contiguous, hidden % 8 == 0; float32 or bfloat16, all one dtype.
+torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % kLanes == 0, "rms_norm: bad input");
+  torch::Tensor res = residual.has_value() ? residual.value() : torch::Tensor();
+  if (res.defined()) TORCH_CHECK(res.is_contiguous() && res.sizes() == x.sizes(), "rms_norm: bad residual");
+  weight = weight.contiguous();
+  auto out = torch::empty_like(x);
+  if (x.scalar_type() == torch::kBFloat16) rms_norm_impl<c10::BFloat16>(x, res, weight, out, eps);
+  else if (x.scalar_type() == torch::kFloat32) rms_norm_impl<float>(x, res, weight, out, eps);
+  else TORCH_CHECK(false, "rms_norm: float32 or bfloat16 only");
+  return out;
+}
+
+// x [rows, 2 d] = gate | up → silu(gate) * up [rows, d]; d % 8 == 0.
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % (2 * kLanes) == 0, "silu_and_mul: bad input");
+  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == torch::kBFloat16) silu_and_mul_impl<c10::BFloat16>(x, out);
+  else if (x.scalar_type() == torch::kFloat32) silu_and_mul_impl<float>(x, out);
+  else TORCH_CHECK(false, "silu_and_mul: float32 or bfloat16 only");
+  return out;
+}
+
+// ---- rotary embedding fused with the KV-cache write ----
+
+namespace {
+
+inline VecF round_to(VecF v, float*) { return v; }
+inline VecF round_to(VecF v, c10::BFloat16*) {  // float → bf16 → float
+  return _mm256_castsi256_ps(_mm256_and_si256(round_to_bf16_bits(v), _mm256_set1_epi32(0xFFFF0000)));
+}
+// A rounded product: the empty asm makes the compiler materialise it, so that it is never contracted
+// with the following add into an FMA, and the result rounds exactly as torch's separate
+// `x * cos + rotate_half(x) * sin` does.
+inline VecF mul_exact(VecF a, VecF b) {
+  VecF p = _mm256_mul_ps(a, b);
+  asm("" : "+x"(p));
+  return p;
+}
+inline VecF add_exact(VecF a, VecF b) { return _mm256_add_ps(a, b); }
+
+inline VecF negate(VecF v) {  // exactly torch's neg, signed zeros included
+  return _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x80000000)));
+}
+
+template <typename T>
+void rotate_row(T* x, const T* cos, const T* sin, int64_t half) {
+  T* tag = nullptr;
+  for (int64_t i = 0; i < half; i += kLanes) {
+    const VecF lo = load_chunk(x + i), hi = load_chunk(x + half + i);
+    // rotate_half(x) = (-hi, lo)
+    const VecF new_lo = add_exact(round_to(mul_exact(lo, load_chunk(cos + i)), tag),
+                                  round_to(mul_exact(negate(hi), load_chunk(sin + i)), tag));
+    const VecF new_hi = add_exact(round_to(mul_exact(hi, load_chunk(cos + half + i)), tag),
+                                  round_to(mul_exact(lo, load_chunk(sin + half + i)), tag));
+    store_row_chunk(x + i, new_lo);
+    store_row_chunk(x + half + i, new_hi);
+  }
+}
+
+template <typename T>
+void rotary_write_kv_impl(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                          torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
+                          int64_t num_heads) {
+  const int64_t n = qkv.size(0), all_heads = qkv.size(1), d = qkv.size(2);
+  const int64_t kv_heads = (all_heads - num_heads) / 2, kv_row = kv_heads * d;
+  const int64_t rotated = num_heads + kv_heads, half = d / 2;
+  T* xp = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* kp = k_cache.data_ptr<T>();
+  T* vp = v_cache.data_ptr<T>();
+  const int64_t* slot = slots.defined() ? slots.data_ptr<int64_t>() : nullptr;
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = xp + t * all_heads * d;
+      for (int64_t h = 0; h < rotated; ++h) rotate_row(row + h * d, cp + t * d, sp + t * d, half);
+      if (slot == nullptr) continue;
+      std::memcpy(kp + slot[t] * kv_row, row + num_heads * d, kv_row * sizeof(T));
+      std::memcpy(vp + slot[t] * kv_row, row + (num_heads + kv_heads) * d, kv_row * sizeof(T));
+    }
+  });
+}
+
+}  // namespace
+
+// qkv [tokens, num_heads + 2 kv_heads, head_dim] contiguous: rotates the q and k heads in place
+// (Hugging Face's rotate_half layout; cos, sin [tokens, head_dim] in qkv's dtype) and, with
+// slot_mapping given, writes each token's k and v heads to slot_mapping[t] of the
+// [num_slots, kv_heads, head_dim] caches. head_dim % 16 == 0; float32 or bfloat16, one dtype.
+void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                     torch::Tensor v_cache, c10::optional<torch::Tensor> slot_mapping, int64_t num_heads) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(2) % (2 * kLanes) == 0, "rotary_write_kv: bad qkv");
+  TORCH_CHECK((qkv.size(1) - num_heads) % 2 == 0 && qkv.size(1) > num_heads, "rotary_write_kv: bad head count");
+  cos = cos.reshape({qkv.size(0), qkv.size(2)}).contiguous();
+  sin = sin.reshape({qkv.size(0), qkv.size(2)}).contiguous();
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "rotary_write_kv: dtypes differ");
+  torch::Tensor slots;
+  if (slot_mapping.has_value()) {
+    slots = slot_mapping.value().to(torch::kInt64).contiguous();
+    const int64_t kv_heads = (qkv.size(1) - num_heads) / 2;
+    TORCH_CHECK(slots.numel() == qkv.size(0), "rotary_write_kv: one slot per token");
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+                k_cache.size(1) == kv_heads && k_cache.size(2) == qkv.size(2) &&
+                k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == qkv.scalar_type() &&
+                v_cache.scalar_type() == qkv.scalar_type(), "rotary_write_kv: bad cache");
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < slots.numel(); ++t)
+      TORCH_CHECK(sp[t] >= 0 && sp[t] < k_cache.size(0), "rotary_write_kv: slot out of range");
+  }
+  if (qkv.scalar_type() == torch::kBFloat16)
+    rotary_write_kv_impl<c10::BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_heads);
+  else if (qkv.scalar_type() == torch::kFloat32)
+    rotary_write_kv_impl<float>(qkv, cos, sin, k_cache, v_cache, slots, num_heads);
+  else TORCH_CHECK(false, "rotary_write_kv: float32 or bfloat16 only");
+}
+
+// ---- argmax over the rows of float32 logits ----
+
+namespace {
+
+// The first index of the row's maximum, NaN counting as above everything (torch.argmax's rule).
+int64_t argmax_row(const float* x, int64_t n) {
+  const int64_t full = n / kLanes * kLanes;
+  const __m256i step = _mm256_set1_epi32(kLanes);
+  __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), best_i = idx;
+  VecF best = splat(-std::numeric_limits<float>::infinity()), nan = zero();
+  for (int64_t i = 0; i < full; i += kLanes) {
+    const VecF v = load_f32(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const VecF gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);  // strictly: each lane keeps its first
+    best = _mm256_blendv_ps(best, v, gt);
+    best_i = _mm256_blendv_epi8(best_i, idx, _mm256_castps_si256(gt));
+    idx = _mm256_add_epi32(idx, step);
+  }
+  if (_mm256_movemask_ps(nan))
+    for (int64_t i = 0; i < full; ++i)
+      if (std::isnan(x[i])) return i;
+  alignas(32) float bv[kLanes];
+  alignas(32) int32_t bi[kLanes];
+  store(bv, best);
+  _mm256_store_si256((__m256i*)bi, best_i);
+  // Among the lanes holding the maximum, the smallest index (lanes only ever hold -inf or values
+  // seen; an all -inf row, or a row shorter than a vector, has index 0 in lane 0).
+  float m = bv[0];
+  int64_t at = bi[0];
+  for (int l = 1; l < kLanes; ++l)
+    if (bv[l] > m || (bv[l] == m && bi[l] < at)) m = bv[l], at = bi[l];
+  for (int64_t i = full; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > m) m = x[i], at = i;
+  }
+  return at;
+}
+
+}  // namespace
+
+// x [rows, n] float32 contiguous (n < 2^31) → int64 [rows]: torch.argmax(x, dim=-1).
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32 && x.size(1) > 0 &&
+              x.size(1) < (int64_t(1) << 31), "argmax_rows: float32 [rows, n] contiguous");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = torch::empty({rows}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
+  });
+  return out;
+}
+
+// ---- float32 linear layers for decode-sized batches ----
+//
+// linear_f32(x [M, K], w [N, K]) -> y [M, N] = x w^T, float32, K % 8 == 0. The library GEMM reaches
+// 15-110 GFLOP/s on this kind of machine at 1-64 rows (and under 50 on the output head at 1-32),
+// against ~130-170 at prefill sizes. Here a tile of 4 rows of x by 3 rows of w keeps 12
+// accumulators of 8 lanes in registers (with the 3 w vectors and one x vector, all 16 AVX2
+// registers), each summed across its lanes at the end. Threads take tiles of 3 weight rows; each
+// keeps its 3 rows in L1 while it walks every 4-row block of x, and K is cut into pieces of at most
+// kMaxKPiece so that the block of x being walked stays in L2 (512 KB) at 64-128 rows.
+
+namespace {
+
+constexpr int64_t kMaxKPiece = 768;
+
+// y[m, n] (+)= x[m, k0:k1] . w[n, k0:k1] for MR rows of x from `x` and NR rows of w from `w`.
+template <int MR, int NR>
+inline void linear_tile(const float* x, const float* w, int64_t K, int64_t k0, int64_t k1, float* y, int64_t N,
+                        bool accumulate) {
+  VecF acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = zero();
+  for (int64_t k = k0; k < k1; k += kLanes) {
+    VecF wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = load_f32(w + n * K + k);
+    for (int m = 0; m < MR; ++m) {
+      const VecF xv = load_f32(x + m * K + k);
+      for (int n = 0; n < NR; ++n) acc[m][n] = fma(xv, wv[n], acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) y[m * N + n] = (accumulate ? y[m * N + n] : 0.f) + hsum(acc[m][n]);
+}
+
+template <int NR>
+void linear_rows(const float* x, const float* w, int64_t M, int64_t K, int64_t k0, int64_t k1, int64_t n0,
+                 float* y, int64_t N) {
+  const bool acc = k0 > 0;
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) linear_tile<4, NR>(x + m * K, w + n0 * K, K, k0, k1, y + m * N + n0, N, acc);
+  switch (M - m) {
+    case 3: linear_tile<3, NR>(x + m * K, w + n0 * K, K, k0, k1, y + m * N + n0, N, acc); break;
+    case 2: linear_tile<2, NR>(x + m * K, w + n0 * K, K, k0, k1, y + m * N + n0, N, acc); break;
+    case 1: linear_tile<1, NR>(x + m * K, w + n0 * K, K, k0, k1, y + m * N + n0, N, acc); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_f32: x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32, "linear_f32: float32 only");
+  TORCH_CHECK(x.size(1) % kLanes == 0, "linear_f32: K must be a multiple of 8");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t pieces = (K + kMaxKPiece - 1) / kMaxKPiece;
+  const int64_t piece = ((K + pieces - 1) / pieces + kLanes - 1) / kLanes * kLanes;
+  constexpr int NR = 3;
+  const int64_t tiles = N / NR, rest = N - tiles * NR;
+  at::parallel_for(0, tiles + (rest > 0), 8, [&](int64_t begin, int64_t end) {
+    for (int64_t k0 = 0; k0 < K; k0 += piece) {
+      const int64_t k1 = std::min(K, k0 + piece);
+      for (int64_t t = begin; t < end; ++t) {
+        if (t < tiles) linear_rows<NR>(xp, wp, M, K, k0, k1, t * NR, yp, N);
+        else if (rest == 2) linear_rows<2>(xp, wp, M, K, k0, k1, t * NR, yp, N);
+        else linear_rows<1>(xp, wp, M, K, k0, k1, t * NR, yp, N);
+      }
+    }
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) for float32 [rows, n] (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (CPU)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache (CPU)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("block_size"), py::arg("scale"), py::arg("in_q_dtype") = false);
+  m.def("rotary_write_kv", &rotary_write_kv, "rotary embedding in place, fused with the KV-cache write (CPU)",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slot_mapping"), py::arg("num_heads"));
+  m.def("supports", &supports, "whether a (head_dim, group) pair has a kernel");
+  m.def("linear_f32", &linear_f32, "x w^T in float32 for decode-sized batches (CPU)");
+}
