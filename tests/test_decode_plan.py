@@ -1,8 +1,12 @@
 """The decode plan (kestrel/model/decode_plan.py): decode-only steps run as pre-bound kernel calls,
 and must give bit-identical hidden states to the model's own forward, hence the same tokens and
-logprobs, in bf16, with --quantization int8 and with --kv-cache-dtype int8."""
+logprobs, in bf16, with --quantization int8 and with --kv-cache-dtype int8 (on AMX), and in float32
+(on the AVX2 build)."""
 
 from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,11 +15,15 @@ from parity import save_tiny_llama, save_tiny_model, worker_of
 from kestrel import LLM, SamplingParams
 from kestrel.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kestrel.model.decode_plan import DecodePlan
+from kestrel.model.layers import F32_MAX_ROWS
 from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels
 
 gemv = cpu_gemv()
 has_plan = cpu_kernels() is not None and gemv is not None and gemv.amx_usable() and not amx_disabled()
 needs_plan = pytest.mark.skipif(not has_plan, reason="the plan needs the compiled kernels and AMX")
+# On the AVX2 build a float32 model gets a plan of its own, its projections on linear_f32.
+has_f32_plan = hasattr(cpu_kernels(), "linear_f32")
+needs_f32_plan = pytest.mark.skipif(not has_f32_plan, reason="the float32 plan needs the AVX2 build of the kernels")
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +70,22 @@ def test_plan_gives_the_model_forward_bit_for_bit(model, quantization, kv_cache_
     with and without the plan give the same tokens and logprobs."""
     llm = LLM(model=request.getfixturevalue(model), dtype="bfloat16", max_model_len=512, kv_cache_memory=16 << 20,
               max_num_batched_tokens=64, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    _check_plan_against_the_forward(llm, engine_check)
+
+
+@needs_f32_plan
+@pytest.mark.parametrize("model", ["tiny_bf16", "tiny_qwen3"])
+def test_float32_plan_gives_the_model_forward_bit_for_bit(model, request, engine_check):
+    """The same on a float32 model (the default dtype on a CPU without bf16), its projections on linear_f32."""
+    llm = LLM(model=request.getfixturevalue(model), dtype="float32", max_model_len=512, kv_cache_memory=16 << 20,
+              max_num_batched_tokens=64)
+    plan = _runner_of(llm).decode_plan
+    assert plan is not None and plan.max_rows == F32_MAX_ROWS
+    assert not isinstance(plan.layers[0].qkv_proj, torch.nn.Module)   # bound straight to linear_f32
+    _check_plan_against_the_forward(llm, engine_check)
+
+
+def _check_plan_against_the_forward(llm: LLM, engine_check) -> None:
     runner = _runner_of(llm)
     plan = runner.decode_plan
     assert plan is not None
@@ -84,22 +108,23 @@ def test_plan_gives_the_model_forward_bit_for_bit(model, quantization, kv_cache_
     assert all(len(tokens) == 20 for tokens, _ in with_plan)
 
 
-@needs_plan
+@pytest.mark.skipif(cpu_kernels() is None, reason="needs the compiled decode attention")
 def test_plan_covers_only_decode_steps_the_kernels_serve():
     table, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
     kernel = cpu_kernels().paged_decode_attention
     decode = DecodeGroup(0, 1, table, lens, None)
+    covers = functools.partial(DecodePlan.covers, SimpleNamespace(max_rows=128))  # an AMX plan's rows
 
     def meta(decodes, prefills=(), kernel=kernel):
         return AttentionMetadata(torch.zeros(1, dtype=torch.long), 16, list(decodes), list(prefills), kernel)
 
-    assert DecodePlan.covers(1, meta([decode]))
-    assert DecodePlan.covers(128, meta([decode]))
-    assert not DecodePlan.covers(129, meta([decode]))                  # beyond the AMX matmul's rows
-    assert not DecodePlan.covers(1, meta([decode], kernel=None))       # the PyTorch attention path
-    assert not DecodePlan.covers(1, meta([DecodeGroup(0, 1, table, lens, torch.zeros(1, 1, 1, 16))]))
-    assert not DecodePlan.covers(5, meta([decode], [PrefillChunk(1, 5, None, None, 4)]))   # mixed step
-    assert not DecodePlan.covers(4, meta([], [PrefillChunk(0, 4, None, None, 4)]))
+    assert covers(1, meta([decode]))
+    assert covers(128, meta([decode]))
+    assert not covers(129, meta([decode]))                  # beyond the AMX matmul's rows
+    assert not covers(1, meta([decode], kernel=None))       # the PyTorch attention path
+    assert not covers(1, meta([DecodeGroup(0, 1, table, lens, torch.zeros(1, 1, 1, 16))]))
+    assert not covers(5, meta([decode], [PrefillChunk(1, 5, None, None, 4)]))   # mixed step
+    assert not covers(4, meta([], [PrefillChunk(0, 4, None, None, 4)]))
 
 
 @needs_plan

@@ -16,3 +16,12 @@ import kestrel.ops as ops
 def test_the_kernel_source_follows_the_cpu_flags(monkeypatch, flags, source):
     monkeypatch.setattr(ops, "_cpu_flags", lambda: frozenset(flags))
     assert ops.cpu_kernels_source() == source
+
+
+@pytest.mark.parametrize("has_bf16, label", [(True, "llama-server:bf16"), (False, "llama-server:f32")])
+def test_a_bare_llama_server_peer_runs_kestrels_precision(monkeypatch, has_bf16, label):
+    import kestrel.config
+    from kestrel.bench.launch import peer_label
+    monkeypatch.setattr(kestrel.config, "cpu_supports_bf16", lambda: has_bf16)
+    assert peer_label("llama-server") == label
+    assert peer_label("llama-server:q4_1") == "llama-server:q4_1" and peer_label("kestrel") == "kestrel"

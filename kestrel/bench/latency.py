@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from kestrel.bench.launch import PEER_SPECS, is_llama, launch_server
+from kestrel.bench.launch import PEER_SPECS, is_llama, launch_server, peer_label
 from kestrel.bench.peers import RssSampler
 from kestrel.bench.report import load_averages, markdown_table, text_table
 from kestrel.bench.serve import Target, resolve_model, send_requests
@@ -147,7 +147,7 @@ def summarize(engine: LiveEngine, concurrency: list[int]) -> dict[str, Any]:
         settings.append({"concurrency": c, "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3,
                          "decode_tok_s": c / tpot, "rounds": rounds})
     spec = engine.spec
-    label = spec if spec == "kestrel" or ":" in spec else f"{spec}:bf16"
+    label = peer_label(spec)
     return {"spec": spec, "label": label, "server": engine.server.label, "peak_rss_bytes": engine.rss.peak,
             "settings": settings}
 

@@ -3,7 +3,9 @@
     kestrel                 `kestrel serve` (its own processes), with the given engine flags
     llama-server[:bf16]     llama.cpp's server on the model's weights written as bf16 (the pair to
                             Kestrel's default bf16), also :f32, :q8_0 (the pair to --quantization
-                            int8), or :q4_1 for the native file
+                            int8), or :q4_1 for the native file. Bare `llama-server` takes Kestrel's
+                            default dtype on this machine: bf16, or f32 on a CPU without bf16
+                            instructions (where Kestrel runs float32)
 
 All are driven through the same OpenAI-compatible client (kestrel/bench/serve.py). llama.cpp gets
 `-np` slots of `ctx_per_slot` tokens, `--cache-ram 0`, every usable CPU as threads; requests to it
@@ -29,6 +31,17 @@ def check_spec(spec: str) -> str:
     return spec
 
 
+def default_precision() -> str:
+    """What a bare `llama-server` runs: Kestrel's default dtype here, so that the pair matches."""
+    from kestrel.config import cpu_supports_bf16
+    return "bf16" if cpu_supports_bf16() else "f32"
+
+
+def peer_label(spec: str) -> str:
+    """The spec with its precision spelled out: llama-server -> llama-server:bf16 (or :f32)."""
+    return spec if spec == "kestrel" or ":" in spec else f"{spec}:{default_precision()}"
+
+
 def is_llama(spec: str) -> bool:
     return spec.startswith("llama-server")
 
@@ -50,7 +63,7 @@ def launch_server(spec: str, *, parallel: int, ctx_per_slot: int, kestrel_flags:
     check_spec(spec)
     if spec == "kestrel":
         return KestrelServer(list(kestrel_flags) + (["--model", model] if model else []))
-    precision = spec.partition(":")[2] or "bf16"
+    precision = peer_label(spec).partition(":")[2]
     gguf = gguf_in_precision(model_gguf(model), precision)
     # Repacked Q4_1 / Q8_0 weights run ggml's AMX kernels, which die with SIGILL where the kernel does
     # not grant AMX to the process (seen on these machines); the plain kernels need no permission.

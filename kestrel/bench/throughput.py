@@ -5,10 +5,10 @@ output tokens. Kestrel runs it twice, prefix caching on and off, and reports wal
 (first token time minus arrival, from each request's metrics) for both.
 
 Peers `llama-server[:bf16|:f32|:q4_1]` (kestrel/bench/launch.py): llama.cpp's server on the same
-weights written in that precision (bf16 by default, the pair to Kestrel's bf16), or its native Q4_1
-file. Every request is sent at once through the same OpenAI-compatible client as `kestrel bench
-serve` (kestrel/bench/serve.py): W1 non-streaming with `cache_prompt: false`; W4 streaming (for
-TTFT) with `cache_prompt: true`. Its peak memory is its process's, sampled.
+weights written in that precision (by default Kestrel's own dtype here: bf16, or f32 on a CPU
+without bf16 instructions), or its native Q4_1 file. Every request is sent at once through the same
+OpenAI-compatible client as `kestrel bench serve` (kestrel/bench/serve.py): W1 non-streaming with
+`cache_prompt: false`; W4 streaming (for TTFT) with `cache_prompt: true`. Its peak memory is its process's, sampled.
 
 The machine's limits (kestrel/bench/roofline.py) are measured in the same run, before the engines:
 bf16 and fp32 matmul GFLOP/s at the model's layer shapes and the copy rate; Kestrel's achieved
@@ -51,7 +51,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kestrel.bench.launch import PEER_SPECS
+from kestrel.bench.launch import PEER_SPECS, peer_label
 from kestrel.bench.report import load_averages, markdown_table, text_table
 from kestrel.bench.workloads import (W1_INPUT_LEN_RANGE, W1_NUM_REQUESTS, W1_OUTPUT_LEN_RANGE, W1_SEED,
                                      BenchRequest, is_standard_w1, random_requests, w1_offline_throughput,
@@ -83,7 +83,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="W1 (offline throughput) or W4 (shared prefix, caching on vs off) (default: W1)")
     parser.add_argument("--peer", action="append", choices=PEERS, default=[],
                         help="also run this peer (repeatable): transformers on the same weights and dtype; "
-                             "llama-server on the weights written as bf16 (default), f32, or its native q4_1 file")
+                             "llama-server on the weights written as bf16 or f32 (default: Kestrel's dtype here), "
+                             "or its native q4_1 file")
     parser.add_argument("--no-roofline", dest="roofline", action="store_false",
                         help="skip measuring the machine's matmul and copy rates (W1 only: W4 never does)")
     parser.add_argument("--peer-batch-size", type=int, default=DEFAULT_PEER_BATCH_SIZE,
@@ -377,7 +378,7 @@ def run_server_peer(spec: str, requests: list[BenchRequest], runs: int, workload
         peak = rss.peak
     notes.insert(0, server.label)
     return EngineResult(
-        name=spec if ":" in spec else f"{spec}:bf16", run_wall_s=walls, input_tokens=sum(r.input_len for r in requests),
+        name=peer_label(spec), run_wall_s=walls, input_tokens=sum(r.input_len for r in requests),
         output_tokens=sum(r.output_len for r in requests), generated_tokens=sum(r.output_len for r in requests),
         load_s=load_s, peak_rss_bytes=peak, rss_after_load_bytes=rss_after_load,
         torch_threads=getattr(server, "threads", 0), notes=notes, run_mean_ttft_s=ttfts)

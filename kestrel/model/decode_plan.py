@@ -9,9 +9,11 @@ straight). Everything those checks decide is fixed for a model (dtype, shapes, A
 and runs a decode-only step as a straight list of calls.
 
 Invariant: a step the plan covers gives bit-identical hidden states to `LlamaForCausalLM.forward`
-(same kernels, same order, same roundings); tests/test_decode_plan.py holds it to that. Everything
-else (prefill chunks, mixed steps, more rows than the AMX kernel takes, float32, no compiled
-kernels) runs the model's own forward.
+(same kernels, same order, same roundings); tests/test_decode_plan.py holds it to that. A plan is
+built for a bf16 model where the CPU has AMX (its projections on the AMX matmul), or for a float32
+model on the AVX2 build of the kernels (its projections on linear_f32). Everything else (prefill
+chunks, mixed steps, more rows than the bound matmul takes, no compiled kernels) runs the model's
+own forward.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kestrel.model.attention import AttentionMetadata, KVCache, is_int8
-from kestrel.model.layers import AMX_MAX_ROWS, Linear
+from kestrel.model.layers import AMX_MAX_ROWS, F32_MAX_ROWS, Linear
 from kestrel.model.layers import rms_norm as head_rms_norm  # kernel or PyTorch, by the input's layout
 from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels
 
@@ -42,8 +44,9 @@ class LayerPlan:
 
 
 class DecodePlan:
-    def __init__(self, model: torch.nn.Module, layers: list[LayerPlan]) -> None:
+    def __init__(self, model: torch.nn.Module, layers: list[LayerPlan], max_rows: int) -> None:
         cfg = model.cfg
+        self.max_rows = max_rows  # the most rows the bound matmul takes (linear would pick another above)
         self.embed = model.embed_tokens.weight
         self.rotary = model.rotary
         self.layers = layers
@@ -54,7 +57,7 @@ class DecodePlan:
         kernels = cpu_kernels()
         self.rms_norm = kernels.rms_norm
         self.rotary_write_kv = kernels.rotary_write_kv
-        self.rotary_write_kv_int8 = kernels.rotary_write_kv_int8
+        self.rotary_write_kv_int8 = getattr(kernels, "rotary_write_kv_int8", None)  # not in the AVX2 build
         self.silu_and_mul = kernels.silu_and_mul
 
     @classmethod
@@ -63,26 +66,33 @@ class DecodePlan:
         cfg = getattr(model, "cfg", None)
         # The elementwise kernels take rows of a multiple of 32 values (the model's forward falls
         # back to PyTorch elsewhere; the plan has no fallback).
-        if (cfg is None or cfg.dtype != torch.bfloat16 or cfg.hidden_size % 32
-                or (2 * cfg.intermediate_size) % 32 or next(model.parameters()).device.type != "cpu"):
+        if (cfg is None or cfg.hidden_size % 32 or (2 * cfg.intermediate_size) % 32
+                or next(model.parameters()).device.type != "cpu"):
             return None
-        gemv, kernels = cpu_gemv(), cpu_kernels()
-        if gemv is None or kernels is None or amx_disabled() or not gemv.amx_usable():
+        kernels = cpu_kernels()
+        if kernels is None:
             return None
-        layers = [LayerPlan(layer.input_layernorm.weight, _projection(layer.qkv_proj, gemv),
-                            _projection(layer.o_proj, gemv), layer.post_attention_layernorm.weight,
-                            _projection(layer.gate_up_proj, gemv), _projection(layer.down_proj, gemv),
+        if cfg.dtype == torch.bfloat16:
+            gemv = cpu_gemv()
+            if gemv is None or amx_disabled() or not gemv.amx_usable():
+                return None
+            bind, max_rows = (lambda module: _projection(module, gemv)), AMX_MAX_ROWS
+        elif cfg.dtype == torch.float32 and hasattr(kernels, "linear_f32"):
+            bind, max_rows = (lambda module: _projection_f32(module, kernels)), F32_MAX_ROWS
+        else:
+            return None
+        layers = [LayerPlan(layer.input_layernorm.weight, bind(layer.qkv_proj), bind(layer.o_proj),
+                            layer.post_attention_layernorm.weight, bind(layer.gate_up_proj), bind(layer.down_proj),
                             layer.q_norm.weight if cfg.qk_norm else None,
                             layer.k_norm.weight if cfg.qk_norm else None)
                   for layer in model.layers]
-        return cls(model, layers)
+        return cls(model, layers, max_rows)
 
-    @staticmethod
-    def covers(num_tokens: int, meta: AttentionMetadata) -> bool:
+    def covers(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """A decode-only step whose attention the compiled kernel serves in one call, of no more rows
-        than the AMX matmul takes."""
+        than the bound matmul takes."""
         return (not meta.prefills and len(meta.decodes) == 1 and meta.decodes[0].mask is None
-                and meta.decode_kernel is not None and num_tokens <= AMX_MAX_ROWS)
+                and meta.decode_kernel is not None and num_tokens <= self.max_rows)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -124,4 +134,15 @@ def _projection(module: torch.nn.Module, gemv) -> Projection:
             and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0):
         amx = gemv.linear_bf16_amx
         return lambda x: amx(x, w)
+    return module
+
+
+def _projection_f32(module: torch.nn.Module, kernels) -> Projection:
+    """The same for a float32 model on the AVX2 build: linear_f32 on its weight, which `linear` picks
+    for every row count the plan covers, else the module itself (bias, odd shapes)."""
+    w = getattr(module, "weight", None)
+    if (type(module) is Linear and not module.has_bias and w.dtype == torch.float32 and w.is_contiguous()
+            and w.shape[1] % 8 == 0):
+        f32 = kernels.linear_f32
+        return lambda x: f32(x, w)
     return module

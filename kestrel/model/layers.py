@@ -48,9 +48,10 @@ SMALL_BATCH_MAX_OUT_AT_4 = 8192
 
 
 # Float32 on AVX2 machines (no bf16 there): the small-batch kernel (linear_f32, cpu_kernels_avx2.cpp) up
-# to this many rows, where torch's GEMM runs at 0.2-0.9x its speed (1.0-1.2x at 64 rows); above it,
-# torch's GEMM pulls ahead (1.3x at 128 rows). Measured on the default model's shapes, BENCHMARKS.md.
-F32_MAX_ROWS = 64
+# to this many rows. Over the default model's weights as a decode step reads them (538 MB, from
+# memory), torch's GEMM takes 1.6-3.6x its time at 1-16 rows and 1.04-1.3x at 64-128 (BENCHMARKS.md);
+# prefill chunks beyond it go to torch's GEMM, which reaches ~140 GFLOP/s there.
+F32_MAX_ROWS = 128
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -500,14 +500,18 @@ namespace {
 
 constexpr int64_t kMaxKPiece = 768;
 
-// y[m, n] (+)= x[m, k0:k1] . w[n, k0:k1] for MR rows of x from `x` and NR rows of w from `w`.
+// y[m, n] (+)= x[m, k0:k1] . w[n, k0:k1] for MR rows of x from `x` and NR rows of w from `w`; with
+// `next` given, the same part of the next NR rows of w is prefetched along the way (the weights
+// stream from memory, and the hardware prefetcher alone leaves much of its latency exposed).
 template <int MR, int NR>
 inline void linear_tile(const float* x, const float* w, int64_t K, int64_t k0, int64_t k1, float* y, int64_t N,
-                        bool accumulate) {
+                        bool accumulate, const float* next) {
   VecF acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = zero();
   for (int64_t k = k0; k < k1; k += kLanes) {
+    if (next != nullptr && k % 16 == 0)
+      for (int n = 0; n < NR; ++n) _mm_prefetch(reinterpret_cast<const char*>(next + n * K + k), _MM_HINT_T0);
     VecF wv[NR];
     for (int n = 0; n < NR; ++n) wv[n] = load_f32(w + n * K + k);
     for (int m = 0; m < MR; ++m) {
@@ -519,16 +523,18 @@ inline void linear_tile(const float* x, const float* w, int64_t K, int64_t k0, i
     for (int n = 0; n < NR; ++n) y[m * N + n] = (accumulate ? y[m * N + n] : 0.f) + hsum(acc[m][n]);
 }
 
+// The first row block of x prefetches the next tile's weights (`next`, nullptr at the end).
 template <int NR>
 void linear_rows(const float* x, const float* w, int64_t M, int64_t K, int64_t k0, int64_t k1, int64_t n0,
-                 float* y, int64_t N) {
+                 float* y, int64_t N, const float* next) {
   const bool acc = k0 > 0;
+  const float* wn = w + n0 * K;
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4) linear_tile<4, NR>(x + m * K, w + n0 * K, K, k0, k1, y + m * N + n0, N, acc);
+  for (; m + 4 <= M; m += 4, next = nullptr) linear_tile<4, NR>(x + m * K, wn, K, k0, k1, y + m * N + n0, N, acc, next);
   switch (M - m) {
-    case 3: linear_tile<3, NR>(x + m * K, w + n0 * K, K, k0, k1, y + m * N + n0, N, acc); break;
-    case 2: linear_tile<2, NR>(x + m * K, w + n0 * K, K, k0, k1, y + m * N + n0, N, acc); break;
-    case 1: linear_tile<1, NR>(x + m * K, w + n0 * K, K, k0, k1, y + m * N + n0, N, acc); break;
+    case 3: linear_tile<3, NR>(x + m * K, wn, K, k0, k1, y + m * N + n0, N, acc, next); break;
+    case 2: linear_tile<2, NR>(x + m * K, wn, K, k0, k1, y + m * N + n0, N, acc, next); break;
+    case 1: linear_tile<1, NR>(x + m * K, wn, K, k0, k1, y + m * N + n0, N, acc, next); break;
     default: break;
   }
 }
@@ -554,9 +560,10 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w) {
     for (int64_t k0 = 0; k0 < K; k0 += piece) {
       const int64_t k1 = std::min(K, k0 + piece);
       for (int64_t t = begin; t < end; ++t) {
-        if (t < tiles) linear_rows<NR>(xp, wp, M, K, k0, k1, t * NR, yp, N);
-        else if (rest == 2) linear_rows<2>(xp, wp, M, K, k0, k1, t * NR, yp, N);
-        else linear_rows<1>(xp, wp, M, K, k0, k1, t * NR, yp, N);
+        const float* next = t + 1 < tiles ? wp + (t + 1) * NR * K : nullptr;
+        if (t < tiles) linear_rows<NR>(xp, wp, M, K, k0, k1, t * NR, yp, N, next);
+        else if (rest == 2) linear_rows<2>(xp, wp, M, K, k0, k1, t * NR, yp, N, nullptr);
+        else linear_rows<1>(xp, wp, M, K, k0, k1, t * NR, yp, N, nullptr);
       }
     }
   });
