@@ -8,7 +8,8 @@ Peers `llama-server[:bf16|:f32|:q4_1]` (kestrel/bench/launch.py): llama.cpp's se
 weights written in that precision (by default Kestrel's own dtype here: bf16, or f32 on a CPU
 without bf16 instructions), or its native Q4_1 file. Every request is sent at once through the same
 OpenAI-compatible client as `kestrel bench serve` (kestrel/bench/serve.py): W1 non-streaming with
-`cache_prompt: false`; W4 streaming (for TTFT) with `cache_prompt: true`. Its peak memory is its process's, sampled.
+`cache_prompt: false`; W4 streaming (for TTFT) with `cache_prompt: true`. Its peak memory is its
+process's, sampled.
 
 The machine's limits (kestrel/bench/roofline.py) are measured in the same run, before the engines:
 bf16 and fp32 matmul GFLOP/s at the model's layer shapes and the copy rate; Kestrel's achieved

@@ -76,9 +76,9 @@ class DecodePlan:
             gemv = cpu_gemv()
             if gemv is None or amx_disabled() or not gemv.amx_usable():
                 return None
-            bind, max_rows = (lambda module: _projection(module, gemv)), AMX_MAX_ROWS
+            bind, max_rows = (lambda m: _projection(m, gemv.linear_bf16_amx, torch.bfloat16, 16, 32)), AMX_MAX_ROWS
         elif cfg.dtype == torch.float32 and hasattr(kernels, "linear_f32"):
-            bind, max_rows = (lambda module: _projection_f32(module, kernels)), F32_MAX_ROWS
+            bind, max_rows = (lambda m: _projection(m, kernels.linear_f32, torch.float32, 1, 8)), F32_MAX_ROWS
         else:
             return None
         layers = [LayerPlan(layer.input_layernorm.weight, bind(layer.qkv_proj), bind(layer.o_proj),
@@ -126,23 +126,13 @@ class DecodePlan:
         return x + residual
 
 
-def _projection(module: torch.nn.Module, gemv) -> Projection:
-    """The call for one projection: the AMX kernel on its weight where `linear` would pick it for
-    every row count the plan covers, else the module itself (int8, bias, odd shapes)."""
+def _projection(module: torch.nn.Module, matmul: Callable, dtype: torch.dtype, n_multiple: int,
+                k_multiple: int) -> Projection:
+    """The call for one projection: `matmul` (the AMX kernel, or linear_f32 on the AVX2 build) on its
+    weight where `linear` would pick it for every row count the plan covers, else the module itself
+    (int8, bias, odd shapes)."""
     w = getattr(module, "weight", None)
-    if (type(module) is Linear and not module.has_bias and w.dtype == torch.bfloat16 and w.is_contiguous()
-            and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0):
-        amx = gemv.linear_bf16_amx
-        return lambda x: amx(x, w)
-    return module
-
-
-def _projection_f32(module: torch.nn.Module, kernels) -> Projection:
-    """The same for a float32 model on the AVX2 build: linear_f32 on its weight, which `linear` picks
-    for every row count the plan covers, else the module itself (bias, odd shapes)."""
-    w = getattr(module, "weight", None)
-    if (type(module) is Linear and not module.has_bias and w.dtype == torch.float32 and w.is_contiguous()
-            and w.shape[1] % 8 == 0):
-        f32 = kernels.linear_f32
-        return lambda x: f32(x, w)
+    if (type(module) is Linear and not module.has_bias and w.dtype == dtype and w.is_contiguous()
+            and w.shape[0] % n_multiple == 0 and w.shape[1] % k_multiple == 0):
+        return lambda x: matmul(x, w)
     return module
