@@ -223,7 +223,7 @@ linear_f32 = pytest.mark.skipif(not hasattr(kernels, "linear_f32"), reason="line
 
 @linear_f32
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 64])
-@pytest.mark.parametrize("out_features, in_features", [(1, 8), (2, 576), (7, 64), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("out_features, in_features", [(1, 8), (2, 576), (7, 64), (5, 72), (960, 576), (576, 1536)])
 def test_linear_f32_matches_torch(rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=g)
