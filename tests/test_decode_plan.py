@@ -76,13 +76,40 @@ def test_plan_gives_the_model_forward_bit_for_bit(model, quantization, kv_cache_
 @needs_f32_plan
 @pytest.mark.parametrize("model", ["tiny_bf16", "tiny_qwen3"])
 def test_float32_plan_gives_the_model_forward_bit_for_bit(model, request, engine_check):
-    """The same on a float32 model (the default dtype on a CPU without bf16), its projections on linear_f32."""
+    """The same on a float32 model (the default dtype on a CPU without bf16), its projections on linear_f32.
+    The Llama runs its layer loop in C++ (DecodeLayersF32); the Qwen3, with q/k norms, in Python."""
     llm = LLM(model=request.getfixturevalue(model), dtype="float32", max_model_len=512, kv_cache_memory=16 << 20,
               max_num_batched_tokens=64)
-    plan = _runner_of(llm).decode_plan
+    runner = _runner_of(llm)
+    plan = runner.decode_plan
     assert plan is not None and plan.max_rows == F32_MAX_ROWS
     assert not isinstance(plan.layers[0].qkv_proj, torch.nn.Module)   # bound straight to linear_f32
+    native = plan.native_layers(runner.kv_caches, runner.decode_kernel)
+    assert (native is not None) == (model == "tiny_bf16")
     _check_plan_against_the_forward(llm, engine_check)
+
+
+@needs_f32_plan
+def test_native_layer_loop_matches_the_python_loop(tiny_bf16):
+    """DecodeLayersF32 against the plan's own Python loop on the same steps, bit for bit."""
+    llm = LLM(model=tiny_bf16, dtype="float32", max_model_len=512, kv_cache_memory=16 << 20)
+    runner = _runner_of(llm)
+    plan = runner.decode_plan
+    native_class, steps = plan.native_class, []
+
+    def both(ids, positions, kv_caches, meta):
+        plan.native_class, plan._native = None, None
+        python_loop = plan(ids, positions, kv_caches, meta)   # rewrites the same K/V to the same slots
+        plan.native_class = native_class
+        native = plan(ids, positions, kv_caches, meta)
+        assert plan.native_layers(kv_caches, meta.decode_kernel) is not None
+        assert torch.equal(native, python_loop)
+        steps.append(ids.shape[0])
+        return native
+
+    runner.decode_plan = type("Both", (), {"covers": staticmethod(plan.covers), "__call__": staticmethod(both)})()
+    _generate(llm)
+    assert len(steps) >= 19 and max(steps) == len(PROMPTS)
 
 
 def _check_plan_against_the_forward(llm: LLM, engine_check) -> None:

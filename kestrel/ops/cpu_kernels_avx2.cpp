@@ -685,6 +685,56 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
+// ---- the float32 decode plan's layer loop ----
+
+// The layer loop of kestrel/model/decode_plan.py for a float32 Llama-family model without q/k norms
+// or biases, in C++: the same kernels in the same order on the same tensors, so its hidden states
+// are bit-identical to the Python loop's (and so to the model's forward). What it saves is the
+// Python between the ~300 kernel calls of a step: ~1.5-2 ms of a ~27 ms batch-1 step here.
+class DecodeLayersF32 {
+ public:
+  // weights: 6 per layer (input norm, qkv, o, post-attention norm, gate_up, down); caches: k, v per
+  // layer, each [num_slots, kv_heads, head_dim].
+  DecodeLayersF32(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches, int64_t heads,
+                  double eps, double scale)
+      : weights_(std::move(weights)), caches_(std::move(caches)), heads_(heads), eps_(eps), scale_(scale) {
+    TORCH_CHECK(weights_.size() % 6 == 0 && caches_.size() * 3 == weights_.size(),
+                "DecodeLayersF32: 6 weights and 2 caches per layer");
+    for (const auto& w : weights_)
+      TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous(), "DecodeLayersF32: float32 contiguous weights");
+  }
+
+  // x [n, hidden]: the embedded tokens. Returns the hidden states before the final norm.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                        torch::Tensor table, torch::Tensor seq_lens, int64_t block_size) const {
+    const int64_t n = x.size(0), layers = static_cast<int64_t>(caches_.size() / 2);
+    torch::Tensor residual, h;
+    for (int64_t l = 0; l < layers; ++l) {
+      const torch::Tensor* w = weights_.data() + 6 * l;
+      const torch::Tensor &k_cache = caches_[2 * l], &v_cache = caches_[2 * l + 1];
+      if (!residual.defined()) {
+        residual = x;
+        h = rms_norm(x, c10::nullopt, w[0], eps_);
+      } else {
+        h = rms_norm(x, residual, w[0], eps_);  // residual += x, in place
+      }
+      const int64_t head_dim = k_cache.size(2), kv_heads = k_cache.size(1);
+      torch::Tensor qkv = linear_f32(h, w[1]).view({n, heads_ + 2 * kv_heads, head_dim});
+      rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads_);
+      torch::Tensor out = paged_decode_attention(qkv.slice(1, 0, heads_), k_cache, v_cache, table, seq_lens,
+                                                 block_size, scale_, true);
+      h = rms_norm(linear_f32(out.view({n, heads_ * head_dim}), w[2]), residual, w[3], eps_);
+      x = linear_f32(silu_and_mul(linear_f32(h, w[4])), w[5]);
+    }
+    return x + residual;
+  }
+
+ private:
+  std::vector<torch::Tensor> weights_, caches_;
+  int64_t heads_;
+  double eps_, scale_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) for float32 [rows, n] (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (CPU)",
@@ -698,4 +748,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot_mapping"), py::arg("num_heads"));
   m.def("supports", &supports, "whether a (head_dim, group) pair has a kernel");
   m.def("linear_f32", &linear_f32, "x w^T in float32 for decode-sized batches (CPU)");
+  py::class_<DecodeLayersF32>(m, "DecodeLayersF32")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, double, double>(),
+           py::arg("weights"), py::arg("caches"), py::arg("heads"), py::arg("eps"), py::arg("scale"))
+      .def("__call__", &DecodeLayersF32::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
+           py::arg("table"), py::arg("seq_lens"), py::arg("block_size"));
 }
