@@ -225,6 +225,20 @@ def test_reset_prefix_cache_only_when_idle():
     pool.check_invariants({})
 
 
+def test_reset_prefix_cache_hands_out_blocks_in_id_order_again():
+    pool = BlockPool(8)
+    a = pool.get_new_blocks(3)   # 1, 2, 3
+    b = pool.get_new_blocks(2)   # 4, 5
+    pool.cache_full_block(a[0], hash_block_tokens(None, [1]))
+    pool.free_blocks(reversed(b))
+    pool.free_blocks(reversed(a))
+    assert free_order(pool) == [6, 7, 5, 4, 3, 2, 1]
+    assert pool.reset_prefix_cache() is True
+    assert free_order(pool) == [1, 2, 3, 4, 5, 6, 7]
+    assert ids(pool.get_new_blocks(3)) == [1, 2, 3]
+    pool.check_invariants({1: 1, 2: 1, 3: 1})
+
+
 def test_invariants_hold_through_a_random_sequence():
     import random
 

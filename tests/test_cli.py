@@ -140,10 +140,20 @@ def test_bench_throughput_writes_json(tmp_path):
     [paired] = roof["per_run_fraction"]
     assert rate > 0 and roof["median_paired_fraction"] == paired
     assert paired == pytest.approx(roof["workload_flops"] / kestrel["run_wall_s"][0] / 1e9 / rate)
+    # The memory side: bf16 or float32 weights and cache (30 layers x K and V x 3 heads x 64 values).
+    size = 4 if dtype == "float32" else 2
+    assert roof["weight_bytes"] == size * (roof["non_embedding_params"] + roof["output_head_params"])
+    assert roof["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * size
+    assert roof["read_gb_s"] > 0 and roof["decode_bytes"] > 0
+    assert roof["roofline_wall_s"] == pytest.approx(max(roof["limit_wall_s"], roof["memory_floor_s"]))
+    # (Loose: on so small a workload the weights can come from the last-level cache, faster than
+    # the streaming read rate the floor assumes.)
+    assert 0 < roof["fraction_of_full_roofline"] < 3
     text = (tmp_path / "BENCHMARKS.md").read_text()
     short = "fp32" if dtype == "float32" else "bf16"
     assert "offline throughput" in text and f"of the {short} roofline" in text
     assert f"against the {short} rate measured just before it" in text
+    assert "streaming read rate measured in this run" in text
 
 
 @pytest.mark.slow

@@ -5,11 +5,19 @@
     model_param_counts(config)  -> ParamCounts: the parameters a token runs through
     workload_flops(...)         -> the FLOPs W1 defines: prompt tokens x 2 x non-embedding params
                                    + output tokens x 2 x all params (output head included)
+    decode_bytes(...)           -> the bytes W1's decode steps must read at the least: every weight
+                                   once per step, every cached K and V row once per output token
 
 A workload's achieved GFLOP/s over the matmul rate in the model's dtype (bf16, or float32 where the
-model runs in float32: roofline_dtype) is the fraction of the roofline it reaches;
-attention's own FLOPs are left out on purpose (WORKLOADS.md: "attention extra"), so the fraction is
-a little pessimistic for long contexts.
+model runs in float32: roofline_dtype) is the fraction of the roofline it reaches (the issue's
+figure); attention's own FLOPs are left out on purpose (WORKLOADS.md: "attention extra"), so the
+fraction is a little pessimistic for long contexts.
+
+That figure counts compute only. Decode is bound by memory instead: a step reads every weight for a
+handful of rows, and each output token reads its whole context's K and V. So the report also gives
+the memory floor (decode_bytes at the streaming read rate measured in the same run) and the
+roofline proper, max(compute time, memory time): no engine that reads what it must from memory can
+run the workload faster than that.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from typing import Any
 # Rows of the activations in one matmul: a prefill-sized batch, as in WORKLOADS.md's example.
 MATMUL_ROWS = 1024
 COPY_BYTES = 256 << 20
+# Past the last-level cache (up to 480 MiB seen on these machines), so that it times memory.
+READ_BYTES = 1 << 30
 REPEATS = 5
 
 
@@ -40,6 +50,7 @@ class MachineLimits:
     bf16_gflops: float          # FLOP-weighted over the layer's matmul shapes
     fp32_gflops: float
     copy_gb_s: float            # bytes copied per second (each byte is read once and written once)
+    read_gb_s: float            # bytes read per second by a streaming sum over READ_BYTES
     shapes: list[tuple[int, int]]  # (out_features, in_features) of the matmuls timed
     per_shape_bf16_gflops: list[float]
     threads: int
@@ -79,6 +90,27 @@ def layer_shapes(hf_config: Any) -> list[tuple[int, int]]:
 
 def workload_flops(prompt_tokens: int, output_tokens: int, params: ParamCounts) -> float:
     return 2.0 * (prompt_tokens * params.non_embedding + output_tokens * params.per_output_token)
+
+
+def kv_bytes_per_token(hf_config: Any, kv_cache_dtype: str, model_dtype_bytes: int) -> int:
+    """The K and V one token leaves in the cache, all layers: in the model's dtype, or (int8 cache)
+    one byte a value plus a float32 scale per (token, KV head)."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    per_head = head_dim + 4 if kv_cache_dtype == "int8" else head_dim * model_dtype_bytes
+    return hf_config.num_hidden_layers * 2 * kv_heads * per_head
+
+
+def decode_bytes(input_lens: list[int], output_lens: list[int], weight_bytes: int, kv_token_bytes: int) -> float:
+    """A lower bound on what the decode steps read from memory. A request's output tokens after the
+    first take one step each, so there are at least max(output) - 1 decode steps, and each reads
+    every weight (weight_bytes, the output head included); the step that makes a request's output
+    token j (j = 1 .. output - 1; token 0 comes from prefill) attends over its input + j positions.
+    Prefill, whose products reuse each weight for many rows, is left to the compute side."""
+    steps = max(output_lens, default=1) - 1
+    kv_rows = sum((o - 1) * i + (o - 1) * o // 2 for i, o in zip(input_lens, output_lens))
+    return float(steps) * weight_bytes + float(kv_rows) * kv_token_bytes
 
 
 def _median_seconds(fn, repeats: int = REPEATS) -> float:
@@ -121,6 +153,14 @@ def copy_gb_s(nbytes: int = COPY_BYTES) -> float:
     return nbytes / _median_seconds(lambda: dst.copy_(src)) / 1e9
 
 
+def read_gb_s(nbytes: int = READ_BYTES) -> float:
+    """The streaming read rate: a sum over nbytes of float32 (read once, nothing written)."""
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    return nbytes / _median_seconds(lambda: src.sum()) / 1e9
+
+
 def flop_weighted(rates: list[float], shapes: list[tuple[int, int]]) -> float:
     """The rate of running every shape once: total FLOPs over total time."""
     flops = [o * i for o, i in shapes]
@@ -146,5 +186,6 @@ def measure_limits(shapes: list[tuple[int, int]]) -> MachineLimits:
     bf16 = matmul_gflops(shapes, torch.bfloat16)
     fp32 = matmul_gflops(shapes, torch.float32)
     return MachineLimits(bf16_gflops=flop_weighted(bf16, shapes), fp32_gflops=flop_weighted(fp32, shapes),
-                         copy_gb_s=copy_gb_s(), shapes=list(shapes), per_shape_bf16_gflops=bf16,
+                         copy_gb_s=copy_gb_s(), read_gb_s=read_gb_s(), shapes=list(shapes),
+                         per_shape_bf16_gflops=bf16,
                          threads=torch.get_num_threads())

@@ -133,18 +133,25 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
 
 
 def measure_machine_limits(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    from kestrel.bench.roofline import layer_shapes, measure_limits, model_param_counts, roofline_dtype
+    from kestrel.bench.roofline import (kv_bytes_per_token, layer_shapes, measure_limits, model_param_counts,
+                                        roofline_dtype)
     from kestrel.config import resolve_device, resolve_dtype
     from kestrel.model.loader import load_config, resolve_model
     hf_config = load_config(resolve_model(engine_kwargs.get("model")))
-    log("measuring the machine's matmul and copy rates")
+    log("measuring the machine's matmul, copy and read rates")
     limits = measure_limits(layer_shapes(hf_config)).to_dict()
     params = model_param_counts(hf_config)
     dtype = resolve_dtype(engine_kwargs.get("dtype") or "auto", resolve_device(engine_kwargs.get("device") or "auto"))
+    dtype_bytes = dtype.itemsize
+    # --quantization int8 stores the decoder's projections in one byte (the output head stays).
+    layer_bytes = 1 if engine_kwargs.get("quantization") == "int8" else dtype_bytes
     limits.update(non_embedding_params=params.non_embedding, output_head_params=params.output_head,
-                  roofline_dtype=roofline_dtype(str(dtype).removeprefix("torch.")))
+                  roofline_dtype=roofline_dtype(str(dtype).removeprefix("torch.")),
+                  weight_bytes=params.non_embedding * layer_bytes + params.output_head * dtype_bytes,
+                  kv_bytes_per_token=kv_bytes_per_token(hf_config, engine_kwargs.get("kv_cache_dtype") or "auto",
+                                                        dtype_bytes))
     log(f"bf16 matmul {limits['bf16_gflops']:.0f} GFLOP/s, fp32 {limits['fp32_gflops']:.0f} GFLOP/s, "
-        f"copy {limits['copy_gb_s']:.1f} GB/s")
+        f"copy {limits['copy_gb_s']:.1f} GB/s, read {limits['read_gb_s']:.1f} GB/s")
     return limits
 
 
@@ -554,9 +561,11 @@ def build_report(args: argparse.Namespace, requests: list[BenchRequest], results
     kestrel = results[0]
     roofline = None
     if limits is not None:
-        from kestrel.bench.roofline import ParamCounts, workload_flops
+        from kestrel.bench.roofline import ParamCounts, decode_bytes, workload_flops
         params = ParamCounts(limits["non_embedding_params"], limits["output_head_params"])
         flops = workload_flops(kestrel.input_tokens, kestrel.output_tokens, params)
+        moved = decode_bytes([r.input_len for r in requests], [r.output_len for r in requests],
+                             limits["weight_bytes"], limits["kv_bytes_per_token"])
         achieved = flops / kestrel.wall_s / 1e9
         # The machine's AMX rate drifts by 2-3x over a day: each run is also set against the rate
         # measured just before it, and the median of those paired fractions reported.
@@ -565,6 +574,11 @@ def build_report(args: argparse.Namespace, requests: list[BenchRequest], results
         roofline = {**limits, "workload_flops": flops, "kestrel_gflops": achieved, "roofline_gflops": rate,
                     "fraction_of_roofline": achieved / rate, "fraction_of_bf16": achieved / limits["bf16_gflops"],
                     "limit_wall_s": flops / (rate * 1e9),
+                    # The roofline proper: compute and memory overlapped at best, so the longer of the two.
+                    "decode_bytes": moved, "memory_floor_s": moved / (limits["read_gb_s"] * 1e9),
+                    "roofline_wall_s": max(flops / (rate * 1e9), moved / (limits["read_gb_s"] * 1e9)),
+                    "fraction_of_full_roofline": max(flops / (rate * 1e9), moved / (limits["read_gb_s"] * 1e9))
+                    / kestrel.wall_s,
                     "per_run_roofline_gflops": kestrel.run_roofline_gflops, "per_run_fraction": paired,
                     "median_paired_fraction": statistics.median(paired) if paired else None}
     return {
@@ -622,7 +636,7 @@ def _roofline_line(report: dict[str, Any]) -> str | None:
             f"{r['non_embedding_params'] / 1e6:.1f} M, output head {r['output_head_params'] / 1e6:.1f} M): "
             f"{report['results'][0]['name']} reaches {r['kestrel_gflops']:.0f} GFLOP/s = "
             f"**{100 * r['fraction_of_roofline']:.0f}% of the {_short(r['roofline_dtype'])} roofline** (the limit would run it in "
-            f"{r['limit_wall_s']:.1f} s)" + _paired_roofline(r))
+            f"{r['limit_wall_s']:.1f} s)" + _paired_roofline(r) + _memory_roofline(r))
 
 
 def _short(dtype: str) -> str:
@@ -635,6 +649,17 @@ def _paired_roofline(r: dict[str, Any]) -> str:
     runs = ", ".join(f"{100 * f:.0f}% of {g:.0f}" for f, g in zip(r["per_run_fraction"], r["per_run_roofline_gflops"]))
     return (f". Each run against the {_short(r['roofline_dtype'])} rate measured just before it: {runs} GFLOP/s; "
             f"median **{100 * r['median_paired_fraction']:.0f}%**")
+
+
+def _memory_roofline(r: dict[str, Any]) -> str:
+    """The memory side (reports before 2026-12-01 have none)."""
+    if "memory_floor_s" not in r:
+        return ""
+    return (f". Memory: the decode steps must read at least {r['decode_bytes'] / 1e9:.1f} GB (every weight "
+            f"once a step, every cached K/V row once an output token), {r['memory_floor_s']:.1f} s at the "
+            f"{r['read_gb_s']:.1f} GB/s streaming read rate measured in this run; against the roofline with "
+            f"that memory roof (the longer of the two floors, {r['roofline_wall_s']:.1f} s) Kestrel is at "
+            f"**{100 * r['fraction_of_full_roofline']:.0f}%**")
 
 
 def _precision(engine: dict[str, Any]) -> str:
