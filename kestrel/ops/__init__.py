@@ -118,7 +118,14 @@ def _load_or_none(source_name: str, what: str, usable: bool):
 
 def cpu_kernels_source() -> str | None:
     """The source of cpu_kernels() for this CPU: AVX-512 (cpu_kernels.cpp) before AVX2 + FMA
-    (cpu_kernels_avx2.cpp, without the int8 KV cache kernels); None without either."""
+    (cpu_kernels_avx2.cpp, without the int8 KV cache kernels); None without either.
+    KESTREL_CPU_KERNELS=avx2 takes the AVX2 build on an AVX-512 CPU too: the path of most laptops,
+    run (and tested) on a server."""
+    isa = os.environ.get("KESTREL_CPU_KERNELS", "auto")
+    if isa not in ("auto", "avx2"):
+        raise ValueError(f"KESTREL_CPU_KERNELS must be 'auto' or 'avx2', not {isa!r}")
+    if isa == "avx2":
+        return "cpu_kernels_avx2.cpp" if _cpu_has_avx2() else None
     if _cpu_has_avx512():
         return "cpu_kernels.cpp"
     if _cpu_has_avx2():

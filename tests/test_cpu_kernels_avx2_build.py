@@ -1,0 +1,34 @@
+"""On an AVX-512 CPU the kernel tests run against cpu_kernels.cpp, and those of the AVX2 build
+(linear_f32, the float32 decode plan and its C++ layer loop) would skip. Here they run again in a
+child process with KESTREL_CPU_KERNELS=avx2, so that a server CI also checks the path most laptops
+take."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kestrel.ops import _cpu_has_avx2, _cpu_has_avx512
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (_cpu_has_avx512() and _cpu_has_avx2()),
+                       reason="elsewhere the AVX2 build (or none) is what the other tests already run"),
+]
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.mark.timeout(1200)  # a first build of the AVX2 source, ~100 s on 2 cores
+def test_the_avx2_build_passes_its_kernel_and_plan_tests():
+    env = {**os.environ, "KESTREL_CPU_KERNELS": "avx2"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+         os.path.join(TESTS, "test_cpu_kernels.py"), os.path.join(TESTS, "test_decode_plan.py"),
+         "-k", "linear_f32 or float32_plan or native_layer_loop or paged_decode or rms_norm or silu or rotary or argmax"],
+        env=env, capture_output=True, text=True, cwd=os.path.dirname(TESTS))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    # The AVX2 build's own tests ran: none of them may skip for want of that build.
+    assert "AVX2 build" not in result.stdout, result.stdout[-4000:]
+    assert " passed" in result.stdout
