@@ -100,6 +100,25 @@ def test_greedy_is_argmax_and_leaves_inputs_and_rng_alone(dtype):
     assert torch.equal(torch.random.get_rng_state(), rng_before)  # no random draw at all
 
 
+def test_greedy_with_penalties_or_min_tokens_leaves_the_callers_logits_alone():
+    """Greedy rows whose logits are changed first (a penalty, min_tokens) work on a copy; only a
+    batch that changes nothing reads the caller's float32 tensor as it is."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 50)
+    before = logits.clone()
+    top2 = before.topk(2, dim=-1).indices
+    best, second = top2[:, 0].tolist(), top2[:, 1].tolist()
+    # A large frequency penalty on each row's best token: the second best wins.
+    out = run_sampler(logits, [SamplingParams(temperature=0.0, frequency_penalty=100.0)] * 2,
+                      outputs=[[b] for b in best])
+    assert torch.equal(logits, before)
+    assert out.sampled_token_ids.tolist() == second
+    # min_tokens masks EOS (here each row's best token) until reached: the second best wins.
+    out = run_sampler(logits, [SamplingParams(temperature=0.0, min_tokens=3)] * 2, eos=best)
+    assert torch.equal(logits, before)
+    assert out.sampled_token_ids.tolist() == second
+
+
 def test_greedy_ties_pick_lowest_index():
     logits = torch.tensor([[0.0, 2.0, 1.0, 2.0]])
     assert run_sampler(logits, [GREEDY]).sampled_token_ids.tolist() == [1]
