@@ -107,7 +107,8 @@ def decode_bytes(input_lens: list[int], output_lens: list[int], weight_bytes: in
     first take one step each, so there are at least max(output) - 1 decode steps, and each reads
     every weight (weight_bytes, the output head included); the step that makes a request's output
     token j (j = 1 .. output - 1; token 0 comes from prefill) attends over its input + j positions.
-    Prefill, whose products reuse each weight for many rows, is left to the compute side."""
+    Prefill, whose products reuse each weight for many rows, is left to the compute side. (For
+    decoding one token a step: speculative decoding would need fewer steps.)"""
     steps = max(output_lens, default=1) - 1
     kv_rows = sum((o - 1) * i + (o - 1) * o // 2 for i, o in zip(input_lens, output_lens))
     return float(steps) * weight_bytes + float(kv_rows) * kv_token_bytes

@@ -571,14 +571,14 @@ def build_report(args: argparse.Namespace, requests: list[BenchRequest], results
         # measured just before it, and the median of those paired fractions reported.
         paired = [flops / wall / 1e9 / rate for wall, rate in zip(kestrel.run_wall_s, kestrel.run_roofline_gflops)]
         rate = limits["fp32_gflops" if limits["roofline_dtype"] == "float32" else "bf16_gflops"]
+        compute_floor, memory_floor = flops / (rate * 1e9), moved / (limits["read_gb_s"] * 1e9)
+        # The roofline proper: compute and memory overlapped at best, so the longer of the two floors.
+        roofline_wall = max(compute_floor, memory_floor)
         roofline = {**limits, "workload_flops": flops, "kestrel_gflops": achieved, "roofline_gflops": rate,
                     "fraction_of_roofline": achieved / rate, "fraction_of_bf16": achieved / limits["bf16_gflops"],
-                    "limit_wall_s": flops / (rate * 1e9),
-                    # The roofline proper: compute and memory overlapped at best, so the longer of the two.
-                    "decode_bytes": moved, "memory_floor_s": moved / (limits["read_gb_s"] * 1e9),
-                    "roofline_wall_s": max(flops / (rate * 1e9), moved / (limits["read_gb_s"] * 1e9)),
-                    "fraction_of_full_roofline": max(flops / (rate * 1e9), moved / (limits["read_gb_s"] * 1e9))
-                    / kestrel.wall_s,
+                    "limit_wall_s": compute_floor,
+                    "decode_bytes": moved, "memory_floor_s": memory_floor, "roofline_wall_s": roofline_wall,
+                    "fraction_of_full_roofline": roofline_wall / kestrel.wall_s,
                     "per_run_roofline_gflops": kestrel.run_roofline_gflops, "per_run_fraction": paired,
                     "median_paired_fraction": statistics.median(paired) if paired else None}
     return {

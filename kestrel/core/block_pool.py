@@ -119,9 +119,9 @@ class BlockPool:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no request holds a block. With no content
         left to keep, the free queue goes back to block-id order, as at start: the blocks handed
-        out next are the ones used first (on CPU the pool's pages are mapped as they are first
-        written, so a queue left in LRU order would hand out never-touched memory, and a page fault
-        per 4 KiB, until the whole pool had been used once), in runs of consecutive ids."""
+        out next are the ones used first (on CPU the pool's pages are mapped and zeroed as they are
+        first written, so a queue left in LRU order would hand out never-touched memory, page fault
+        after page fault, until the whole pool had been used once), in runs of consecutive ids."""
         if self.num_free_blocks != self.num_blocks - 1:
             return False
         for block in self.blocks[1:]:
