@@ -74,42 +74,75 @@ def test_rotary_write_kv_int8_is_bit_exact_with_the_reference(dtype, tokens, hea
     assert expected_cache[1].count_nonzero() == tokens * kv_heads - 1
 
 
+def _int8_batch(lens: list[int], kv_heads: int, head_dim: int, group: int, q_dtype: torch.dtype, seed: int):
+    """q, an int8 cache of random rows, block tables (blocks in shuffled order) and seq_lens for `lens`."""
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    num_blocks = sum(-(-L // 16) for L in lens) + 4
+    cache = _int8_cache(num_blocks, kv_heads, head_dim)
+    slots = torch.arange(num_blocks * 16)
+    write_kv(cache, torch.randn(len(slots), kv_heads, head_dim, generator=g) * 3,
+             torch.randn(len(slots), kv_heads, head_dim, generator=g), slots)
+    ids = rng.permutation(np.arange(1, num_blocks))
+    table = np.zeros((len(lens), max(1, -(-max(lens) // 16))), dtype=np.int64)
+    used = 0
+    for i, L in enumerate(lens):
+        n = -(-L // 16)
+        table[i, :n] = ids[used:used + n]
+        used += n
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=g).to(q_dtype)
+    return q, cache, torch.from_numpy(table), torch.tensor(lens)
+
+
+def _int8_reference(q, cache, table, seq_lens, head_dim):
+    span = table.shape[1] * 16
+    visible = torch.arange(span)[None, :] < seq_lens[:, None]
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).view(len(seq_lens), 1, 1, span)
+    return _decode_attention(q.float(), cache, DecodeGroup(0, len(seq_lens), table, seq_lens, mask), 16, head_dim ** -0.5)
+
+
+@pytest.fixture
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @needs_kernels
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim, group, kv_heads", [(64, 3, 3), (64, 1, 2), (128, 4, 2), (64, 8, 1)])
-@pytest.mark.parametrize("num_threads", [1, 2])
-def test_decode_attention_int8_matches_the_dequantized_reference(q_dtype, head_dim, group, kv_heads, num_threads):
-    before = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        g = torch.Generator().manual_seed(head_dim + group)
-        rng = np.random.default_rng(group)
-        lens = [1, 15, 16, 17, 100, 257, 700]
-        num_blocks = sum(-(-L // 16) for L in lens) + 4
-        cache = _int8_cache(num_blocks, kv_heads, head_dim)
-        slots = torch.arange(num_blocks * 16)
-        write_kv(cache, torch.randn(len(slots), kv_heads, head_dim, generator=g) * 3,
-                 torch.randn(len(slots), kv_heads, head_dim, generator=g), slots)
-        ids = rng.permutation(np.arange(1, num_blocks))
-        table = np.zeros((len(lens), -(-max(lens) // 16)), dtype=np.int64)
-        used = 0
-        for i, L in enumerate(lens):
-            n = -(-L // 16)
-            table[i, :n] = ids[used:used + n]
-            used += n
-        table, seq_lens = torch.from_numpy(table), torch.tensor(lens)
-        q = torch.randn(len(lens), kv_heads * group, head_dim, generator=g).to(q_dtype)
-        out = kernels.paged_decode_attention_int8(q, *cache, table, seq_lens, 16, head_dim ** -0.5)
-        span = table.shape[1] * 16
-        visible = torch.arange(span)[None, :] < seq_lens[:, None]
-        mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).view(len(lens), 1, 1, span)
-        ref = _decode_attention(q.float(), cache, DecodeGroup(0, len(lens), table, seq_lens, mask), 16, head_dim ** -0.5)
-        assert out.dtype == torch.float32
-        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
-        rounded = kernels.paged_decode_attention_int8(q, *cache, table, seq_lens, 16, head_dim ** -0.5, in_q_dtype=True)
-        assert torch.equal(rounded, out.to(q_dtype))
-    finally:
-        torch.set_num_threads(before)
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_decode_attention_int8_matches_the_dequantized_reference(q_dtype, head_dim, group, kv_heads, threads):
+    q, cache, table, seq_lens = _int8_batch([1, 15, 16, 17, 100, 257, 700], kv_heads, head_dim, group, q_dtype,
+                                            seed=head_dim + group)
+    out = kernels.paged_decode_attention_int8(q, *cache, table, seq_lens, 16, head_dim ** -0.5)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, _int8_reference(q, cache, table, seq_lens, head_dim), atol=2e-5, rtol=1e-4)
+    rounded = kernels.paged_decode_attention_int8(q, *cache, table, seq_lens, 16, head_dim ** -0.5, in_q_dtype=True)
+    assert torch.equal(rounded, out.to(q_dtype))
+
+
+@needs_kernels
+@pytest.mark.parametrize("lens", [[900, 300, 200, 120, 64, 40, 33, 17, 16, 9, 5, 1],  # longest first, as decoded
+                                  [1000],                                               # fewer items than threads
+                                  [3, 2000, 1, 50]])                                     # one item holds most of it
+@pytest.mark.parametrize("threads", [2, 3], indirect=True)
+def test_decode_attention_int8_shares_uneven_batches_correctly(lens, threads):
+    """Threads take runs of (sequence, KV head) items by cost; every item is computed exactly once."""
+    q, cache, table, seq_lens = _int8_batch(lens, 1, 64, 8, torch.float32, seed=len(lens))
+    out = kernels.paged_decode_attention_int8(q, *cache, table, seq_lens, 16, 0.125)
+    torch.testing.assert_close(out, _int8_reference(q, cache, table, seq_lens, 64), atol=2e-5, rtol=1e-4)
+
+
+@needs_kernels
+def test_decode_attention_int8_gives_zeros_for_an_empty_context():
+    q, cache, table, seq_lens = _int8_batch([40, 0, 7], 2, 64, 3, torch.float32, seed=5)
+    out = kernels.paged_decode_attention_int8(q, *cache, table, seq_lens, 16, 0.125)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    keep = torch.tensor([0, 2])
+    torch.testing.assert_close(out[keep], _int8_reference(q[keep], cache, table[keep], seq_lens[keep], 64),
+                               atol=2e-5, rtol=1e-4)
 
 
 # ---- the engine ---------------------------------------------------------------------------------
