@@ -74,18 +74,19 @@ def test_plan_gives_the_model_forward_bit_for_bit(model, quantization, kv_cache_
 
 
 @needs_f32_plan
-@pytest.mark.parametrize("model", ["tiny_bf16", "tiny_qwen3"])
-def test_float32_plan_gives_the_model_forward_bit_for_bit(model, request, engine_check):
+@pytest.mark.parametrize("model, kv_cache_dtype", [("tiny_bf16", "auto"), ("tiny_qwen3", "auto"), ("tiny_bf16", "int8")])
+def test_float32_plan_gives_the_model_forward_bit_for_bit(model, kv_cache_dtype, request, engine_check):
     """The same on a float32 model (the default dtype on a CPU without bf16), its projections on linear_f32.
-    The Llama runs its layer loop in C++ (DecodeLayersF32); the Qwen3, with q/k norms, in Python."""
+    The Llama on the float cache runs its layer loop in C++ (DecodeLayersF32); the Qwen3, with q/k
+    norms, and any model on the int8 cache, in Python."""
     llm = LLM(model=request.getfixturevalue(model), dtype="float32", max_model_len=512, kv_cache_memory=16 << 20,
-              max_num_batched_tokens=64)
+              max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype)
     runner = _runner_of(llm)
     plan = runner.decode_plan
     assert plan is not None and plan.max_rows == F32_MAX_ROWS
     assert not isinstance(plan.layers[0].qkv_proj, torch.nn.Module)   # bound straight to linear_f32
     native = plan.native_layers(runner.kv_caches, runner.decode_kernel)
-    assert (native is not None) == (model == "tiny_bf16")
+    assert (native is not None) == (model == "tiny_bf16" and kv_cache_dtype == "auto")
     _check_plan_against_the_forward(llm, engine_check)
 
 

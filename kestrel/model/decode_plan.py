@@ -70,7 +70,7 @@ class DecodePlan:
         kernels = cpu_kernels()
         self.rms_norm = kernels.rms_norm
         self.rotary_write_kv = kernels.rotary_write_kv
-        self.rotary_write_kv_int8 = getattr(kernels, "rotary_write_kv_int8", None)  # not in the AVX2 build
+        self.rotary_write_kv_int8 = kernels.rotary_write_kv_int8
         self.silu_and_mul = kernels.silu_and_mul
         # The whole layer loop in one C++ call (float32 on the AVX2 build, no q/k norms or biases,
         # the float cache): built on the first step, once the KV caches exist.

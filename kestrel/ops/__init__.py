@@ -118,7 +118,7 @@ def _load_or_none(source_name: str, what: str, usable: bool):
 
 def cpu_kernels_source() -> str | None:
     """The source of cpu_kernels() for this CPU: AVX-512 (cpu_kernels.cpp) before AVX2 + FMA
-    (cpu_kernels_avx2.cpp, without the int8 KV cache kernels); None without either.
+    (cpu_kernels_avx2.cpp); None without either.
     KESTREL_CPU_KERNELS=avx2 takes the AVX2 build on an AVX-512 CPU too: the path of most laptops,
     run (and tested) on a server."""
     isa = os.environ.get("KESTREL_CPU_KERNELS", "auto")
@@ -135,9 +135,9 @@ def cpu_kernels_source() -> str | None:
 
 @functools.cache
 def cpu_kernels():
-    """Paged attention, norm, activation, rotary + KV-write and argmax kernels (cpu_kernels_source()),
-    or None where unavailable. The int8 KV cache kernels exist only in the AVX-512 build: callers ask
-    with hasattr."""
+    """Paged attention (over the model-dtype or the int8 KV cache), norm, activation, rotary + KV-write
+    and argmax kernels (cpu_kernels_source()), or None where unavailable. Only the AVX2 build has
+    linear_f32 and DecodeLayersF32: callers ask with hasattr."""
     source = cpu_kernels_source()
     return _load_or_none(source or "cpu_kernels.cpp", "CPU attention kernel", source is not None)
 

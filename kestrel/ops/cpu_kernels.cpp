@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include "amx.h"
+#include "parallel.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -42,24 +43,7 @@ using kestrel_simd::exp_clamped;
 #error "this kernel needs AVX-512; kestrel falls back to the PyTorch path elsewhere"
 #endif
 
-// f(begin, end) over runs of items 0 .. n - 1, one run per thread, the runs of about equal total
-// cost (cost(i) >= 1), where at::parallel_for would make them of equal count. A decode batch comes
-// longest context first, so equal counts hand one thread the long half.
-template <typename Cost, typename F>
-void parallel_for_by_cost(int64_t n, const Cost& cost, const F& f) {
-  if (n <= 0) return;
-  std::vector<int64_t> cum(n + 1, 0);  // strictly rising
-  for (int64_t i = 0; i < n; ++i) cum[i + 1] = cum[i] + std::max<int64_t>(1, cost(i));
-  const int64_t total = cum[n], nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  at::parallel_for(0, nthreads, 1, [&](int64_t tb, int64_t te) {
-    for (int64_t t = tb; t < te; ++t) {
-      // Thread t's items: those whose cost starts in [total * t / nthreads, total * (t + 1) / nthreads).
-      const auto first_at = [&](int64_t c) { return std::lower_bound(cum.begin(), cum.end() - 1, c) - cum.begin(); };
-      const int64_t begin = first_at(total * t / nthreads), end = first_at(total * (t + 1) / nthreads);
-      if (begin < end) f(begin, end);
-    }
-  });
-}
+using kestrel_parallel::parallel_for_by_cost;
 
 template <bool BF16>
 inline VecF load_row_chunk(const void* base, int64_t offset) {

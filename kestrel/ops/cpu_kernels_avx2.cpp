@@ -1,9 +1,10 @@
 // Kestrel's CPU kernels for AVX2 + FMA machines without AVX-512 (most laptops and desktops, AMD Zen
 // 1-3): the same Python interface as cpu_kernels.cpp for float32 or bf16 storage, float32 math, in
-// 8-lane vectors. kestrel/ops/__init__.py loads this file where the CPU has AVX2 and FMA but no
-// AVX-512. Not here: the int8 KV cache kernels and AMX (callers check with hasattr and fall back to
-// PyTorch). A separate file rather than a second instruction set inside cpu_kernels.cpp: a machine
-// runs only one of the two, so a change to one can never be tested by the other's machine.
+// 8-lane vectors, and the int8 KV cache's (rotary_write_kv_int8, paged_decode_attention_int8).
+// kestrel/ops/__init__.py loads this file where the CPU has AVX2 and FMA but no AVX-512. Not here:
+// AMX (the matmuls are torch's, or linear_f32 below). A separate file rather than a second
+// instruction set inside cpu_kernels.cpp: a machine runs only one of the two, so a change to one can
+// never be tested by the other's machine.
 // Their PyTorch references live in kestrel/model/attention.py and kestrel/model/layers.py;
 // tests/test_cpu_kernels.py compares whichever file this CPU builds.
 //
@@ -21,6 +22,8 @@
 
 #include <immintrin.h>
 
+#include "parallel.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -32,6 +35,8 @@
 #endif
 
 namespace {
+
+using kestrel_parallel::parallel_for_by_cost;
 
 constexpr int kLanes = 8;
 using VecF = __m256;
@@ -444,27 +449,37 @@ void rotate_row(T* x, const T* cos, const T* sin, int64_t half) {
   }
 }
 
+// Rotates the q and k heads of every token of qkv in place, then hands the token's row to
+// write(t, row) (the cache write, in whichever layout), in parallel over tokens.
+template <typename T, typename Write>
+void rotate_tokens(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t num_heads,
+                   int64_t grain, const Write& write) {
+  const int64_t n = qkv.size(0), all_heads = qkv.size(1), d = qkv.size(2);
+  const int64_t rotated = num_heads + (all_heads - num_heads) / 2, half = d / 2;
+  T* xp = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = xp + t * all_heads * d;
+      for (int64_t h = 0; h < rotated; ++h) rotate_row(row + h * d, cp + t * d, sp + t * d, half);
+      write(t, row);
+    }
+  });
+}
+
 template <typename T>
 void rotary_write_kv_impl(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                           torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
                           int64_t num_heads) {
-  const int64_t n = qkv.size(0), all_heads = qkv.size(1), d = qkv.size(2);
-  const int64_t kv_heads = (all_heads - num_heads) / 2, kv_row = kv_heads * d;
-  const int64_t rotated = num_heads + kv_heads, half = d / 2;
-  T* xp = qkv.data_ptr<T>();
-  const T* cp = cos.data_ptr<T>();
-  const T* sp = sin.data_ptr<T>();
+  const int64_t d = qkv.size(2), kv_heads = (qkv.size(1) - num_heads) / 2, kv_row = kv_heads * d;
   T* kp = k_cache.data_ptr<T>();
   T* vp = v_cache.data_ptr<T>();
   const int64_t* slot = slots.defined() ? slots.data_ptr<int64_t>() : nullptr;
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      T* row = xp + t * all_heads * d;
-      for (int64_t h = 0; h < rotated; ++h) rotate_row(row + h * d, cp + t * d, sp + t * d, half);
-      if (slot == nullptr) continue;
-      std::memcpy(kp + slot[t] * kv_row, row + num_heads * d, kv_row * sizeof(T));
-      std::memcpy(vp + slot[t] * kv_row, row + (num_heads + kv_heads) * d, kv_row * sizeof(T));
-    }
+  rotate_tokens<T>(qkv, cos, sin, num_heads, 64, [&](int64_t t, const T* row) {
+    if (slot == nullptr) return;
+    std::memcpy(kp + slot[t] * kv_row, row + num_heads * d, kv_row * sizeof(T));
+    std::memcpy(vp + slot[t] * kv_row, row + (num_heads + kv_heads) * d, kv_row * sizeof(T));
   });
 }
 
@@ -499,6 +514,294 @@ void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
   else if (qkv.scalar_type() == torch::kFloat32)
     rotary_write_kv_impl<float>(qkv, cos, sin, k_cache, v_cache, slots, num_heads);
   else TORCH_CHECK(false, "rotary_write_kv: float32 or bfloat16 only");
+}
+
+// ---- int8 KV cache (--kv-cache-dtype int8) ----
+//
+// The layout and the quantization of cpu_kernels.cpp (see there; the PyTorch reference is
+// kestrel/model/attention.py's write_kv and gather_kv): each (token, KV head) row of head_dim values
+// as int8 with one float32 scale, max|x| / 127; K transposed within blocks of 16 tokens, k_t
+// [num_blocks, kv_heads, head_dim, 16], k_scale [num_blocks, kv_heads, 16]; V by rows, v [num_slots,
+// kv_heads, head_dim], v_scale [num_slots, kv_heads]. A block's 16 keys are two 8-lane vectors here.
+
+namespace {
+
+constexpr int64_t kInt8Block = 16;
+
+inline float hmax(VecF v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// Lanes i < n of an 8-lane vector, as an all-ones mask.
+inline VecF lanes_below(int64_t n) {
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int32_t m = static_cast<int32_t>(std::max<int64_t>(-1, std::min<int64_t>(n, kLanes)));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(m), iota));
+}
+
+// 8 int8 values as float32.
+inline VecF load_int8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Quantize one row of d floats (d % 8 == 0); returns the scale. Bit for bit the AVX-512 build's.
+inline float quantize_row(const float* x, int64_t d, int8_t* q, int64_t q_stride) {
+  VecF amax = zero();
+  for (int64_t i = 0; i < d; i += kLanes)
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(splat(-0.f), load_f32(x + i)));
+  const float m = hmax(amax);
+  if (m == 0.f) {
+    for (int64_t i = 0; i < d; ++i) q[i * q_stride] = 0;
+    return 0.f;
+  }
+  const float scale = m / 127.f;
+  const VecF sv = splat(scale);
+  alignas(32) int32_t qi[kLanes];
+  for (int64_t i = 0; i < d; i += kLanes) {
+    // true division, then round half to even (the default rounding mode), as torch.round(x / scale)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(qi), _mm256_cvtps_epi32(_mm256_div_ps(load_f32(x + i), sv)));
+    for (int j = 0; j < kLanes; ++j) q[(i + j) * q_stride] = static_cast<int8_t>(qi[j]);
+  }
+  return scale;
+}
+
+template <typename T>
+void rotary_write_kv_int8_impl(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                               torch::Tensor& k_t, torch::Tensor& k_scale, torch::Tensor& v, torch::Tensor& v_scale,
+                               const torch::Tensor& slots, int64_t num_heads) {
+  const int64_t d = qkv.size(2), kv_heads = (qkv.size(1) - num_heads) / 2;
+  int8_t* ktp = k_t.data_ptr<int8_t>();
+  float* ksp = k_scale.data_ptr<float>();
+  int8_t* vp = v.data_ptr<int8_t>();
+  float* vsp = v_scale.data_ptr<float>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  rotate_tokens<T>(qkv, cos, sin, num_heads, 16, [&](int64_t t, const T* row) {
+    float row_f[256];  // head_dim <= 256
+    const int64_t blk = slot[t] / kInt8Block, off = slot[t] % kInt8Block;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t i = 0; i < d; i += kLanes) store(row_f + i, load_chunk(row + (num_heads + h) * d + i));
+      ksp[(blk * kv_heads + h) * kInt8Block + off] =
+          quantize_row(row_f, d, ktp + (blk * kv_heads + h) * d * kInt8Block + off, kInt8Block);
+      for (int64_t i = 0; i < d; i += kLanes) store(row_f + i, load_chunk(row + (num_heads + kv_heads + h) * d + i));
+      vsp[slot[t] * kv_heads + h] = quantize_row(row_f, d, vp + (slot[t] * kv_heads + h) * d, 1);
+    }
+  });
+}
+
+// Decode attention over the int8 cache, the plan of cpu_kernels.cpp's run_int8 in 16 registers of 8
+// lanes: one (sequence, KV head) per work item, items to threads by cost; the scores of a block's 16
+// keys (two vectors) from the transposed K, kInt8HeadChunk<G> query heads at a time; a softmax over
+// each head's scores, each exponential stored times its V row's scale; then the V rows weighted,
+// kInt8VChunk<G> vectors of dimensions at a time (the item's V rows, read again for each, are in L2
+// by then). While a block is computed, the block kInt8PrefetchUnits ahead in the item's order of
+// reading (K blocks, then V blocks, then the next item's) is prefetched a line at a time.
+template <int G>
+constexpr int kInt8HeadChunk = G % 3 == 0 ? 3 : (G % 4 == 0 ? 4 : (G % 2 == 0 ? 2 : 1));
+template <int G>
+constexpr int kInt8VChunk = G <= 2 ? 4 : (G <= 5 ? 2 : 1);
+constexpr int64_t kInt8PrefetchUnits = 5;
+
+template <int D, int G>
+void run_int8(const torch::Tensor& q, const torch::Tensor& k_t, const torch::Tensor& k_scale,
+              const torch::Tensor& v, const torch::Tensor& v_scale, const torch::Tensor& block_tables,
+              const torch::Tensor& seq_lens, torch::Tensor& out, float scale) {
+  constexpr int JC = kInt8HeadChunk<G>;
+  constexpr int P = 2 * JC >= 8 ? 1 : 2;  // partial sums per (head, half block): 8 or more FMA chains
+  constexpr int VC = kInt8VChunk<G>;
+  static_assert(D % 64 == 0 && (D / kLanes) % VC == 0 && G % JC == 0, "head_dim a multiple of 64");
+  constexpr int64_t BS = kInt8Block;
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), kv_heads = v.size(1);
+  const int64_t max_blocks = block_tables.size(1);
+  const float* qf = q.data_ptr<float>();
+  const int8_t* ktp = k_t.data_ptr<int8_t>();
+  const float* ksp = k_scale.data_ptr<float>();
+  const int8_t* vp = v.data_ptr<int8_t>();
+  const float* vsp = v_scale.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t items = num_seqs * kv_heads;
+  auto blocks_of = [&](int64_t item) {
+    const int64_t len = lens[item / kv_heads];
+    return len > 0 ? (len + BS - 1) / BS : 0;
+  };
+  // Unit u of an item: its K block u (u < nb) or V block u - nb, 16 rows of D bytes each.
+  struct Rows {
+    const char* p = nullptr;
+    int64_t stride = 0;
+    void prefetch(int64_t i) const {  // line i of the unit's 16 * D / 64
+      if (p) _mm_prefetch(p + i / (D / 64) * stride + i % (D / 64) * 64, _MM_HINT_T0);
+    }
+  };
+  auto rows_ahead = [&](int64_t item, int64_t u) __attribute__((always_inline)) {
+    int64_t nb = blocks_of(item);
+    while (u >= 2 * nb) {
+      u -= 2 * nb;
+      if (++item >= items) return Rows{};
+      nb = blocks_of(item);
+    }
+    const int64_t s = item / kv_heads, h = item % kv_heads, blk = tables[s * max_blocks + (u < nb ? u : u - nb)];
+    if (u < nb) return Rows{reinterpret_cast<const char*>(ktp + (blk * kv_heads + h) * D * BS), D};
+    return Rows{reinterpret_cast<const char*>(vp + (blk * BS * kv_heads + h) * D), kv_heads * D};
+  };
+
+  auto one_item = [&](int64_t item, std::vector<float>& scores, std::vector<float>& vscales) {
+    const int64_t s = item / kv_heads, h = item % kv_heads, len = lens[s];
+    float* dst = op + (s * num_heads + h * G) * D;
+    if (len <= 0) {
+      std::memset(dst, 0, sizeof(float) * G * D);
+      return;
+    }
+    const int64_t* table = tables + s * max_blocks;
+    const int64_t nb = (len + BS - 1) / BS, span = nb * BS;
+    alignas(32) float qs[D][G];  // scaled q by dimension
+    for (int j = 0; j < G; ++j)
+      for (int dd = 0; dd < D; ++dd) qs[dd][j] = qf[(s * num_heads + h * G + j) * D + dd] * scale;
+    scores.resize(G * span);
+    vscales.resize(span);
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t blk = table[b];
+      const int8_t* kb = ktp + (blk * kv_heads + h) * D * BS;
+      const Rows ahead = rows_ahead(item, b + kInt8PrefetchUnits);
+      const int64_t n = std::min<int64_t>(BS, len - b * BS);
+      const VecF valid[2] = {lanes_below(n), lanes_below(n - kLanes)};
+      const VecF sk[2] = {load_f32(ksp + (blk * kv_heads + h) * BS), load_f32(ksp + (blk * kv_heads + h) * BS + kLanes)};
+      for (int j0 = 0; j0 < G; j0 += JC) {
+        VecF acc[JC][2][P];
+        for (int j = 0; j < JC; ++j)
+          for (int half = 0; half < 2; ++half)
+            for (int p = 0; p < P; ++p) acc[j][half][p] = zero();
+        for (int dd = 0; dd < D; dd += 4) {
+          if (j0 == 0) ahead.prefetch(dd / 4);  // D / 4 lines: the unit's 16 * D / 64
+          for (int i = 0; i < 4; ++i) {
+            const VecF k0 = load_int8(kb + (dd + i) * BS), k1 = load_int8(kb + (dd + i) * BS + kLanes);
+            for (int j = 0; j < JC; ++j) {
+              const VecF qv = splat(qs[dd + i][j0 + j]);
+              acc[j][0][i % P] = fma(qv, k0, acc[j][0][i % P]);
+              acc[j][1][i % P] = fma(qv, k1, acc[j][1][i % P]);
+            }
+          }
+        }
+        for (int j = 0; j < JC; ++j)
+          for (int half = 0; half < 2; ++half) {
+            VecF sum = acc[j][half][0];
+            for (int p = 1; p < P; ++p) sum = _mm256_add_ps(sum, acc[j][half][p]);
+            store(scores.data() + (j0 + j) * span + b * BS + half * kLanes,
+                  _mm256_blendv_ps(splat(neg_inf), _mm256_mul_ps(sum, sk[half]), valid[half]));
+          }
+      }
+      // The block's V row scales, in the order of the scores.
+      const __m256i index = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                               _mm256_set1_epi32(static_cast<int>(kv_heads)));
+      const float* vs = vsp + blk * BS * kv_heads + h;
+      store(vscales.data() + b * BS, _mm256_i32gather_ps(vs, index, 4));
+      store(vscales.data() + b * BS + kLanes, _mm256_i32gather_ps(vs + kLanes * kv_heads, index, 4));
+    }
+    // Each score becomes its exponential times its V row's scale; the sum is of the exponentials.
+    float inv[G];
+    for (int j = 0; j < G; ++j) {
+      float* sj = scores.data() + j * span;
+      VecF mv = splat(neg_inf);
+      for (int64_t t = 0; t < span; t += kLanes) mv = _mm256_max_ps(mv, load_f32(sj + t));
+      const VecF m = splat(hmax(mv));
+      VecF sum = zero();
+      for (int64_t t = 0; t < span; t += kLanes) {
+        const VecF e = _mm256_and_ps(lanes_below(len - t), exp_clamped(_mm256_sub_ps(load_f32(sj + t), m)));
+        store(sj + t, _mm256_mul_ps(e, load_f32(vscales.data() + t)));
+        sum = _mm256_add_ps(sum, e);
+      }
+      inv[j] = 1.f / hsum(sum);
+    }
+    for (int c0 = 0; c0 < D / kLanes; c0 += VC) {
+      VecF acc[G][VC];
+      for (int j = 0; j < G; ++j)
+        for (int c = 0; c < VC; ++c) acc[j][c] = zero();
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t base = table[b] * BS, n = std::min<int64_t>(BS, len - b * BS);
+        const Rows ahead = c0 == 0 ? rows_ahead(item, nb + b + kInt8PrefetchUnits) : Rows{};
+        const float* pb = scores.data() + b * BS;
+        for (int64_t o = 0; o < n; ++o) {
+          for (int i = 0; i < D / 64; ++i) ahead.prefetch(o * (D / 64) + i);
+          const int8_t* row = vp + ((base + o) * kv_heads + h) * D + c0 * kLanes;
+          VecF vr[VC];
+          for (int c = 0; c < VC; ++c) vr[c] = load_int8(row + c * kLanes);
+          for (int j = 0; j < G; ++j) {
+            const VecF p = splat(pb[j * span + o]);
+            for (int c = 0; c < VC; ++c) acc[j][c] = fma(p, vr[c], acc[j][c]);
+          }
+        }
+      }
+      for (int j = 0; j < G; ++j)
+        for (int c = 0; c < VC; ++c) store(dst + j * D + (c0 + c) * kLanes, _mm256_mul_ps(acc[j][c], splat(inv[j])));
+    }
+  };
+
+  parallel_for_by_cost(items, [&](int64_t item) { return 1 + blocks_of(item); }, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, vscales;
+    for (int64_t item = begin; item < end; ++item) one_item(item, scores, vscales);
+  });
+}
+
+}  // namespace
+
+// rotary_write_kv for the int8 cache: rotates q and k in place and writes k, v quantized.
+void rotary_write_kv_int8(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_t,
+                          torch::Tensor k_scale, torch::Tensor v, torch::Tensor v_scale, torch::Tensor slot_mapping,
+                          int64_t num_heads) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(2) % (2 * kLanes) == 0, "rotary_write_kv_int8: bad qkv");
+  TORCH_CHECK((qkv.size(1) - num_heads) % 2 == 0 && qkv.size(1) > num_heads, "rotary_write_kv_int8: bad head count");
+  const int64_t kv_heads = (qkv.size(1) - num_heads) / 2, d = qkv.size(2);
+  TORCH_CHECK(d <= 256, "rotary_write_kv_int8: head_dim above 256");
+  cos = cos.reshape({qkv.size(0), d}).contiguous();
+  sin = sin.reshape({qkv.size(0), d}).contiguous();
+  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "rotary_write_kv_int8: dtypes differ");
+  TORCH_CHECK(k_t.scalar_type() == torch::kInt8 && v.scalar_type() == torch::kInt8 &&
+              k_scale.scalar_type() == torch::kFloat32 && v_scale.scalar_type() == torch::kFloat32 &&
+              k_t.is_contiguous() && v.is_contiguous() && k_scale.is_contiguous() && v_scale.is_contiguous() &&
+              k_t.dim() == 4 && k_t.size(1) == kv_heads && k_t.size(2) == d && k_t.size(3) == kInt8Block &&
+              v.dim() == 3 && v.size(0) == k_t.size(0) * kInt8Block && v.size(1) == kv_heads && v.size(2) == d &&
+              k_scale.numel() == v.size(0) * kv_heads && v_scale.numel() == v.size(0) * kv_heads,
+              "rotary_write_kv_int8: bad cache");
+  auto slots = slot_mapping.to(torch::kInt64).contiguous();
+  TORCH_CHECK(slots.numel() == qkv.size(0), "rotary_write_kv_int8: one slot per token");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < v.size(0), "rotary_write_kv_int8: slot out of range");
+  if (qkv.scalar_type() == torch::kBFloat16)
+    rotary_write_kv_int8_impl<c10::BFloat16>(qkv, cos, sin, k_t, k_scale, v, v_scale, slots, num_heads);
+  else if (qkv.scalar_type() == torch::kFloat32)
+    rotary_write_kv_int8_impl<float>(qkv, cos, sin, k_t, k_scale, v, v_scale, slots, num_heads);
+  else TORCH_CHECK(false, "rotary_write_kv_int8: float32 or bfloat16 only");
+}
+
+// Decode attention over the int8 cache (layout above; block_size 16). Returns float32, or with
+// `in_q_dtype` q's dtype.
+torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_t, torch::Tensor k_scale, torch::Tensor v,
+                                          torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,
+                                          int64_t block_size, double scale, bool in_q_dtype) {
+  TORCH_CHECK(block_size == kInt8Block, "the int8 KV cache takes blocks of 16 tokens");
+  TORCH_CHECK(q.dim() == 3 && k_t.dim() == 4 && v.dim() == 3 && k_t.scalar_type() == torch::kInt8 &&
+              v.scalar_type() == torch::kInt8 && k_t.is_contiguous() && v.is_contiguous() &&
+              k_scale.is_contiguous() && v_scale.is_contiguous(), "paged_decode_attention_int8: bad cache");
+  const auto out_dtype = q.scalar_type();
+  auto qf = q.to(torch::kFloat32).contiguous();
+  auto out = torch::empty(qf.sizes(), qf.options());
+  block_tables = block_tables.to(torch::kInt64).contiguous();
+  seq_lens = seq_lens.to(torch::kInt64).contiguous();
+  const int64_t d = q.size(2), g = q.size(1) / v.size(1);
+  const float sc = static_cast<float>(scale);
+  bool done = false;
+#define KESTREL_CASE(D, G) \
+  if (!done && d == D && g == G) { run_int8<D, G>(qf, k_t, k_scale, v, v_scale, block_tables, seq_lens, out, sc); done = true; }
+  KESTREL_CASE(64, 1) KESTREL_CASE(64, 2) KESTREL_CASE(64, 3) KESTREL_CASE(64, 4)
+  KESTREL_CASE(64, 5) KESTREL_CASE(64, 8)
+  KESTREL_CASE(128, 1) KESTREL_CASE(128, 2) KESTREL_CASE(128, 4) KESTREL_CASE(128, 8)
+#undef KESTREL_CASE
+  TORCH_CHECK(done, "no kernel for head_dim ", d, " with ", g, " query heads per KV head");
+  return in_q_dtype ? in_dtype(out, out_dtype) : out;
 }
 
 // ---- argmax over the rows of float32 logits ----
@@ -746,6 +1049,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_write_kv", &rotary_write_kv, "rotary embedding in place, fused with the KV-cache write (CPU)",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slot_mapping"), py::arg("num_heads"));
+  m.def("rotary_write_kv_int8", &rotary_write_kv_int8, "rotary_write_kv into the int8 KV cache (CPU)",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_t"), py::arg("k_scale"), py::arg("v"),
+        py::arg("v_scale"), py::arg("slot_mapping"), py::arg("num_heads"));
+  m.def("paged_decode_attention_int8", &paged_decode_attention_int8, "decode attention over the int8 KV cache (CPU)",
+        py::arg("q"), py::arg("k_t"), py::arg("k_scale"), py::arg("v"), py::arg("v_scale"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"), py::arg("in_q_dtype") = false);
   m.def("supports", &supports, "whether a (head_dim, group) pair has a kernel");
   m.def("linear_f32", &linear_f32, "x w^T in float32 for decode-sized batches (CPU)");
   py::class_<DecodeLayersF32>(m, "DecodeLayersF32")

@@ -111,8 +111,8 @@ class ModelRunner:
         kernels = cpu_kernels()
         if kernels is None or not kernels.supports(m.head_dim, m.num_heads // m.num_kv_heads):
             return None
-        if self.kv_int8:  # the AVX2 build has no int8 kernels
-            return getattr(kernels, "paged_decode_attention_int8", None)
+        if self.kv_int8:
+            return kernels.paged_decode_attention_int8
         return kernels.paged_decode_attention
 
     def _find_prefill_kernel(self):
