@@ -22,6 +22,7 @@
 
 #include <immintrin.h>
 
+#include "int8_kv.h"
 #include "parallel.h"
 
 #include <algorithm>
@@ -518,15 +519,12 @@ void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
 
 // ---- int8 KV cache (--kv-cache-dtype int8) ----
 //
-// The layout and the quantization of cpu_kernels.cpp (see there; the PyTorch reference is
-// kestrel/model/attention.py's write_kv and gather_kv): each (token, KV head) row of head_dim values
-// as int8 with one float32 scale, max|x| / 127; K transposed within blocks of 16 tokens, k_t
-// [num_blocks, kv_heads, head_dim, 16], k_scale [num_blocks, kv_heads, 16]; V by rows, v [num_slots,
-// kv_heads, head_dim], v_scale [num_slots, kv_heads]. A block's 16 keys are two 8-lane vectors here.
+// The layout and the quantization of cpu_kernels.cpp (int8_kv.h; the PyTorch reference is
+// kestrel/model/attention.py's write_kv and gather_kv). A block's 16 keys are two 8-lane vectors here.
 
 namespace {
 
-constexpr int64_t kInt8Block = 16;
+constexpr int64_t kInt8Block = kestrel_int8_kv::kBlock;
 
 inline float hmax(VecF v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -610,7 +608,7 @@ void run_int8(const torch::Tensor& q, const torch::Tensor& k_t, const torch::Ten
   constexpr int JC = kInt8HeadChunk<G>;
   constexpr int P = 2 * JC >= 8 ? 1 : 2;  // partial sums per (head, half block): 8 or more FMA chains
   constexpr int VC = kInt8VChunk<G>;
-  static_assert(D % 64 == 0 && (D / kLanes) % VC == 0 && G % JC == 0, "head_dim a multiple of 64");
+  static_assert((D / kLanes) % VC == 0 && G % JC == 0, "whole chunks of heads and of dimensions");
   constexpr int64_t BS = kInt8Block;
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), kv_heads = v.size(1);
   const int64_t max_blocks = block_tables.size(1);
@@ -624,29 +622,8 @@ void run_int8(const torch::Tensor& q, const torch::Tensor& k_t, const torch::Ten
   float* op = out.data_ptr<float>();
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t items = num_seqs * kv_heads;
-  auto blocks_of = [&](int64_t item) {
-    const int64_t len = lens[item / kv_heads];
-    return len > 0 ? (len + BS - 1) / BS : 0;
-  };
-  // Unit u of an item: its K block u (u < nb) or V block u - nb, 16 rows of D bytes each.
-  struct Rows {
-    const char* p = nullptr;
-    int64_t stride = 0;
-    void prefetch(int64_t i) const {  // line i of the unit's 16 * D / 64
-      if (p) _mm_prefetch(p + i / (D / 64) * stride + i % (D / 64) * 64, _MM_HINT_T0);
-    }
-  };
-  auto rows_ahead = [&](int64_t item, int64_t u) __attribute__((always_inline)) {
-    int64_t nb = blocks_of(item);
-    while (u >= 2 * nb) {
-      u -= 2 * nb;
-      if (++item >= items) return Rows{};
-      nb = blocks_of(item);
-    }
-    const int64_t s = item / kv_heads, h = item % kv_heads, blk = tables[s * max_blocks + (u < nb ? u : u - nb)];
-    if (u < nb) return Rows{reinterpret_cast<const char*>(ktp + (blk * kv_heads + h) * D * BS), D};
-    return Rows{reinterpret_cast<const char*>(vp + (blk * BS * kv_heads + h) * D), kv_heads * D};
-  };
+  const kestrel_int8_kv::ReadOrder<D> order{ktp, vp, tables, lens, kv_heads, max_blocks, items};
+  using Rows = typename kestrel_int8_kv::ReadOrder<D>::Rows;
 
   auto one_item = [&](int64_t item, std::vector<float>& scores, std::vector<float>& vscales) {
     const int64_t s = item / kv_heads, h = item % kv_heads, len = lens[s];
@@ -665,7 +642,7 @@ void run_int8(const torch::Tensor& q, const torch::Tensor& k_t, const torch::Ten
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t blk = table[b];
       const int8_t* kb = ktp + (blk * kv_heads + h) * D * BS;
-      const Rows ahead = rows_ahead(item, b + kInt8PrefetchUnits);
+      const Rows ahead = order.unit(item, b + kInt8PrefetchUnits);
       const int64_t n = std::min<int64_t>(BS, len - b * BS);
       const VecF valid[2] = {lanes_below(n), lanes_below(n - kLanes)};
       const VecF sk[2] = {load_f32(ksp + (blk * kv_heads + h) * BS), load_f32(ksp + (blk * kv_heads + h) * BS + kLanes)};
@@ -721,7 +698,7 @@ void run_int8(const torch::Tensor& q, const torch::Tensor& k_t, const torch::Ten
         for (int c = 0; c < VC; ++c) acc[j][c] = zero();
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t base = table[b] * BS, n = std::min<int64_t>(BS, len - b * BS);
-        const Rows ahead = c0 == 0 ? rows_ahead(item, nb + b + kInt8PrefetchUnits) : Rows{};
+        const Rows ahead = c0 == 0 ? order.unit(item, nb + b + kInt8PrefetchUnits) : Rows{};
         const float* pb = scores.data() + b * BS;
         for (int64_t o = 0; o < n; ++o) {
           for (int i = 0; i < D / 64; ++i) ahead.prefetch(o * (D / 64) + i);
@@ -739,7 +716,7 @@ void run_int8(const torch::Tensor& q, const torch::Tensor& k_t, const torch::Ten
     }
   };
 
-  parallel_for_by_cost(items, [&](int64_t item) { return 1 + blocks_of(item); }, [&](int64_t begin, int64_t end) {
+  parallel_for_by_cost(items, [&](int64_t item) { return 1 + order.blocks_of(item); }, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, vscales;
     for (int64_t item = begin; item < end; ++item) one_item(item, scores, vscales);
   });
@@ -751,25 +728,8 @@ void run_int8(const torch::Tensor& q, const torch::Tensor& k_t, const torch::Ten
 void rotary_write_kv_int8(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_t,
                           torch::Tensor k_scale, torch::Tensor v, torch::Tensor v_scale, torch::Tensor slot_mapping,
                           int64_t num_heads) {
-  TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(2) % (2 * kLanes) == 0, "rotary_write_kv_int8: bad qkv");
-  TORCH_CHECK((qkv.size(1) - num_heads) % 2 == 0 && qkv.size(1) > num_heads, "rotary_write_kv_int8: bad head count");
-  const int64_t kv_heads = (qkv.size(1) - num_heads) / 2, d = qkv.size(2);
-  TORCH_CHECK(d <= 256, "rotary_write_kv_int8: head_dim above 256");
-  cos = cos.reshape({qkv.size(0), d}).contiguous();
-  sin = sin.reshape({qkv.size(0), d}).contiguous();
-  TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "rotary_write_kv_int8: dtypes differ");
-  TORCH_CHECK(k_t.scalar_type() == torch::kInt8 && v.scalar_type() == torch::kInt8 &&
-              k_scale.scalar_type() == torch::kFloat32 && v_scale.scalar_type() == torch::kFloat32 &&
-              k_t.is_contiguous() && v.is_contiguous() && k_scale.is_contiguous() && v_scale.is_contiguous() &&
-              k_t.dim() == 4 && k_t.size(1) == kv_heads && k_t.size(2) == d && k_t.size(3) == kInt8Block &&
-              v.dim() == 3 && v.size(0) == k_t.size(0) * kInt8Block && v.size(1) == kv_heads && v.size(2) == d &&
-              k_scale.numel() == v.size(0) * kv_heads && v_scale.numel() == v.size(0) * kv_heads,
-              "rotary_write_kv_int8: bad cache");
-  auto slots = slot_mapping.to(torch::kInt64).contiguous();
-  TORCH_CHECK(slots.numel() == qkv.size(0), "rotary_write_kv_int8: one slot per token");
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < slots.numel(); ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < v.size(0), "rotary_write_kv_int8: slot out of range");
+  const auto slots = kestrel_int8_kv::checked_write_args(qkv, cos, sin, k_t, k_scale, v, v_scale, slot_mapping,
+                                                        num_heads, kLanes);
   if (qkv.scalar_type() == torch::kBFloat16)
     rotary_write_kv_int8_impl<c10::BFloat16>(qkv, cos, sin, k_t, k_scale, v, v_scale, slots, num_heads);
   else if (qkv.scalar_type() == torch::kFloat32)
@@ -782,10 +742,7 @@ void rotary_write_kv_int8(torch::Tensor qkv, torch::Tensor cos, torch::Tensor si
 torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_t, torch::Tensor k_scale, torch::Tensor v,
                                           torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,
                                           int64_t block_size, double scale, bool in_q_dtype) {
-  TORCH_CHECK(block_size == kInt8Block, "the int8 KV cache takes blocks of 16 tokens");
-  TORCH_CHECK(q.dim() == 3 && k_t.dim() == 4 && v.dim() == 3 && k_t.scalar_type() == torch::kInt8 &&
-              v.scalar_type() == torch::kInt8 && k_t.is_contiguous() && v.is_contiguous() &&
-              k_scale.is_contiguous() && v_scale.is_contiguous(), "paged_decode_attention_int8: bad cache");
+  kestrel_int8_kv::check_decode_args(q, k_t, k_scale, v, v_scale, block_size);
   const auto out_dtype = q.scalar_type();
   auto qf = q.to(torch::kFloat32).contiguous();
   auto out = torch::empty(qf.sizes(), qf.options());
