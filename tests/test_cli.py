@@ -146,6 +146,8 @@ def test_bench_throughput_writes_json(tmp_path):
     assert roof["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * size
     assert roof["read_gb_s"] > 0 and roof["decode_bytes"] > 0
     assert roof["roofline_wall_s"] == pytest.approx(max(roof["limit_wall_s"], roof["memory_floor_s"]))
+    assert roof["max_fraction_of_roofline"] == pytest.approx(roof["limit_wall_s"] / roof["roofline_wall_s"])
+    assert 0 < roof["max_fraction_of_roofline"] <= 1
     # (Loose: on so small a workload the weights can come from the last-level cache, faster than
     # the streaming read rate the floor assumes.)
     assert 0 < roof["fraction_of_full_roofline"] < 3
@@ -154,6 +156,19 @@ def test_bench_throughput_writes_json(tmp_path):
     assert "offline throughput" in text and f"of the {short} roofline" in text
     assert f"against the {short} rate measured just before it" in text
     assert "streaming read rate measured in this run" in text
+
+
+def test_roofline_line_says_when_the_memory_floor_caps_the_compute_target():
+    from kestrel.bench.throughput import _roofline_line
+    roof = {"threads": 2, "bf16_gflops": 2000.0, "fp32_gflops": 400.0, "shapes": [(960, 576)], "copy_gb_s": 13.0,
+            "workload_flops": 6.5e12, "non_embedding_params": 106e6, "output_head_params": 28e6,
+            "kestrel_gflops": 500.0, "fraction_of_roofline": 0.25, "roofline_dtype": "bfloat16",
+            "limit_wall_s": 3.25, "decode_bytes": 150e9, "read_gb_s": 25.0, "memory_floor_s": 6.0,
+            "roofline_wall_s": 6.0, "fraction_of_full_roofline": 0.46, "max_fraction_of_roofline": 3.25 / 6.0}
+    report = {"roofline": roof, "results": [{"name": "kestrel"}]}
+    assert "caps any engine that decodes one token a step at 54% of the bf16 roofline" in _roofline_line(report)
+    compute_bound = {**roof, "memory_floor_s": 2.0, "roofline_wall_s": 3.25, "max_fraction_of_roofline": 1.0}
+    assert "caps any engine" not in _roofline_line({**report, "roofline": compute_bound})
 
 
 @pytest.mark.slow

@@ -579,6 +579,9 @@ def build_report(args: argparse.Namespace, requests: list[BenchRequest], results
                     "limit_wall_s": compute_floor,
                     "decode_bytes": moved, "memory_floor_s": memory_floor, "roofline_wall_s": roofline_wall,
                     "fraction_of_full_roofline": roofline_wall / kestrel.wall_s,
+                    # The most of the compute roofline any engine could reach here: where the memory
+                    # floor is the longer, below 1 (and a compute-only target above it is out of reach).
+                    "max_fraction_of_roofline": compute_floor / roofline_wall,
                     "per_run_roofline_gflops": kestrel.run_roofline_gflops, "per_run_fraction": paired,
                     "median_paired_fraction": statistics.median(paired) if paired else None}
     return {
@@ -659,7 +662,16 @@ def _memory_roofline(r: dict[str, Any]) -> str:
             f"once a step, every cached K/V row once an output token), {r['memory_floor_s']:.1f} s at the "
             f"{r['read_gb_s']:.1f} GB/s streaming read rate measured in this run; against the roofline with "
             f"that memory roof (the longer of the two floors, {r['roofline_wall_s']:.1f} s) Kestrel is at "
-            f"**{100 * r['fraction_of_full_roofline']:.0f}%**")
+            f"**{100 * r['fraction_of_full_roofline']:.0f}%**" + _memory_cap(r))
+
+
+def _memory_cap(r: dict[str, Any]) -> str:
+    """Where the memory floor is the longer: the most of the compute roofline any engine could reach."""
+    cap = r.get("max_fraction_of_roofline")
+    if cap is None or cap >= 1:
+        return ""
+    return (f"; the memory floor caps any engine that decodes one token a step at "
+            f"{100 * cap:.0f}% of the {_short(r['roofline_dtype'])} roofline on this machine")
 
 
 def _precision(engine: dict[str, Any]) -> str:
