@@ -79,8 +79,9 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: DeviceConfig
     seed: int = 0
-    enforce_eager: bool = True
-    disable_log_stats: bool = True
+    enforce_eager: bool = False        # True: decode steps through the model's forward, never a decode plan
+    disable_log_stats: bool = False
+    attention_backend: str = "auto"    # auto | torch | cpu: see kestrel/attention
 
 
 @dataclass
@@ -102,8 +103,9 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     kv_cache_dtype: str = "auto"            # auto | int8
     seed: int = 0
-    enforce_eager: bool = True
-    disable_log_stats: bool = True
+    enforce_eager: bool = False
+    disable_log_stats: bool = False
+    attention_backend: str = "auto"         # auto | torch | cpu
 
     @classmethod
     def field_names(cls) -> set[str]:

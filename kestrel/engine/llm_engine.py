@@ -72,6 +72,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, o
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         disable_log_stats=args.disable_log_stats,
+        attention_backend=args.attention_backend,
     )
     return config, source, tokenizer
 
