@@ -185,6 +185,7 @@ import http.server, json, sys, time
 args = sys.argv[1:]
 if args == ["--help"]:
     print("-cb, --cont-batching  whether to enable continuous batching")
+    print("-fa, --flash-attn [on|off|auto]  set Flash Attention use ('on', 'off', or 'auto', default: 'auto')")
     sys.exit(0)
 if args == ["--version"]:
     print("version: 6810 (abc1234)", file=sys.stderr)
@@ -221,14 +222,14 @@ def fake_llama(tmp_path) -> Path:
 def test_llama_server_command_label_and_stop(fake_llama, converted):
     server = LlamaServer(converted["bf16"], parallel=4, ctx_per_slot=512, threads=2, extra_args=["--foo"],
                          binary=fake_llama)
-    assert server.label == "llama.cpp b6810 bf16" and server.version == "6810 (abc1234)"
+    assert server.label == "llama.cpp b6810 bf16 (-np 4 -fa on)" and server.version == "6810 (abc1234)"
     with server:
         assert server.base_url == f"http://127.0.0.1:{server.port}/v1"
         with urllib.request.urlopen(f"{server.base_url}/models") as resp:
             argv = json.load(resp)["argv"]
         assert argv == ["-m", str(converted["bf16"]), "--host", "127.0.0.1", "--port", str(server.port),
                         "-np", "4", "-c", "2048", "-t", "2", "-tb", "2", "--cache-ram", "0", "--no-webui",
-                        "--cont-batching", "--foo"]
+                        "--cont-batching", "-fa", "on", "--foo"]
         pid = server.pid
         log_path = server.log_path
         assert "server listening" in server.log_tail()
@@ -236,9 +237,16 @@ def test_llama_server_command_label_and_stop(fake_llama, converted):
     assert not Path(f"/proc/{pid}").exists() and not log_path.exists()
 
 
+def test_flash_attention_flag_follows_the_binary():
+    assert peers.flash_attention_args("-fa,    --flash-attn [on|off|auto] set Flash Attention use") == ["-fa", "on"]
+    assert peers.flash_attention_args("-fa,    --flash-attn FA   set Flash Attention use") == ["-fa", "on"]
+    assert peers.flash_attention_args("-fa,    --flash-attn   enable Flash Attention (default: disabled)") == ["-fa"]
+    assert peers.flash_attention_args("-cb, --cont-batching") == []
+
+
 def test_llama_server_failure_shows_the_log(fake_llama, source):
     server = LlamaServer(source, parallel=1, ctx_per_slot=64, binary=fake_llama, extra_args=["--fail"])
-    assert server.label == "llama.cpp b6810 q4_1"
+    assert server.label == "llama.cpp b6810 q4_1 (-np 1 -fa on)"
     with pytest.raises(RuntimeError, match="(?s)exited with status 1.*cannot load the model"):
         with server:
             pass
@@ -289,3 +297,15 @@ def test_kestrel_server_starts_answers_and_stops():
         pid = server.pid
     assert server.proc.returncode == 0, server.log_tail()
     assert not Path(f"/proc/{pid}").exists()
+
+
+def test_llama_slots_take_the_swept_best_within_the_requests(monkeypatch):
+    from kestrel.bench import launch
+    monkeypatch.delenv(launch.LLAMA_NP_ENV, raising=False)
+    assert launch.llama_slots(64) == launch.LLAMA_BEST_NP
+    assert launch.llama_slots(8) == min(8, launch.LLAMA_BEST_NP)
+    monkeypatch.setenv(launch.LLAMA_NP_ENV, "32")
+    assert launch.llama_slots(64) == 32 and launch.llama_slots(1) == 1
+    monkeypatch.setenv(launch.LLAMA_NP_ENV, "0")
+    with pytest.raises(ValueError, match=launch.LLAMA_NP_ENV):
+        launch.llama_slots(64)

@@ -7,9 +7,11 @@
                             default dtype on this machine: bf16, or f32 on a CPU without bf16
                             instructions (where Kestrel runs float32)
 
-All are driven through the same OpenAI-compatible client (kestrel/bench/serve.py). llama.cpp gets
-`-np` slots of `ctx_per_slot` tokens, `--cache-ram 0`, every usable CPU as threads; requests to it
-carry `cache_prompt` as the workload says (WORKLOADS.md).
+All are driven through the same OpenAI-compatible client (kestrel/bench/serve.py). llama.cpp runs as
+its users would run it: flash attention on, `-np` slots (the best count of the sweep in BENCHMARKS.md,
+never more than the workload has requests in flight; `$KESTREL_LLAMA_NP` overrides it, to sweep) of
+`ctx_per_slot` tokens, `--cache-ram 0`, every usable CPU as threads; requests to it carry
+`cache_prompt` as the workload says (WORKLOADS.md).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from kestrel.bench.peers import KestrelServer, LlamaServer, gguf_in_precision
 SERVER_SPECS = ("kestrel", "llama-server", "llama-server:bf16", "llama-server:f32", "llama-server:q8_0",
                 "llama-server:q4_1")
 PEER_SPECS = SERVER_SPECS[1:]
+# llama-server's best slot count for W1 (64 requests at once) of {8, 16, 32, 64}, swept on each machine
+# kind seen (BENCHMARKS.md): more slots make its batches wider than its CPU kernels run well.
+LLAMA_BEST_NP = 16
+LLAMA_NP_ENV = "KESTREL_LLAMA_NP"
 
 
 def check_spec(spec: str) -> str:
@@ -57,9 +63,20 @@ def model_gguf(model: str | None) -> Path:
     return path
 
 
+def llama_slots(in_flight: int) -> int:
+    """llama-server's -np for a workload with at most `in_flight` requests at once: the swept best
+    (or $KESTREL_LLAMA_NP), never more than there are requests to fill the slots."""
+    configured = os.environ.get(LLAMA_NP_ENV)
+    best = LLAMA_BEST_NP if configured is None else int(configured)
+    if best < 1:
+        raise ValueError(f"{LLAMA_NP_ENV} must be a positive slot count, got {configured!r}")
+    return max(1, min(in_flight, best))
+
+
 def launch_server(spec: str, *, parallel: int, ctx_per_slot: int, kestrel_flags: Sequence[str] = (),
                   model: str | None = None) -> KestrelServer | LlamaServer:
-    """A not-yet-started server (use it as a context manager)."""
+    """A not-yet-started server (use it as a context manager); `parallel`: the most requests the
+    workload has in flight at once."""
     check_spec(spec)
     if spec == "kestrel":
         return KestrelServer(list(kestrel_flags) + (["--model", model] if model else []))
@@ -68,5 +85,5 @@ def launch_server(spec: str, *, parallel: int, ctx_per_slot: int, kestrel_flags:
     # Repacked Q4_1 / Q8_0 weights run ggml's AMX kernels, which die with SIGILL where the kernel does
     # not grant AMX to the process (seen on these machines); the plain kernels need no permission.
     extra = ["--no-repack"] if precision in ("q4_1", "q8_0") else []
-    return LlamaServer(gguf, parallel=parallel, ctx_per_slot=ctx_per_slot,
+    return LlamaServer(gguf, parallel=llama_slots(parallel), ctx_per_slot=ctx_per_slot,
                        threads=len(os.sched_getaffinity(0)), extra_args=extra)

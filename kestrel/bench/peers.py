@@ -16,8 +16,8 @@ mtime and the precision, and written atomically. `"q4_1"` / `"native"` return th
 Same-precision weights make the fairest pair of engines (WORKLOADS.md).
 
 `LlamaServer(gguf, parallel=..., ctx_per_slot=...)` runs
-`llama-server -m FILE --host 127.0.0.1 --port P -np N -c N*CTX -t T -tb T --cache-ram 0 --no-webui`
-(plus `--cont-batching` where the binary knows the flag), its output in a temp log file, and waits
+`llama-server -m FILE --host 127.0.0.1 --port P -np N -c N*CTX -t T -tb T --cache-ram 0 --no-webui -fa on`
+(plus `--cont-batching` where the binary knows the flag; flash attention on, as its users run it), its output in a temp log file, and waits
 for `GET /health` to answer 200. `KestrelServer(engine_flags)` runs
 `python -m kestrel.entrypoints.cli serve --port P ...` the same way. Both expose `.base_url`
 (the OpenAI API root, `http://127.0.0.1:P/v1`), `.pid` and `.label`, and on exit send SIGTERM,
@@ -109,6 +109,15 @@ def _is_executable_file(path: Path) -> bool:
 def _llama_help_text(binary: Path) -> str:
     proc = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60)
     return proc.stdout + proc.stderr
+
+
+def flash_attention_args(help_text: str) -> list[str]:
+    """Flash attention on, as llama.cpp's users run it: `-fa on` where the flag takes a value
+    (`--flash-attn [on|off|auto]`, newer builds), the bare `-fa` switch on older ones."""
+    if "--flash-attn" not in help_text:
+        return []
+    takes_value = re.search(r"--flash-attn\s+\[?(on|FA)", help_text) is not None
+    return ["-fa", "on"] if takes_value else ["-fa"]
 
 
 @functools.lru_cache(maxsize=8)
@@ -415,7 +424,8 @@ class LlamaServer(_ServerProcess):
         self.binary = Path(binary) if binary is not None else llama_server_binary()
         self.version = llama_server_version(self.binary)
         self.precision = gguf_precision_name(self.gguf)
-        self.label = f"llama.cpp {_llama_build_name(self.binary, self.version)} {self.precision}"
+        settings = " ".join([f"-np {parallel}", *flash_attention_args(_llama_help_text(self.binary))])
+        self.label = f"llama.cpp {_llama_build_name(self.binary, self.version)} {self.precision} ({settings})"
 
     def exit_hint(self, returncode: int) -> str:
         if returncode == -signal.SIGILL:
@@ -428,9 +438,10 @@ class LlamaServer(_ServerProcess):
         cmd = [str(self.binary), "-m", str(self.gguf), "--host", self.host, "--port", str(self.port),
                "-np", str(self.parallel), "-c", str(self.parallel * self.ctx_per_slot),
                "-t", str(self.threads), "-tb", str(self.threads), "--cache-ram", "0", "--no-webui"]
-        if "--cont-batching" in _llama_help_text(self.binary):
+        help_text = _llama_help_text(self.binary)
+        if "--cont-batching" in help_text:
             cmd.append("--cont-batching")
-        return cmd + self.extra_args
+        return cmd + flash_attention_args(help_text) + self.extra_args
 
     def __enter__(self) -> "LlamaServer":
         self.start()
