@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from kestrel.config import EngineArgs, EngineConfig
 from kestrel.core import core_process
-from kestrel.engine.llm_engine import create_engine_config
+from kestrel.engine.arg_utils import create_engine_config
 from kestrel.engine.output_processor import OutputProcessor
 from kestrel.engine.processor import Processor, PromptType
 from kestrel.messages import SchedulerStats

@@ -638,7 +638,7 @@ def run_server(args) -> int:
     """`kestrel serve`: start the engine core, then serve HTTP until SIGINT/SIGTERM."""
     from kestrel.config import EngineArgs
     from kestrel.engine.async_llm import AsyncLLM
-    from kestrel.entrypoints.cli import engine_kwargs
+    from kestrel.engine.arg_utils import engine_kwargs
 
     kwargs = engine_kwargs(args)
     tag = getattr(args, "model_tag", None)
