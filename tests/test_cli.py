@@ -159,7 +159,7 @@ def test_bench_throughput_writes_json(tmp_path):
 
 
 def test_roofline_line_says_when_the_memory_floor_caps_the_compute_target():
-    from kestrel.bench.throughput import _roofline_line
+    from kestrel.bench.throughput_report import _roofline_line
     roof = {"threads": 2, "bf16_gflops": 2000.0, "fp32_gflops": 400.0, "shapes": [(960, 576)], "copy_gb_s": 13.0,
             "workload_flops": 6.5e12, "non_embedding_params": 106e6, "output_head_params": 28e6,
             "kestrel_gflops": 500.0, "fraction_of_roofline": 0.25, "roofline_dtype": "bfloat16",

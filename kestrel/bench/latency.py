@@ -30,9 +30,9 @@ from typing import Any
 
 from kestrel.bench.launch import PEER_SPECS, is_llama, launch_server, peer_label
 from kestrel.bench.peers import RssSampler
-from kestrel.bench.report import load_averages, markdown_table, text_table
+from kestrel.bench.common import log, machine_info, warn_if_busy
+from kestrel.bench.report import load_averages, markdown_table, text_table, write_report
 from kestrel.bench.serve import Target, resolve_model, send_requests
-from kestrel.bench.throughput import log, machine_info, warn_if_busy, write_report
 from kestrel.bench.workloads import BenchRequest, random_requests
 
 W3_INPUT_LEN = 128

@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from kestrel.bench.report import load_averages, markdown_table, text_table
-from kestrel.bench.throughput import log, machine_info, warn_if_busy, write_report
+from kestrel.bench.common import log, machine_info, warn_if_busy
+from kestrel.bench.report import load_averages, markdown_table, text_table, write_report
 from kestrel.bench.workloads import W1_INPUT_LEN_RANGE, W1_OUTPUT_LEN_RANGE, BenchRequest, random_requests
 
 # W2: online serving.
