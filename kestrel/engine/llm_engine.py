@@ -14,6 +14,7 @@ from kestrel.core.engine_core import EngineCore
 from kestrel.engine.arg_utils import create_engine_config
 from kestrel.engine.output_processor import OutputProcessor
 from kestrel.engine.processor import Processor, PromptType
+from kestrel.engine.stat_logger import LoggingStatLogger
 from kestrel.messages import SchedulerStats
 from kestrel.model.loader import ModelSource
 from kestrel.outputs import RequestOutput
@@ -32,9 +33,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = EngineCore(config, Executor.get_class(config.parallel)(config, source))
         self.last_stats: SchedulerStats | None = None
+        self.stat_logger = LoggingStatLogger.from_config(config)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         config, source, tokenizer = create_engine_config(args)
         return cls(config, source, tokenizer)
 
@@ -58,6 +60,7 @@ class LLMEngine:
         outputs = self.engine_core.step()
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats
+            self.stat_logger.record(outputs.scheduler_stats)
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)

@@ -7,13 +7,15 @@
 
 Engine flags are named as vLLM names them and map one-to-one onto `EngineArgs` fields; they are
 listed once, in kestrel/engine/arg_utils.py (ENGINE_FLAGS). The benchmark commands are imported only
-when `kestrel bench ...` runs, so the product commands do not load them. A ValueError (bad model path, bad value) prints `error: <message>` and
-exits 1, without a traceback.
+when `kestrel bench ...` runs, so the product commands do not load them. A ValueError (bad model path,
+bad value) prints `error: <message>` and exits 1, without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -175,5 +177,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
+def configure_logging() -> None:
+    """Kestrel's log lines (the engine's periodic stats among them) on stderr, at
+    $KESTREL_LOGGING_LEVEL (default INFO). Only the program does this, never the library."""
+    kestrel_logger = logging.getLogger("kestrel")
+    if kestrel_logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
+    kestrel_logger.addHandler(handler)
+    kestrel_logger.setLevel(os.environ.get("KESTREL_LOGGING_LEVEL", "INFO").upper())
+
+
+def run() -> None:
+    """The `kestrel` program: logging set up, then the command; exits with its status."""
+    configure_logging()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()
