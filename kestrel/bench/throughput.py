@@ -38,7 +38,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from kestrel.bench.common import log, set_torch_threads, warn_if_busy
@@ -47,8 +47,13 @@ from kestrel.bench.report import write_report
 from kestrel.bench.throughput_report import build_report, format_markdown, format_summary
 from kestrel.bench.throughput_runs import run_kestrel, run_server_peer
 from kestrel.bench.transformers_peer import PeerJob, run_transformers_peer_in_child
-from kestrel.bench.workloads import (W1_INPUT_LEN_RANGE, W1_NUM_REQUESTS, W1_OUTPUT_LEN_RANGE, w1_offline_throughput,
-                                     w4_shared_prefix)
+from kestrel.bench.workloads import (
+    W1_INPUT_LEN_RANGE,
+    W1_NUM_REQUESTS,
+    W1_OUTPUT_LEN_RANGE,
+    w1_offline_throughput,
+    w4_shared_prefix,
+)
 
 PEERS = ("transformers", *PEER_SPECS)
 WORKLOADS = ("W1", "W4")
@@ -96,7 +101,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
                                          tuple(args.output_len_range))
     log(f"workload {args.workload}: {len(requests)} requests, {sum(r.input_len for r in requests)} prompt tokens, "
         f"{sum(r.output_len for r in requests)} output tokens")
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     load_average = os.getloadavg()
     warn_if_busy(load_average[0])
     if args.num_threads:
@@ -122,8 +127,13 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
 
 
 def measure_machine_limits(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    from kestrel.bench.roofline import (kv_bytes_per_token, layer_shapes, measure_limits, model_param_counts,
-                                        roofline_dtype)
+    from kestrel.bench.roofline import (
+        kv_bytes_per_token,
+        layer_shapes,
+        measure_limits,
+        model_param_counts,
+        roofline_dtype,
+    )
     from kestrel.config import resolve_device, resolve_dtype
     from kestrel.model.loader import load_config, resolve_model
     hf_config = load_config(resolve_model(engine_kwargs.get("model")))

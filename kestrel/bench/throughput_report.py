@@ -104,7 +104,8 @@ def _roofline_line(report: dict[str, Any]) -> str | None:
             f"Workload FLOPs {r['workload_flops'] / 1e12:.2f} T (non-embedding params "
             f"{r['non_embedding_params'] / 1e6:.1f} M, output head {r['output_head_params'] / 1e6:.1f} M): "
             f"{report['results'][0]['name']} reaches {r['kestrel_gflops']:.0f} GFLOP/s = "
-            f"**{100 * r['fraction_of_roofline']:.0f}% of the {_short(r['roofline_dtype'])} roofline** (the limit would run it in "
+            f"**{100 * r['fraction_of_roofline']:.0f}% of the {_short(r['roofline_dtype'])} roofline** "
+            f"(the limit would run it in "
             f"{r['limit_wall_s']:.1f} s)" + _paired_roofline(r) + _memory_roofline(r))
 
 

@@ -9,8 +9,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kestrel.bench.common import (EngineResult, call_sampling_peak_rss, current_rss_bytes, log, peak_gpu_memory_bytes,
-                                  peak_rss_bytes)
+from kestrel.bench.common import (
+    EngineResult,
+    call_sampling_peak_rss,
+    current_rss_bytes,
+    log,
+    peak_gpu_memory_bytes,
+    peak_rss_bytes,
+)
 from kestrel.bench.launch import peer_label
 from kestrel.bench.workloads import W1_SEED, BenchRequest, random_requests
 

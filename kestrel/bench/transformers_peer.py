@@ -9,8 +9,15 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from kestrel.bench.common import (EngineResult, call_sampling_peak_rss, current_rss_bytes, log, peak_gpu_memory_bytes,
-                                  peak_rss_bytes, set_torch_threads)
+from kestrel.bench.common import (
+    EngineResult,
+    call_sampling_peak_rss,
+    current_rss_bytes,
+    log,
+    peak_gpu_memory_bytes,
+    peak_rss_bytes,
+    set_torch_threads,
+)
 from kestrel.bench.workloads import W1_SEED, BenchRequest, random_requests
 
 

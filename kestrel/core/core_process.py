@@ -137,5 +137,8 @@ def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, 
     EngineCoreProc(core, input_addr, output_addr).run_busy_loop()
 
 
-def decode_outputs(payload: bytes, _decoder=msgspec.msgpack.Decoder(EngineCoreOutputs)) -> EngineCoreOutputs:
-    return _decoder.decode(payload)
+_OUTPUTS_DECODER = msgspec.msgpack.Decoder(EngineCoreOutputs)
+
+
+def decode_outputs(payload: bytes) -> EngineCoreOutputs:
+    return _OUTPUTS_DECODER.decode(payload)

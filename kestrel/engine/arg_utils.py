@@ -14,9 +14,21 @@ from collections.abc import Callable
 from typing import Any
 
 from kestrel import config as _config
-from kestrel.config import (ATTENTION_BACKENDS, DISTRIBUTED_EXECUTOR_BACKENDS, INT8_KV_BLOCK, KV_CACHE_DTYPES,
-                            CacheConfig, DeviceConfig, EngineArgs, EngineConfig, ParallelConfig, SchedulerConfig,
-                            resolve_bytes, resolve_device, resolve_dtype)
+from kestrel.config import (
+    ATTENTION_BACKENDS,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
+    INT8_KV_BLOCK,
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    DeviceConfig,
+    EngineArgs,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    resolve_bytes,
+    resolve_device,
+    resolve_dtype,
+)
 from kestrel.model import model_config_from_hf
 from kestrel.model.loader import ModelSource, load_config, load_tokenizer, resolve_model
 from kestrel.worker.executor import Executor
