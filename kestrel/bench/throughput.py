@@ -31,6 +31,10 @@ only each request's own output length counts as useful output.
 
 Peak resident memory: the larger of the RSS sampled while the model loads and VmHWM at the end
 (the engine resets VmHWM when it profiles memory, so VmHWM alone would miss the load peak).
+
+This module holds the command line and the run's order; the engines' runs are in throughput_runs.py
+(Kestrel, server peers) and transformers_peer.py, the report in throughput_report.py, and what every
+benchmark shares in common.py and report.py.
 """
 
 from __future__ import annotations
