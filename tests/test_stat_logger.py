@@ -58,6 +58,22 @@ def test_an_idle_interval_logs_nothing(caplog):
     assert caplog.records == []
 
 
+def test_a_pause_does_not_dilute_the_next_line(caplog):
+    clock = Clock()
+    stat_logger = LoggingStatLogger(interval_s=10.0, clock=clock)
+    stat_logger.record(stats(num_generation_tokens=10, num_running_reqs=1))
+    clock.now += 1.0
+    stat_logger.record(stats(num_generation_tokens=10))  # the last request finished: idle
+    assert stat_logger.log().startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 20.0")
+    clock.now += 1000.0  # an hour of nothing, then work again: 40 tokens in the 10 s after it resumed
+    stat_logger.record(stats(num_generation_tokens=20, num_running_reqs=1))
+    clock.now += 10.0
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        stat_logger.record(stats(num_generation_tokens=20, num_running_reqs=1))
+    [record] = caplog.records
+    assert "Avg generation throughput: 4.0 tokens/s" in record.getMessage()
+
+
 def test_disabled_it_is_silent(caplog):
     clock = Clock()
     stat_logger = LoggingStatLogger(enabled=False, interval_s=10.0, clock=clock)

@@ -5,7 +5,8 @@
 
 The front ends (`LLMEngine`, `AsyncLLM`) hand it every `SchedulerStats` the engine core reports, one
 per step; at most once per interval (10 s), while there is work, it logs a line. Throughputs are the
-tokens computed since the previous line over the time since it; running, waiting and KV-cache usage
+tokens computed since the previous line over the time since it (or since work resumed after a
+pause); running, waiting and KV-cache usage
 are the latest step's; the prefix-cache hit rate is over every lookup since start. Off with
 `--disable-log-stats` (and by default for the offline `LLM`, as in vLLM).
 """
@@ -45,6 +46,10 @@ class LoggingStatLogger:
         """Count one step's stats, and log a line if the interval has passed."""
         if not self.enabled:
             return
+        if self._idle():
+            # Work begins after a pause: the interval starts now, so that the pause does not dilute
+            # the next line's throughputs.
+            self.last_log_time = self.clock()
         self.prompt_tokens += stats.num_prompt_tokens
         self.generation_tokens += stats.num_generation_tokens
         self.prefix_cache_queries += stats.prefix_cache_queries
@@ -53,6 +58,11 @@ class LoggingStatLogger:
         if self.clock() - self.last_log_time >= self.interval_s:
             self.log()
 
+    def _idle(self) -> bool:
+        """Nothing counted since the last line, and nothing running or waiting at the latest step."""
+        return not (self.prompt_tokens or self.generation_tokens or (
+            self.latest is not None and (self.latest.num_running_reqs or self.latest.num_waiting_reqs)))
+
     def log(self) -> str | None:
         """Log the line for the interval that ends now (skipped while idle) and start the next one;
         returns the line, or None when nothing was logged."""
@@ -60,8 +70,7 @@ class LoggingStatLogger:
             return None
         now = self.clock()
         line = self.format_line(now - self.last_log_time)
-        busy = self.prompt_tokens or self.generation_tokens or (
-            self.latest is not None and (self.latest.num_running_reqs or self.latest.num_waiting_reqs))
+        busy = not self._idle()
         self.prompt_tokens = self.generation_tokens = 0
         self.last_log_time = now
         if not busy:
