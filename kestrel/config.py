@@ -14,6 +14,12 @@ import torch
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30  # as vLLM's CPU backend: 4 GiB unless --kv-cache-memory says otherwise
+# The int8 KV cache stores K transposed within blocks of this many tokens (its kernels' vector width),
+# so an int8 cache needs --block-size equal to it.
+INT8_KV_BLOCK = 16
+KV_CACHE_DTYPES = ("auto", "int8")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass(frozen=True)
@@ -73,11 +79,38 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How many workers an engine core drives and how many engine cores serve, as vLLM counts them:
+    tensor x pipeline parallel ranks under one engine core (its world), data-parallel engine cores
+    beside each other. `distributed_executor_backend` says how the engine core reaches its workers:
+    uni (one worker in the engine core's own process), mp (a process per rank), ray (actors)."""
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            size = getattr(self, name)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must be a whole number >= 1, got {size!r}")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {self.distributed_executor_backend!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Workers under one engine core: every (pipeline stage, tensor rank) pair."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: DeviceConfig
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     seed: int = 0
     enforce_eager: bool = False        # True: decode steps through the model's forward, never a decode plan
     disable_log_stats: bool = False
@@ -106,6 +139,10 @@ class EngineArgs:
     enforce_eager: bool = False
     disable_log_stats: bool = False
     attention_backend: str = "auto"         # auto | torch | cpu
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"  # uni | mp | ray
 
     @classmethod
     def field_names(cls) -> set[str]:

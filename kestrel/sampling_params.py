@@ -95,5 +95,5 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
 
-    def clone(self, **changes) -> "SamplingParams":
+    def clone(self, **changes) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)

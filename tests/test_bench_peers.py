@@ -20,8 +20,14 @@ from gguf import GGUFReader, LlamaFileType
 from gguf.quants import dequantize
 
 from kestrel.bench import peers
-from kestrel.bench.peers import (KestrelServer, LlamaServer, RssSampler, gguf_in_precision, llama_server_binary,
-                                 rss_of_tree)
+from kestrel.bench.peers import (
+    KestrelServer,
+    LlamaServer,
+    RssSampler,
+    gguf_in_precision,
+    llama_server_binary,
+    rss_of_tree,
+)
 from kestrel.model.gguf_loader import iter_gguf_weights
 from kestrel.model.loader import default_model_path
 

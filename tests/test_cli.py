@@ -12,6 +12,7 @@ import pytest
 
 from kestrel.bench.workloads import w1_offline_throughput
 from kestrel.config import EngineArgs
+from kestrel.engine.arg_utils import create_engine_config
 from kestrel.entrypoints.cli import ENGINE_FLAGS, build_parser, engine_kwargs, main, parse_bytes
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -39,6 +40,43 @@ def test_only_flags_given_reach_engine_args():
                                    "enable_chunked_prefill": False, "kv_cache_memory": 512 << 20,
                                    "max_num_seqs": 8, "enforce_eager": True}
     assert engine_kwargs(build_parser().parse_args(["generate", "hi"])) == {}
+
+
+def test_switches_and_parallel_flags_reach_the_engine_config():
+    args = build_parser().parse_args(["serve", "--enforce-eager", "--disable-log-stats", "--attention-backend",
+                                      "torch", "-tp", "1", "--pipeline-parallel-size", "1", "-dp", "1",
+                                      "--distributed-executor-backend", "uni"])
+    kwargs = engine_kwargs(args)
+    assert kwargs == {"enforce_eager": True, "disable_log_stats": True, "attention_backend": "torch",
+                      "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1,
+                      "distributed_executor_backend": "uni"}
+    config, _, _ = create_engine_config(EngineArgs(**kwargs))  # reads the model's config, loads no weights
+    assert (config.enforce_eager, config.disable_log_stats, config.attention_backend) == (True, True, "torch")
+    assert config.parallel.world_size == 1 and config.parallel.distributed_executor_backend == "uni"
+    default, _, _ = create_engine_config(EngineArgs())
+    assert (default.enforce_eager, default.disable_log_stats, default.attention_backend) == (False, False, "auto")
+
+
+PRODUCT_COMMANDS_SCRIPT = """
+import sys
+from kestrel.entrypoints import cli
+cli.parse_args(["generate", "hi"])
+cli.parse_args(["chat"])
+try:
+    cli.main(["serve", "--help"])
+except SystemExit:
+    pass
+loaded = sorted(m for m in sys.modules if m.startswith("kestrel.bench"))
+assert not loaded, loaded
+cli.parse_args(["bench", "throughput", "--runs", "1"])
+assert "kestrel.bench.throughput" in sys.modules
+"""
+
+
+def test_product_commands_do_not_import_the_benchmarks():
+    result = subprocess.run([sys.executable, "-c", PRODUCT_COMMANDS_SCRIPT], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize("text,expected", [("4096", 4096), ("2GiB", 2 << 30), ("512MiB", 512 << 20),
@@ -159,7 +197,7 @@ def test_bench_throughput_writes_json(tmp_path):
 
 
 def test_roofline_line_says_when_the_memory_floor_caps_the_compute_target():
-    from kestrel.bench.throughput import _roofline_line
+    from kestrel.bench.throughput_report import _roofline_line
     roof = {"threads": 2, "bf16_gflops": 2000.0, "fp32_gflops": 400.0, "shapes": [(960, 576)], "copy_gb_s": 13.0,
             "workload_flops": 6.5e12, "non_embedding_params": 106e6, "output_head_params": 28e6,
             "kestrel_gflops": 500.0, "fraction_of_roofline": 0.25, "roofline_dtype": "bfloat16",

@@ -74,7 +74,8 @@ def test_plan_gives_the_model_forward_bit_for_bit(model, quantization, kv_cache_
 
 
 @needs_f32_plan
-@pytest.mark.parametrize("model, kv_cache_dtype", [("tiny_bf16", "auto"), ("tiny_qwen3", "auto"), ("tiny_bf16", "int8")])
+@pytest.mark.parametrize("model, kv_cache_dtype",
+                         [("tiny_bf16", "auto"), ("tiny_qwen3", "auto"), ("tiny_bf16", "int8")])
 def test_float32_plan_gives_the_model_forward_bit_for_bit(model, kv_cache_dtype, request, engine_check):
     """The same on a float32 model (the default dtype on a CPU without bf16), its projections on linear_f32.
     The Llama on the float cache runs its layer loop in C++ (DecodeLayersF32); the Qwen3, with q/k

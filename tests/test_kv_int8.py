@@ -98,7 +98,8 @@ def _int8_reference(q, cache, table, seq_lens, head_dim):
     span = table.shape[1] * 16
     visible = torch.arange(span)[None, :] < seq_lens[:, None]
     mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).view(len(seq_lens), 1, 1, span)
-    return _decode_attention(q.float(), cache, DecodeGroup(0, len(seq_lens), table, seq_lens, mask), 16, head_dim ** -0.5)
+    group = DecodeGroup(0, len(seq_lens), table, seq_lens, mask)
+    return _decode_attention(q.float(), cache, group, 16, head_dim ** -0.5)
 
 
 @pytest.fixture
@@ -215,7 +216,7 @@ def test_default_model_agrees_with_the_bf16_cache():
 
 
 def test_benchmark_reports_name_the_cache():
-    from kestrel.bench.throughput import _precision
+    from kestrel.bench.throughput_report import _precision
     assert _precision({"dtype": "bfloat16"}) == "bfloat16"
     assert _precision({"dtype": "bfloat16", "kv_cache_dtype": "auto", "quantization": None}) == "bfloat16"
     assert _precision({"dtype": "bfloat16", "kv_cache_dtype": "int8", "quantization": "int8"}) == \

@@ -10,10 +10,10 @@ top-5. Each test also asserts that most sequences match exactly.
 
 import pytest
 import torch
+from parity import assert_greedy_close, hf_greedy, kestrel_greedy
 
 from kestrel import LLM
 from kestrel.model.loader import resolve_model
-from parity import assert_greedy_close, hf_greedy, kestrel_greedy
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ import random
 
 import pytest
 import torch
+from parity import assert_greedy_close, hf_greedy, kestrel_greedy
 
 from kestrel import LLM
-from parity import assert_greedy_close, hf_greedy, kestrel_greedy
 
 NEW_TOKENS = 24
 VOCAB = 49152  # the default model's tokenizer is reused, so the vocabulary matches it

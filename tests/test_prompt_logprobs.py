@@ -11,10 +11,10 @@ import random
 
 import pytest
 import torch
+from parity import save_tiny_llama
 
 from kestrel import LLM, SamplingParams
 from kestrel.core.scheduler import Scheduler
-from parity import save_tiny_llama
 
 VOCAB = 49152  # the default model's tokenizer is reused, so the vocabulary matches it
 ATOL = 1e-4

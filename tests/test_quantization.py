@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from parity import save_tiny_llama, worker_of
 
 from kestrel import LLM, SamplingParams
 from kestrel.config import EngineArgs
 from kestrel.model import quantization as Q
 from kestrel.model.layers import Linear
 from kestrel.ops import _cpu_flags, cpu_gemv
-from parity import save_tiny_llama, worker_of
 
 kernels = cpu_gemv()
 has_int8_kernel = kernels is not None and kernels.amx_usable()

@@ -16,8 +16,7 @@ from kestrel.config import SchedulerConfig
 from kestrel.core.kv_cache_manager import KVCacheManager
 from kestrel.core.request import Request, RequestStatus
 from kestrel.core.scheduler import Scheduler
-from kestrel.messages import (EngineCoreOutputs, FinishReason, ModelRunnerOutput,
-                              SchedulerOutput)
+from kestrel.messages import EngineCoreOutputs, FinishReason, ModelRunnerOutput, SchedulerOutput
 from kestrel.sampling_params import SamplingParams
 
 EOS = 2

@@ -43,9 +43,9 @@ def prefill_attention_table(lengths: list[int], heads: int, kv_heads: int, head_
         qkv = torch.randn(n, heads + 2 * kv_heads, head_dim).bfloat16()
         q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        sdpa = _median_us(lambda: F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
-                                                                  enable_gqa=True), calls)
-        amx = _median_us(lambda: kernels.prefill_attention(q, k, v, scale), calls)
+        sdpa = _median_us(lambda qh=qh, kh=kh, vh=vh: F.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True), calls)
+        amx = _median_us(lambda q=q, k=k, v=v: kernels.prefill_attention(q, k, v, scale), calls)
         flops = n * n / 2 * heads * head_dim * 4  # causal: QK^T and PV over half the square
         rows.append(f"| {n} | {sdpa:.0f} µs ({flops / sdpa / 1e3:.0f} GFLOP/s) | {amx:.0f} µs "
                     f"({flops / amx / 1e3:.0f} GFLOP/s) | {sdpa / amx:.2f}× |")
@@ -67,8 +67,8 @@ def linear_table(rows_list: list[int], calls: int, hidden: int = 576, intermedia
     table = ["| rows | bf16 | int8 (W8A8) | speed-up |", "|---|---|---|---|"]
     for rows in rows_list:
         xs = [torch.randn(rows, k).bfloat16() for _, k in shapes]
-        bf16 = lambda: [linear(x, w) for x, w in zip(xs, weights)]  # noqa: E731
-        int8 = lambda: [linear_int8(x, q, s) for x, (q, s) in zip(xs, quantized)]  # noqa: E731
+        bf16 = lambda xs=xs: [linear(x, w) for x, w in zip(xs, weights)]  # noqa: E731
+        int8 = lambda xs=xs: [linear_int8(x, q, s) for x, (q, s) in zip(xs, quantized)]  # noqa: E731
         t_bf16, t_int8 = _interleaved_median_us(bf16, int8, calls)
         table.append(f"| {rows} | {t_bf16:.0f} µs | {t_int8:.0f} µs | {t_bf16 / t_int8:.2f}× |")
     return "\n".join(table)

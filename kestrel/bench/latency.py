@@ -25,14 +25,14 @@ import shlex
 import statistics
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
+from kestrel.bench.common import log, machine_info, warn_if_busy
 from kestrel.bench.launch import PEER_SPECS, is_llama, launch_server, peer_label
 from kestrel.bench.peers import RssSampler
-from kestrel.bench.report import load_averages, markdown_table, text_table
+from kestrel.bench.report import load_averages, markdown_table, text_table, write_report
 from kestrel.bench.serve import Target, resolve_model, send_requests
-from kestrel.bench.throughput import log, machine_info, warn_if_busy, write_report
 from kestrel.bench.workloads import BenchRequest, random_requests
 
 W3_INPUT_LEN = 128
@@ -61,7 +61,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.runs < 1 or args.input_len < 1 or args.output_len < 2 or min(args.concurrency) < 1:
         raise ValueError("--runs, --input-len and --concurrency must be >= 1 and --output-len >= 2")
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     load_average = os.getloadavg()
     warn_if_busy(load_average[0])
     engines = measure_engines(["kestrel", *args.peer], args)

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kestrel.bench.throughput import write_report
+from kestrel.bench.report import write_report
 
 PROMPTS = (
     "What is the capital of France?",

@@ -135,10 +135,10 @@ def matmul_gflops(shapes: list[tuple[int, int]], dtype: Any, rows: int = MATMUL_
         x = torch.randn(rows, in_f).to(dtype)
         w = torch.randn(out_f, in_f).to(dtype)
         flops = 2.0 * rows * in_f * out_f
-        once = _median_seconds(lambda: F.linear(x, w), repeats=3)
+        once = _median_seconds(lambda x=x, w=w: F.linear(x, w), repeats=3)
         reps = max(1, int(0.05 / max(once, 1e-6)))
 
-        def many() -> None:
+        def many(x: torch.Tensor = x, w: torch.Tensor = w, reps: int = reps) -> None:
             for _ in range(reps):
                 F.linear(x, w)
 

@@ -32,13 +32,13 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 
-from kestrel.bench.report import load_averages, markdown_table, text_table
-from kestrel.bench.throughput import log, machine_info, warn_if_busy, write_report
+from kestrel.bench.common import log, machine_info, warn_if_busy
+from kestrel.bench.report import load_averages, markdown_table, text_table, write_report
 from kestrel.bench.workloads import W1_INPUT_LEN_RANGE, W1_OUTPUT_LEN_RANGE, BenchRequest, random_requests
 
 # W2: online serving.
@@ -174,7 +174,8 @@ def _comparison_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
     k = report["engines"][0]["median"]
     for e in report["engines"][1:]:
         p = e["median"]
-        ratios = [_fmt(k[f"{a}_{s}"] / p[f"{a}_{s}"], 2) if k[f"{a}_{s}"] and p[f"{a}_{s}"] else "-" for a, s in COMPARED]
+        ratios = [_fmt(k[f"{a}_{s}"] / p[f"{a}_{s}"], 2) if k[f"{a}_{s}"] and p[f"{a}_{s}"] else "-"
+                  for a, s in COMPARED]
         rows.append((f"{report['engines'][0]['spec']} / {e['spec']}", *ratios,
                      _fmt(k["output_tok_s"] / p["output_tok_s"], 2), "", ""))
     return rows
@@ -197,8 +198,10 @@ def format_comparison_markdown(report: dict[str, Any]) -> str:
     lines = [
         "", f"## {w['id']} online serving, servers compared — {report['date']}", "",
         f"- Command: `{report['command']}`",
-        f"- Machine: {m['cpu_model']}, {m['usable_cpus']} usable cpus, bf16 flags: {' '.join(m['bf16_flags']) or 'none'}",
-        f"- Workload: {w['num_requests']} requests, Poisson arrivals at {w['request_rate']:g} req/s (seed {w['seed']}), "
+        f"- Machine: {m['cpu_model']}, {m['usable_cpus']} usable cpus, bf16 flags: "
+        f"{' '.join(m['bf16_flags']) or 'none'}",
+        f"- Workload: {w['num_requests']} requests, Poisson arrivals at {w['request_rate']:g} req/s "
+        f"(seed {w['seed']}), "
         f"input {w['input_len_range'][0]}..{w['input_len_range'][1]}, output "
         f"{w['output_len_range'][0]}..{w['output_len_range'][1]}, {w['sampling']}; each server started by the "
         f"benchmark and run {report['runs']} time(s), figures are medians over runs ({servers}); llama.cpp gets "
@@ -226,7 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     arrivals = arrival_times(len(requests), args.request_rate, args.seed)
     log(f"workload: {len(requests)} requests, {sum(r.input_len for r in requests)} prompt tokens, "
         f"{sum(r.output_len for r in requests)} output tokens, {args.request_rate:g} req/s")
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     load_average = os.getloadavg()
     warn_if_busy(load_average[0])
     model, notes = asyncio.run(resolve_model(target_from_args(args), args.model))

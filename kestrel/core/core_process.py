@@ -26,7 +26,7 @@ from kestrel.config import EngineConfig
 from kestrel.core.engine_core import EngineCore
 from kestrel.messages import EngineCoreOutputs, EngineCoreRequest
 from kestrel.model.loader import ModelSource
-from kestrel.worker.executor import UniProcExecutor
+from kestrel.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
     exit_with_parent()
     try:
-        core = EngineCore(config, UniProcExecutor(config, source))
+        core = EngineCore(config, Executor.get_class(config.parallel)(config, source))
     except Exception as exc:
         sock = zmq.Context.instance().socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)
@@ -137,5 +137,8 @@ def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, 
     EngineCoreProc(core, input_addr, output_addr).run_busy_loop()
 
 
-def decode_outputs(payload: bytes, _decoder=msgspec.msgpack.Decoder(EngineCoreOutputs)) -> EngineCoreOutputs:
-    return _decoder.decode(payload)
+_OUTPUTS_DECODER = msgspec.msgpack.Decoder(EngineCoreOutputs)
+
+
+def decode_outputs(payload: bytes) -> EngineCoreOutputs:
+    return _OUTPUTS_DECODER.decode(payload)

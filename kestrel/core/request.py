@@ -63,7 +63,7 @@ class Request:
         self.events: list[tuple[EventType, float]] = [(EventType.QUEUED, time.monotonic())]
 
     @classmethod
-    def from_engine_core_request(cls, req: EngineCoreRequest) -> "Request":
+    def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
                    req.arrival_time, req.priority)
 

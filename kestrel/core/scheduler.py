@@ -24,8 +24,17 @@ from collections.abc import Iterable
 from kestrel.config import SchedulerConfig
 from kestrel.core.kv_cache_manager import KVCacheManager
 from kestrel.core.request import Request, RequestStatus
-from kestrel.messages import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, EventType, Logprobs,
-                              ModelRunnerOutput, NewRequestData, SchedulerOutput, SchedulerStats)
+from kestrel.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EventType,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
 
 
 class Scheduler:

@@ -25,9 +25,10 @@ import zmq.asyncio
 
 from kestrel.config import EngineArgs, EngineConfig
 from kestrel.core import core_process
-from kestrel.engine.llm_engine import create_engine_config
+from kestrel.engine.arg_utils import create_engine_config
 from kestrel.engine.output_processor import OutputProcessor
 from kestrel.engine.processor import Processor, PromptType
+from kestrel.engine.stat_logger import LoggingStatLogger
 from kestrel.messages import SchedulerStats
 from kestrel.model.loader import ModelSource
 from kestrel.outputs import CompletionOutput, RequestOutput
@@ -52,6 +53,7 @@ class AsyncLLM:
         self.processor = Processor(config.model, tokenizer)
         self.output_processor = OutputProcessor(tokenizer)
         self.last_scheduler_stats: SchedulerStats | None = None
+        self.stat_logger = LoggingStatLogger.from_config(config)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0,
                          "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self._streams: dict[str, asyncio.Queue] = {}
@@ -62,7 +64,7 @@ class AsyncLLM:
         self._output_task: asyncio.Task | None = None
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
         config, source, tokenizer = create_engine_config(args)
         return cls(config, source, tokenizer)
 
@@ -131,6 +133,7 @@ class AsyncLLM:
 
     def _record_stats(self, stats: SchedulerStats) -> None:
         self.last_scheduler_stats = stats
+        self.stat_logger.record(stats)
         c = self.counters
         c["prompt_tokens"] += stats.num_prompt_tokens
         c["generation_tokens"] += stats.num_generation_tokens

@@ -12,7 +12,7 @@ class IncrementalDetokenizer:
     is held back, so a stop string is never emitted, not even in part."""
 
     def __init__(self, tokenizer, params: SamplingParams) -> None:
-        self._backend = getattr(tokenizer, "_tokenizer", None) or getattr(tokenizer, "backend_tokenizer")
+        self._backend = getattr(tokenizer, "_tokenizer", None) or tokenizer.backend_tokenizer
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
         self.stop = params.stop
         self.include_stop = params.include_stop_str_in_output

@@ -18,7 +18,6 @@ from kestrel.messages import EngineCoreOutput, EventType, FinishReason, Logprobs
 from kestrel.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kestrel.sampling_params import SamplingParams
 
-
 MAX_RECORDED_GAPS = 8192  # inter-token gaps kept per request, for the latency histogram
 
 

@@ -3,92 +3,28 @@
     kestrel generate "PROMPT" [--chat] [--max-tokens N] [--temperature T] [engine flags]
     kestrel chat [engine flags]
     kestrel serve [MODEL] [--host H] [--port P] [--api-key K] [--served-model-name N] [engine flags]
-    kestrel bench throughput [options] [engine flags]
+    kestrel bench {throughput,latency,serve,parity} [options] [engine flags]
 
 Engine flags are named as vLLM names them and map one-to-one onto `EngineArgs` fields; they are
-listed once, in ENGINE_FLAGS. A ValueError (bad model path, bad value) prints `error: <message>` and
-exits 1, without a traceback.
+listed once, in kestrel/engine/arg_utils.py (ENGINE_FLAGS). The benchmark commands are imported only
+when `kestrel bench ...` runs, so the product commands do not load them. A ValueError (bad model path,
+bad value) prints `error: <message>` and exits 1, without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import logging
+import os
 import shlex
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from kestrel.bench import throughput
-from kestrel import config
-from kestrel.config import EngineArgs
+from kestrel.engine.arg_utils import ENGINE_FLAGS, add_engine_flags, engine_kwargs, parse_bytes
 from kestrel.entrypoints.llm import LLM
 from kestrel.sampling_params import SamplingParams
 
-def parse_bytes(text: str) -> int:
-    """'2GiB' -> 2147483648, '512MiB', '1.5GB' (decimal), '4096' (bytes)."""
-    try:
-        return config.parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineFlag:
-    flag: str
-    field: str                      # the EngineArgs field it sets
-    type: Callable[[str], Any] | None = None
-    help: str = ""
-    action: Any = None              # argparse action for switches; None: takes a value of `type`
-
-
-# One line per engine flag. Flags not given on the command line leave EngineArgs' default.
-ENGINE_FLAGS: tuple[EngineFlag, ...] = (
-    EngineFlag("--model", "model", str, "a .gguf file or a model folder (default: the embedded SmolLM2-135M-Instruct)"),
-    EngineFlag("--dtype", "dtype", str, "auto, bfloat16, float16 or float32"),
-    EngineFlag("--quantization", "quantization", str,
-               "int8: the decoder layers' matrices in int8, activations quantized per token (W8A8)"),
-    EngineFlag("--device", "device", str, "auto, cpu, cuda or cuda:N"),
-    EngineFlag("--max-model-len", "max_model_len", int, "context length (default: the model's)"),
-    EngineFlag("--max-num-seqs", "max_num_seqs", int, "most sequences in one step"),
-    EngineFlag("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one step"),
-    EngineFlag("--block-size", "block_size", int, "tokens per KV-cache block"),
-    EngineFlag("--enable-prefix-caching", "enable_prefix_caching", help="reuse KV blocks of shared prefixes",
-               action=argparse.BooleanOptionalAction),
-    EngineFlag("--enable-chunked-prefill", "enable_chunked_prefill", help="split long prompts across steps",
-               action=argparse.BooleanOptionalAction),
-    EngineFlag("--gpu-memory-utilization", "gpu_memory_utilization", float, "fraction of GPU memory to use"),
-    EngineFlag("--kv-cache-memory", "kv_cache_memory", parse_bytes, "KV-cache size in bytes, e.g. 2GiB, 512MiB"),
-    EngineFlag("--num-kv-blocks", "num_kv_blocks", int, "exact number of KV-cache blocks"),
-    EngineFlag("--kv-cache-dtype", "kv_cache_dtype", str,
-               "auto (the model's dtype) or int8: K and V rows in int8 with a scale each, ~1.9x the tokens"),
-    EngineFlag("--seed", "seed", int, "random seed (engine, and the sampling seed of generate/chat)"),
-    EngineFlag("--enforce-eager", "enforce_eager", help="never capture graphs", action="store_true"),
-)
-
-
-def _engine_default(field: str) -> Any:
-    f = EngineArgs.__dataclass_fields__[field]
-    return f.default if f.default is not dataclasses.MISSING else None
-
-
-def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine flags")
-    for f in ENGINE_FLAGS:
-        default = _engine_default(f.field)
-        help_text = f"{f.help} (default: {default})" if default is not None else f.help
-        kwargs: dict[str, Any] = dict(dest=f.field, default=argparse.SUPPRESS, help=help_text)
-        if f.action is not None:
-            kwargs["action"] = f.action
-        else:
-            kwargs["type"] = f.type
-            kwargs["metavar"] = f.field.upper()
-        group.add_argument(f.flag, **kwargs)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """EngineArgs keyword arguments for the engine flags given on the command line."""
-    return {f.field: getattr(args, f.field) for f in ENGINE_FLAGS if hasattr(args, f.field)}
+__all__ = ["ENGINE_FLAGS", "build_parser", "engine_kwargs", "main", "parse_args", "parse_bytes"]
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser, default_max_tokens: int) -> None:
@@ -152,11 +88,9 @@ def run_serve(args: argparse.Namespace) -> int:
     return run_server(args)
 
 
-def run_bench_throughput(args: argparse.Namespace) -> int:
-    return throughput.main(args, engine_kwargs(args))
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(include_bench: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; without `include_bench`, `bench` is listed but its sub-commands (and
+    the benchmark modules they import) are left out."""
     parser = argparse.ArgumentParser(prog="kestrel", description="Kestrel: an LLM inference engine.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -192,34 +126,46 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(serve)
     serve.set_defaults(handler=run_serve)
 
-    bench = commands.add_parser("bench", help="benchmarks")
-    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    bench_throughput = benches.add_parser("throughput", help="offline throughput (workload W1)")
-    throughput.add_cli_args(bench_throughput)
-    add_engine_flags(bench_throughput)
-    bench_throughput.set_defaults(handler=run_bench_throughput)
-    from kestrel.bench import parity as bench_parity
-    bench_parity_parser = benches.add_parser("parity", help="greedy agreement of a lossy mode (--quantization int8, "
-                                                            "--kv-cache-dtype int8) with the default engine")
-    bench_parity.add_cli_args(bench_parity_parser)
-    add_engine_flags(bench_parity_parser)
-    bench_parity_parser.set_defaults(handler=lambda args: bench_parity.main(args, engine_kwargs(args)))
-    from kestrel.bench import serve as bench_serve
-    bench_serve_parser = benches.add_parser("serve", help="online serving against an OpenAI-compatible URL "
-                                                          "(workload W2)")
-    bench_serve.add_cli_args(bench_serve_parser)
-    bench_serve_parser.set_defaults(handler=bench_serve.main)
-    from kestrel.bench import latency as bench_latency
-    bench_latency_parser = benches.add_parser("latency", help="single-stream and 8-stream latency through the "
-                                                              "server, with peers (workload W3)")
-    bench_latency.add_cli_args(bench_latency_parser)
-    bench_latency_parser.set_defaults(handler=bench_latency.main)
+    bench = commands.add_parser("bench", help="benchmarks: throughput, latency, serve, parity")
+    if include_bench:
+        add_bench_commands(bench)
     return parser
+
+
+def add_bench_commands(bench: argparse.ArgumentParser) -> None:
+    from kestrel.bench import latency as bench_latency
+    from kestrel.bench import parity as bench_parity
+    from kestrel.bench import serve as bench_serve
+    from kestrel.bench import throughput as bench_throughput
+
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    throughput_parser = benches.add_parser("throughput", help="offline throughput (workloads W1, W4)")
+    bench_throughput.add_cli_args(throughput_parser)
+    add_engine_flags(throughput_parser)
+    throughput_parser.set_defaults(handler=lambda args: bench_throughput.main(args, engine_kwargs(args)))
+    parity_parser = benches.add_parser("parity", help="greedy agreement of a lossy mode (--quantization int8, "
+                                                      "--kv-cache-dtype int8) with the default engine")
+    bench_parity.add_cli_args(parity_parser)
+    add_engine_flags(parity_parser)
+    parity_parser.set_defaults(handler=lambda args: bench_parity.main(args, engine_kwargs(args)))
+    serve_parser = benches.add_parser("serve", help="online serving against an OpenAI-compatible URL "
+                                                    "(workload W2)")
+    bench_serve.add_cli_args(serve_parser)
+    serve_parser.set_defaults(handler=bench_serve.main)
+    latency_parser = benches.add_parser("latency", help="single-stream and 8-stream latency through the "
+                                                        "server, with peers (workload W3)")
+    bench_latency.add_cli_args(latency_parser)
+    latency_parser.set_defaults(handler=bench_latency.main)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse a command line, loading the benchmark commands only for `kestrel bench ...`."""
+    return build_parser(include_bench=list(argv[:1]) == ["bench"]).parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     args.command_line = shlex.join(["kestrel", *argv])
     try:
         return args.handler(args)
@@ -231,5 +177,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
+def configure_logging() -> None:
+    """Kestrel's log lines (the engine's periodic stats among them) on stderr, at
+    $KESTREL_LOGGING_LEVEL (default INFO). Only the program does this, never the library."""
+    kestrel_logger = logging.getLogger("kestrel")
+    if kestrel_logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
+    kestrel_logger.addHandler(handler)
+    kestrel_logger.setLevel(os.environ.get("KESTREL_LOGGING_LEVEL", "INFO").upper())
+
+
+def run() -> None:
+    """The `kestrel` program: logging set up, then the command; exits with its status."""
+    configure_logging()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

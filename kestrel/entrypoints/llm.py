@@ -22,6 +22,7 @@ class LLM:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        kwargs.setdefault("disable_log_stats", True)  # as vLLM's LLM: offline runs log no periodic stats
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
         self._counter = itertools.count()

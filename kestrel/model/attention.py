@@ -1,8 +1,9 @@
 """Attention over the paged KV cache, for a flattened batch of mixed prefill and decode tokens.
 
 Layout of one step's batch (the model runner guarantees it): first the decodes (requests with one
-token this step), one row each, longest context first; then each prefill chunk's tokens, contiguous. The KV cache of a layer is a pair of tensors
-[num_slots, num_kv_heads, head_dim], slot = block_id * block_size + offset.
+token this step), one row each, longest context first; then each prefill chunk's tokens, contiguous.
+The KV cache of a layer is a pair of tensors [num_slots, num_kv_heads, head_dim],
+slot = block_id * block_size + offset.
 
 Prefill chunks are served by a compiled AMX kernel where the CPU has AMX and the model is bf16
 (kestrel/ops/cpu_prefill.cpp), else by SDPA. Decodes are served by a compiled CPU kernel that reads

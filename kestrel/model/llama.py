@@ -14,8 +14,16 @@ from torch import nn
 
 from kestrel.config import ModelConfig
 from kestrel.model.attention import AttentionMetadata, KVCache, paged_attention
-from kestrel.model.layers import (Linear, RMSNorm, RotaryEmbedding, add_rms_norm, linear_to_float, rms_norm,
-                                  rotate_and_write_kv, silu_and_mul)
+from kestrel.model.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    add_rms_norm,
+    linear_to_float,
+    rms_norm,
+    rotate_and_write_kv,
+    silu_and_mul,
+)
 
 
 class DecoderLayer(nn.Module):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase

@@ -6,8 +6,8 @@ to `params[b]`. A setting no row uses is `None`, so the sampler skips that work 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -59,7 +59,7 @@ class SamplingMetadata:
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], eos_token_ids: list[int | None],
-              vocab_size: int, device: torch.device) -> "SamplingMetadata":
+              vocab_size: int, device: torch.device) -> SamplingMetadata:
         greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
         all_greedy, all_random = all(greedy), not any(greedy)
 

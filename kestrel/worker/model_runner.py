@@ -19,8 +19,7 @@ import torch
 from torch import nn
 
 from kestrel.config import EngineConfig
-from kestrel.messages import (EMPTY_MODEL_RUNNER_OUTPUT, Logprobs, ModelRunnerOutput,
-                              NewRequestData, SchedulerOutput)
+from kestrel.messages import EMPTY_MODEL_RUNNER_OUTPUT, Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from kestrel.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from kestrel.model.decode_plan import DecodePlan
 from kestrel.ops import amx_disabled, cpu_kernels, cpu_prefill
@@ -58,7 +57,7 @@ class CachedRequestState:
     wants_prompt_logprobs: bool = False
 
     @classmethod
-    def from_new(cls, new: NewRequestData) -> "CachedRequestState":
+    def from_new(cls, new: NewRequestData) -> CachedRequestState:
         return cls(new.req_id, list(new.prompt_token_ids) + list(new.output_token_ids),
                    len(new.prompt_token_ids), new.sampling_params, new.eos_token_id,
                    list(new.block_ids), new.num_computed_tokens,

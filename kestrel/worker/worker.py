@@ -1,4 +1,7 @@
-"""One worker per device: sets the device up, holds the weights and the KV memory, runs steps."""
+"""One worker per device: sets the device up, holds the weights and the KV memory, runs steps.
+
+A worker is one rank of its engine core's world (tensor x pipeline parallel ranks, see
+`ParallelConfig`): `rank` within that world, `local_rank` its device index on its machine."""
 
 from __future__ import annotations
 
@@ -19,8 +22,13 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, rank: int = 0, local_rank: int = 0) -> None:
         self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.world_size = config.parallel.world_size
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"worker rank {rank} is outside a world of {self.world_size}")
         self.device = config.device.device
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

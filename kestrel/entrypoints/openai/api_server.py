@@ -21,24 +21,43 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-import uvicorn
 
 import kestrel
 from kestrel.engine.async_llm import EngineDeadError
 from kestrel.entrypoints.openai.metrics import ServerMetrics
-from kestrel.entrypoints.openai.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
-                                                 ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
-                                                 ChatResponseMessage, ChatStreamChoice, ChatTokenLogprob,
-                                                 CompletionChoice, CompletionChunk, CompletionLogprobs,
-                                                 CompletionRequest, CompletionResponse, DeltaMessage,
-                                                 DetokenizeRequest, ErrorInfo, ErrorResponse, ModelCard,
-                                                 ModelList, SamplingFields, TokenizeRequest, TopLogprob,
-                                                 UsageInfo, random_id)
+from kestrel.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    TokenizeRequest,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
 from kestrel.outputs import CompletionOutput, RequestOutput
 from kestrel.sampling_params import SamplingParams
 
@@ -637,8 +656,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
 def run_server(args) -> int:
     """`kestrel serve`: start the engine core, then serve HTTP until SIGINT/SIGTERM."""
     from kestrel.config import EngineArgs
+    from kestrel.engine.arg_utils import engine_kwargs
     from kestrel.engine.async_llm import AsyncLLM
-    from kestrel.entrypoints.cli import engine_kwargs
 
     kwargs = engine_kwargs(args)
     tag = getattr(args, "model_tag", None)

@@ -1,0 +1,1 @@
+"""Attention backends: one interface over the paged KV cache, and the backends behind it."""

@@ -1,0 +1,198 @@
+"""Engine settings from the outside in: the engine flags (named as vLLM names them, one line each in
+ENGINE_FLAGS, shared by every command that starts an engine and by the API server) and
+`create_engine_config`, which turns `EngineArgs` into the frozen, validated `EngineConfig`.
+
+Every setting is checked here, before anything is loaded or started: a bad value is a ValueError
+naming the setting and what it accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from kestrel import config as _config
+from kestrel.config import (
+    ATTENTION_BACKENDS,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
+    INT8_KV_BLOCK,
+    KV_CACHE_DTYPES,
+    CacheConfig,
+    DeviceConfig,
+    EngineArgs,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    resolve_bytes,
+    resolve_device,
+    resolve_dtype,
+)
+from kestrel.model import model_config_from_hf
+from kestrel.model.loader import ModelSource, load_config, load_tokenizer, resolve_model
+from kestrel.worker.executor import Executor
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+# ---- flags --------------------------------------------------------------------------------------
+
+def parse_bytes(text: str) -> int:
+    """argparse type: '2GiB' -> 2147483648, '512MiB', '1.5GB' (decimal), '4096' (bytes)."""
+    try:
+        return _config.parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFlag:
+    flag: str
+    field: str                      # the EngineArgs field it sets
+    type: Callable[[str], Any] | None = None
+    help: str = ""
+    action: Any = None              # argparse action for switches; None: takes a value of `type`
+    aliases: tuple[str, ...] = ()   # short spellings, as vLLM's (-tp, -pp, -dp)
+
+
+# One line per engine flag. Flags not given on the command line leave EngineArgs' default.
+ENGINE_FLAGS: tuple[EngineFlag, ...] = (
+    EngineFlag("--model", "model", str, "a .gguf file or a model folder (default: the embedded SmolLM2-135M-Instruct)"),
+    EngineFlag("--dtype", "dtype", str, "auto, bfloat16, float16 or float32"),
+    EngineFlag("--quantization", "quantization", str,
+               "int8: the decoder layers' matrices in int8, activations quantized per token (W8A8)"),
+    EngineFlag("--device", "device", str, "auto, cpu, cuda or cuda:N"),
+    EngineFlag("--max-model-len", "max_model_len", int, "context length (default: the model's)"),
+    EngineFlag("--max-num-seqs", "max_num_seqs", int, "most sequences in one step"),
+    EngineFlag("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one step"),
+    EngineFlag("--block-size", "block_size", int, "tokens per KV-cache block"),
+    EngineFlag("--enable-prefix-caching", "enable_prefix_caching", help="reuse KV blocks of shared prefixes",
+               action=argparse.BooleanOptionalAction),
+    EngineFlag("--enable-chunked-prefill", "enable_chunked_prefill", help="split long prompts across steps",
+               action=argparse.BooleanOptionalAction),
+    EngineFlag("--gpu-memory-utilization", "gpu_memory_utilization", float, "fraction of GPU memory to use"),
+    EngineFlag("--kv-cache-memory", "kv_cache_memory", parse_bytes, "KV-cache size in bytes, e.g. 2GiB, 512MiB"),
+    EngineFlag("--num-kv-blocks", "num_kv_blocks", int, "exact number of KV-cache blocks"),
+    EngineFlag("--kv-cache-dtype", "kv_cache_dtype", str,
+               "auto (the model's dtype) or int8: K and V rows in int8 with a scale each, ~1.9x the tokens"),
+    EngineFlag("--attention-backend", "attention_backend", str,
+               f"{', '.join(ATTENTION_BACKENDS)}: auto picks the fastest for the device and cache dtype"),
+    EngineFlag("--seed", "seed", int, "random seed (engine, and the sampling seed of generate/chat)"),
+    EngineFlag("--enforce-eager", "enforce_eager", action="store_true",
+               help="run decode steps through the model's forward: no captured graph, no CPU decode plan"),
+    EngineFlag("--disable-log-stats", "disable_log_stats", action="store_true",
+               help="do not log the engine's throughput, queue and KV-cache stats every few seconds"),
+    EngineFlag("--tensor-parallel-size", "tensor_parallel_size", int, "tensor-parallel ranks (only 1 for now)",
+               aliases=("-tp",)),
+    EngineFlag("--pipeline-parallel-size", "pipeline_parallel_size", int, "pipeline stages (only 1 for now)",
+               aliases=("-pp",)),
+    EngineFlag("--data-parallel-size", "data_parallel_size", int, "engine cores (only 1 for now)",
+               aliases=("-dp",)),
+    EngineFlag("--distributed-executor-backend", "distributed_executor_backend", str,
+               f"how the engine core reaches its workers: {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)} "
+               "(only uni, one worker in the engine core's process, for now)"),
+)
+
+
+def _engine_default(field: str) -> Any:
+    f = EngineArgs.__dataclass_fields__[field]
+    return f.default if f.default is not dataclasses.MISSING else None
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine flags")
+    for f in ENGINE_FLAGS:
+        default = _engine_default(f.field)
+        help_text = f"{f.help} (default: {default})" if default is not None else f.help
+        kwargs: dict[str, Any] = dict(dest=f.field, default=argparse.SUPPRESS, help=help_text)
+        if f.action is not None:
+            kwargs["action"] = f.action
+        else:
+            kwargs["type"] = f.type
+            kwargs["metavar"] = f.field.upper()
+        group.add_argument(f.flag, *f.aliases, **kwargs)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineArgs keyword arguments for the engine flags given on the command line."""
+    return {f.field: getattr(args, f.field) for f in ENGINE_FLAGS if hasattr(args, f.field)}
+
+
+# ---- EngineArgs -> EngineConfig -----------------------------------------------------------------
+
+def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, Any]:
+    """Resolve the model, read its config and tokenizer, and fix every setting: (config, source,
+    tokenizer). Settings that need no model are checked first, so a bad flag fails fast."""
+    check_settings(args)
+    parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size,
+                              args.distributed_executor_backend)
+    check_parallel_supported(parallel)
+    source = resolve_model(args.model)
+    hf_config = load_config(source)
+    tokenizer = load_tokenizer(resolve_model(args.tokenizer) if args.tokenizer else source)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else _first(hf_config.eos_token_id)
+    model = model_config_from_hf(hf_config, model=args.model, dtype=dtype, max_model_len=args.max_model_len,
+                                 eos_token_id=eos, bos_token_id=_first(getattr(hf_config, "bos_token_id", None)),
+                                 quantization=args.quantization)
+    config = EngineConfig(
+        model=model,
+        cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          kv_cache_memory=resolve_bytes("kv_cache_memory", args.kv_cache_memory),
+                          num_kv_blocks=args.num_kv_blocks,
+                          kv_cache_dtype=args.kv_cache_dtype),
+        scheduler=scheduler_config(args, model.max_model_len),
+        device=DeviceConfig(device),
+        parallel=parallel,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        disable_log_stats=args.disable_log_stats,
+        attention_backend=args.attention_backend,
+    )
+    return config, source, tokenizer
+
+
+def check_settings(args: EngineArgs) -> None:
+    """The settings that can be checked without the model."""
+    if args.max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {args.max_num_seqs}")
+    if args.block_size < 1 or args.block_size & (args.block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {args.block_size}")
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {args.kv_cache_dtype!r}")
+    if args.kv_cache_dtype == "int8" and args.block_size != INT8_KV_BLOCK:
+        raise ValueError(f"--kv-cache-dtype int8 stores K in blocks of {INT8_KV_BLOCK} tokens; "
+                         f"--block-size {args.block_size} is not supported with it")
+    if args.attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                         f"got {args.attention_backend!r}")
+
+
+def check_parallel_supported(parallel: ParallelConfig) -> None:
+    """Several engine cores or workers are the next step; until then, asking for them is an error
+    here rather than a crash later."""
+    if parallel.data_parallel_size != 1:
+        raise ValueError(f"data_parallel_size {parallel.data_parallel_size} is not supported yet: Kestrel runs "
+                         "one engine core (data_parallel_size 1)")
+    Executor.get_class(parallel)
+
+
+def scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
+    budget = args.max_num_batched_tokens
+    if budget is None:
+        budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if args.enable_chunked_prefill else max(
+            DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+    if budget < 1:
+        raise ValueError(f"max_num_batched_tokens must be at least 1, got {budget}")
+    if not args.enable_chunked_prefill and budget < max_model_len:
+        raise ValueError(f"without chunked prefill, max_num_batched_tokens ({budget}) must be at least "
+                         f"max_model_len ({max_model_len})")
+    return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+                           max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill)
+
+
+def _first(value: Any) -> Any:
+    return value[0] if isinstance(value, (list, tuple)) and value else value
