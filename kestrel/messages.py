@@ -2,6 +2,7 @@
 
     front end ──EngineCoreRequest──► engine core ──SchedulerOutput──► worker
     front end ◄─EngineCoreOutputs─── engine core ◄─ModelRunnerOutput── worker
+    front end ◄─EngineCoreFailure─── engine core   (once, when a step fails; then it exits)
 
 Only token ids cross into the engine core, and only token ids, logprobs and stats come back. All are
 msgspec structs so that they can be sent between processes unchanged (`array_like` keeps the
@@ -91,6 +92,16 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
+
+
+class EngineCoreFailure(msgspec.Struct, array_like=True):
+    """The engine core's last message: a step (or an input) raised, so it stops and exits non-zero.
+
+    Every request it held ends here with `FinishReason.ERROR` (`outputs`); the front end fails their
+    streams with `message` and refuses new requests."""
+    message: str                    # the exception's type and text
+    outputs: list[EngineCoreOutput]
+    timestamp: float = 0.0          # engine-core monotonic clock
 
 
 # --------------------------------------------------------------------------------------------

@@ -97,3 +97,26 @@ def test_engine_core_death_ends_streams_with_an_error(llm):
     assert not llm.is_running
     with pytest.raises(EngineDeadError):
         asyncio.run(collect(llm, "Hi", GREEDY, "after"))
+
+
+def test_step_fault_ends_every_stream_with_its_message(monkeypatch):
+    monkeypatch.setenv("KESTREL_TEST_FAULT_AT_STEP", "3")  # read by the engine core when it starts
+    engine = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", max_model_len=256, kv_cache_memory=64 << 20))
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def run():
+        requests = [collect(engine, f"Story {i}:", long, f"doomed-{i}", stream=i % 2 == 0) for i in range(4)]
+        results = await asyncio.wait_for(asyncio.gather(*requests, return_exceptions=True), 60)
+        return results, await asyncio.wait_for(engine.wait_until_errored(), 5)
+
+    try:
+        results, error = asyncio.run(run())
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert all("InjectedFault: injected fault at step 3" in str(r) for r in [*results, error])
+        assert not engine.is_running and engine.error is error
+        engine.process.join(timeout=30)
+        assert engine.process.exitcode == 1
+        with pytest.raises(EngineDeadError, match="not running: the engine core failed"):
+            asyncio.run(collect(engine, "Hi", GREEDY, "after"))
+    finally:
+        engine.shutdown()

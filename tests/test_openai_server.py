@@ -10,18 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
-import tempfile
+import threading
 import time
 
 import httpx2 as httpx
 import openai
 import pytest
+from server_process import Server, assert_error
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -29,7 +26,6 @@ MODEL = "SmolLM2-135M-Instruct"
 MAX_MODEL_LEN = 512
 API_KEY = "sk-kestrel-test"
 KEYED_NAME = "keyed-model"
-STARTUP_TIMEOUT_S = 180
 SERVER_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "128MiB", "--dtype", "float32"]
 
 METRIC_NAMES = ["kestrel:num_requests_running", "kestrel:num_requests_waiting", "kestrel:kv_cache_usage_perc",
@@ -40,55 +36,11 @@ METRIC_NAMES = ["kestrel:num_requests_running", "kestrel:num_requests_waiting", 
                 "kestrel:request_queue_time_seconds"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kestrel.entrypoints.cli", "serve", "--port", str(self.port), *flags],
-            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
-            stdout=self.log, stderr=subprocess.STDOUT, text=True)
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited during start-up:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("the server did not become healthy in time")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        self.log.close()
-
-
 @pytest.fixture(scope="module")
 def servers():
     main = Server(*SERVER_FLAGS)
     keyed = Server("--max-model-len", "256", "--kv-cache-memory", "16MiB", "--served-model-name", KEYED_NAME,
-                   "--max-queued-requests", "2", env={"KESTREL_API_KEY": API_KEY})
+                   "--max-queued-requests", "2", env={"KESTREL_API_KEY": API_KEY}, held=True)
     try:
         main.wait_ready()
         keyed.wait_ready()
@@ -96,7 +48,9 @@ def servers():
     finally:
         main.stop()
         keyed.stop()
-    assert main.proc.returncode == 0 and keyed.proc.returncode == 0, "the servers did not shut down cleanly"
+    assert main.proc.returncode == 0, f"the server did not shut down cleanly:\n{main.output()}"
+    # 1 once test_engine_core_death_... has killed its engine core.
+    assert keyed.proc.returncode == keyed.expected_returncode, keyed.output()
 
 
 @pytest.fixture(scope="module")
@@ -116,16 +70,6 @@ def async_client(server) -> openai.AsyncOpenAI:
 
 def chat_msgs(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
-
-
-def assert_error(response: httpx.Response, status: int, type_: str, *fragments: str) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert body["error"]["type"] == type_
-    for fragment in fragments:
-        assert fragment in body["error"]["message"], body
-    return body["error"]
 
 
 # ---- the basics -----------------------------------------------------------------------------------
@@ -421,20 +365,71 @@ def test_full_queue_answers_429(servers):
     auth = {"Authorization": f"Bearer {API_KEY}"}
     body = {"model": KEYED_NAME, "prompt": "word " * 200, "max_tokens": 4, "temperature": 0}
 
-    async def burst():
-        # Enough prefill work (32 x 200 tokens, over a second) that the burst outruns the engine
-        # however fast the machine is.
-        async with httpx.AsyncClient(timeout=120) as c:
-            return await asyncio.gather(*[c.post(f"{keyed.url}/v1/completions", json=body, headers=auth)
-                                          for _ in range(32)])
+    async def burst() -> tuple[list[httpx.Response], int]:
+        # The engine core is held: no request gets an output, so the two admitted ones stay queued
+        # while the burst arrives, however slowly the client sends it.
+        keyed.hold()
+        try:
+            async with httpx.AsyncClient(timeout=120) as c:
+                tasks = [asyncio.create_task(c.post(f"{keyed.url}/v1/completions", json=body, headers=auth))
+                         for _ in range(32)]
+                deadline = time.monotonic() + 60
+                while sum(t.done() for t in tasks) < 30 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                answered_while_held = sum(t.done() for t in tasks)
+                keyed.release()
+                return await asyncio.gather(*tasks), answered_while_held
+        finally:
+            keyed.release()
 
-    responses = asyncio.run(burst())
+    responses, answered_while_held = asyncio.run(burst())
     codes = sorted(r.status_code for r in responses)
-    # At most two requests may wait for their first token; the rest are turned away, not queued.
-    assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) == {200, 429}, codes
-    assert_error(next(r for r in responses if r.status_code == 429), 429, "RateLimitError")
+    # Two requests may wait for their first token; the rest are turned away at once, not queued.
+    assert codes == [200] * 2 + [429] * 30, codes
+    assert answered_while_held == 30
+    assert_error(next(r for r in responses if r.status_code == 429), 429, "RateLimitError", "2 queued requests")
     ok = httpx.post(f"{keyed.url}/v1/completions", json=body, headers=auth, timeout=120)
     assert ok.status_code == 200  # served again once the queue drains
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"])
+def test_deeply_nested_json_is_400(server, path):
+    for body in ("[" * 100_000 + "]" * 100_000, '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                 '{"a": ' * 100_000 + "1" + "}" * 100_000):
+        r = httpx.post(f"{server.url}{path}", content=body.encode(), headers={"Content-Type": "application/json"})
+        assert_error(r, 400, "BadRequestError", "nested too deeply")
+    assert "RecursionError" not in server.output()
+
+
+def test_health_answers_within_100ms_while_a_5mb_prompt_is_tokenized(server):
+    """The chat template and the tokenizer run off the event loop: /health keeps answering at once."""
+    message = "word " * (1 << 20)  # 5 MiB, about a million tokens: seconds of tokenizing
+    big: dict = {}
+
+    def send_big() -> None:
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=300,
+                       json={"messages": chat_msgs(message), "max_tokens": 1})
+        big["done_at"], big["response"] = time.monotonic(), r
+
+    sender = threading.Thread(target=send_big)
+    started = time.monotonic()
+    sender.start()
+    polls = []  # (answered at, seconds taken)
+    with httpx.Client(timeout=10) as c:
+        while sender.is_alive() and time.monotonic() - started < 240:
+            t0 = time.monotonic()
+            assert c.get(f"{server.url}/health").status_code == 200
+            polls.append((time.monotonic(), time.monotonic() - t0))
+            time.sleep(0.02)
+    sender.join()
+    # Polls answered while the big request was in flight, from half a second after it was sent (its
+    # 5 MiB are through localhost by then) until it was answered: it was being templated and tokenized.
+    during = [took for at, took in polls if started + 0.5 < at < big["done_at"]]
+    assert len(during) >= 5, (len(polls), big["done_at"] - started)
+    assert max(during) < 0.1, sorted(during)[-5:]
+    assert_error(big["response"], 400, "BadRequestError", "maximum context length")
 
 
 # ---- tokenizer endpoints and metrics --------------------------------------------------------------
@@ -544,8 +539,8 @@ def test_sigint_shuts_down_cleanly_without_orphans():
         server.stop()
 
 
-# Runs last: it kills the keyed server's engine core.
-def test_engine_core_death_ends_requests_and_health_turns_503(servers):
+# Runs last: it kills the keyed server's engine core (a step failure is tested in test_engine_failure.py).
+def test_engine_core_death_ends_requests_and_server_exits_non_zero(servers):
     import psutil
 
     _, keyed = servers
@@ -554,6 +549,7 @@ def test_engine_core_death_ends_requests_and_health_turns_503(servers):
                 if "spawn_main" in " ".join(p.cmdline()))
     body = {"model": KEYED_NAME, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
             "stream": True}
+    keyed.expected_returncode = 1
     start = time.monotonic()
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth, timeout=30) as r:
         lines = r.iter_lines()
@@ -562,9 +558,11 @@ def test_engine_core_death_ends_requests_and_health_turns_503(servers):
         rest = [line for line in lines if line.startswith("data: ")]
     assert time.monotonic() - start < 15
     assert rest[-1] == "data: [DONE]"
-    assert "error" in json.loads(rest[-2][len("data: "):])
-    assert httpx.get(f"{url}/health").status_code == 503
-    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
-                       ("/v1/chat/completions", {"messages": chat_msgs("hi"), "max_tokens": 2, "stream": True})):
-        assert_error(httpx.post(f"{url}{path}", json=body, headers=auth, timeout=10), 503,
-                     "ServiceUnavailableError")
+    error = json.loads(rest[-2][len("data: "):])["error"]
+    assert error["code"] == 500 and "died" in error["message"], error
+    # Until it exits, the server says it is down; then it exits non-zero for a supervisor to restart it.
+    health = httpx.get(f"{url}/health")
+    assert_error(health, 503, "ServiceUnavailableError", "not running")
+    assert_error(httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=auth,
+                            timeout=10), 503, "ServiceUnavailableError")
+    assert keyed.proc.wait(timeout=30) == 1, keyed.output()

@@ -15,6 +15,7 @@ import multiprocessing.connection
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -24,7 +25,7 @@ import zmq
 
 from kestrel.config import EngineConfig
 from kestrel.core.engine_core import EngineCore
-from kestrel.messages import EngineCoreOutputs, EngineCoreRequest
+from kestrel.messages import EngineCoreFailure, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from kestrel.model.loader import ModelSource
 from kestrel.worker.executor import Executor
 
@@ -38,6 +39,17 @@ SHUTDOWN = b"S"
 READY = b"R"
 OUTPUTS = b"O"
 FAILED = b"F"    # start-up failed; payload is the error message
+DEAD = b"D"      # a step failed; payload is an EngineCoreFailure, and the process exits
+
+
+# Test hooks, read once when the engine core starts; users never set them.
+FAULT_AT_STEP_ENV = "KESTREL_TEST_FAULT_AT_STEP"  # N: the N-th step (from 1) raises, as a failing model would
+HOLD_FILE_ENV = "KESTREL_TEST_HOLD_FILE"          # a path: no step runs while that file exists
+HOLD_POLL_S = 0.01
+
+
+class InjectedFault(RuntimeError):
+    """The step fault that KESTREL_TEST_FAULT_AT_STEP asks for."""
 
 
 class EngineCoreProc:
@@ -48,6 +60,9 @@ class EngineCoreProc:
         self.request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self.ids_decoder = msgspec.msgpack.Decoder(list[str])
         self.encoder = msgspec.msgpack.Encoder()
+        self.num_steps = 0
+        self.fault_at_step = int(os.environ.get(FAULT_AT_STEP_ENV) or 0)
+        self.hold_file = os.environ.get(HOLD_FILE_ENV) or None
         threading.Thread(target=self._read_inputs, args=(input_addr,), daemon=True).start()
         self.output_thread = threading.Thread(target=self._write_outputs, args=(output_addr,), daemon=True)
         self.output_thread.start()
@@ -71,26 +86,62 @@ class EngineCoreProc:
         self.outputs.put((kind, self.encoder.encode(payload)))
 
     def run_busy_loop(self) -> None:
+        """Step until told to shut down. If a step (or an input) raises, tell the front end which
+        requests it ended and why, then exit non-zero: the core's state is no longer trusted."""
         self.send(READY, {"num_kv_blocks": self.core.num_kv_blocks})
-        idle_reported = False
+        try:
+            self._loop()
+        except Exception as exc:  # noqa: BLE001 - reported to the front end, then the process exits
+            logger.exception("engine core: a step failed; stopping")
+            self._report_failure(exc)
+            self._stop(shutdown_core=False)
+            sys.exit(1)
+        self._stop()
+
+    def _loop(self) -> None:
+        stats_sent = False  # the front end has the scheduler's state as it is now
         while True:
-            if not self.core.has_unfinished_requests():
-                # Going idle (last request finished or aborted): report the empty state once, so
+            stepping = self.core.has_unfinished_requests() and not self._held()
+            if not stepping:
+                # Going idle (last request finished or aborted) or held: report the state once, so
                 # the front end's gauges do not keep the last busy step's numbers.
-                if not idle_reported:
+                if not stats_sent:
                     self.send(OUTPUTS, EngineCoreOutputs(scheduler_stats=self.core.scheduler.make_stats(),
                                                          timestamp=time.monotonic()))
-                    idle_reported = True
-                if not self._handle(*self.inputs.get()):  # block until something arrives
-                    break
+                    stats_sent = True
+                item = self._wait_for_input()
+                if item is not None:
+                    if not self._handle(*item):
+                        return
+                    stats_sent = False
             while not self.inputs.empty():
                 if not self._handle(*self.inputs.get_nowait()):
-                    return self._stop()
-            if self.core.has_unfinished_requests():
-                idle_reported = False
-                outputs = self.core.step()
-                self.send(OUTPUTS, outputs)
-        self._stop()
+                    return
+                stats_sent = False
+            if stepping:
+                self.send(OUTPUTS, self._step())
+                stats_sent = False
+
+    def _wait_for_input(self) -> tuple[bytes, bytes] | None:
+        """The next input; blocks until one arrives, or, while held with requests to run, only for a
+        short poll (None if nothing came)."""
+        if self.hold_file is None or not self.core.has_unfinished_requests():
+            return self.inputs.get()
+        try:
+            return self.inputs.get(timeout=HOLD_POLL_S)
+        except queue.Empty:
+            return None
+
+    def _held(self) -> bool:
+        return self.hold_file is not None and os.path.exists(self.hold_file)
+
+    def _step(self) -> EngineCoreOutputs:
+        self.num_steps += 1
+        if self.num_steps == self.fault_at_step:
+            # The wall-clock time lets a test measure how soon the failure reached each client.
+            raise InjectedFault(f"injected fault at step {self.num_steps} ({FAULT_AT_STEP_ENV}) "
+                                f"at t={time.time():.3f}")
+        return self.core.step()
 
     def _handle(self, kind: bytes, payload: bytes) -> bool:
         """Apply one input; False on shutdown."""
@@ -102,10 +153,17 @@ class EngineCoreProc:
             return False
         return True
 
-    def _stop(self) -> None:
+    def _report_failure(self, exc: Exception) -> None:
+        # Read-only: after a failed step the scheduler's bookkeeping may be half done.
+        ended = [EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR)
+                 for request_id in list(self.core.scheduler.requests)]
+        self.send(DEAD, EngineCoreFailure(f"{type(exc).__name__}: {exc}", ended, time.monotonic()))
+
+    def _stop(self, shutdown_core: bool = True) -> None:
         self.outputs.put(None)
         self.output_thread.join(timeout=5)
-        self.core.shutdown()
+        if shutdown_core:
+            self.core.shutdown()
 
 
 def exit_with_parent() -> None:
@@ -138,7 +196,12 @@ def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, 
 
 
 _OUTPUTS_DECODER = msgspec.msgpack.Decoder(EngineCoreOutputs)
+_FAILURE_DECODER = msgspec.msgpack.Decoder(EngineCoreFailure)
 
 
 def decode_outputs(payload: bytes) -> EngineCoreOutputs:
     return _OUTPUTS_DECODER.decode(payload)
+
+
+def decode_failure(payload: bytes) -> EngineCoreFailure:
+    return _FAILURE_DECODER.decode(payload)

@@ -3,8 +3,12 @@ this process, the engine core in its own process (kestrel/core/core_process.py),
 
 One asyncio task drains the engine core's outputs, turns them into text (OutputProcessor) and wakes
 the per-request streams. A request whose consumer goes away (client disconnect) is aborted in the
-engine core, so its KV blocks return to the pool. If the engine-core process dies, every open
-stream ends with `EngineDeadError` within a second, and `is_running` turns False.
+engine core, so its KV blocks return to the pool.
+
+If a step fails, the engine core sends an `EngineCoreFailure` (the exception's message, and every
+request it held ended with `FinishReason.ERROR`) and exits; if its process dies, the output task sees
+it within `DEATH_POLL_S`. Either way every open stream ends at once with `EngineDeadError`,
+`is_running` turns False, and `wait_until_errored()` returns, so that the server can exit.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ import zmq.asyncio
 from kestrel.config import EngineArgs, EngineConfig
 from kestrel.core import core_process
 from kestrel.engine.arg_utils import create_engine_config
+from kestrel.engine.exceptions import EngineDeadError, EngineStoppedError
 from kestrel.engine.output_processor import OutputProcessor
 from kestrel.engine.processor import Processor, PromptType
 from kestrel.engine.stat_logger import LoggingStatLogger
-from kestrel.messages import SchedulerStats
+from kestrel.messages import EngineCoreFailure, SchedulerStats
 from kestrel.model.loader import ModelSource
 from kestrel.outputs import CompletionOutput, RequestOutput
 from kestrel.sampling_params import SamplingParams
@@ -39,9 +44,7 @@ logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 600.0
 DEATH_POLL_S = 0.5
 
-
-class EngineDeadError(RuntimeError):
-    pass
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineStoppedError"]
 
 
 class AsyncLLM:
@@ -58,7 +61,9 @@ class AsyncLLM:
                          "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self._streams: dict[str, asyncio.Queue] = {}
         self.num_waiting_requests = 0  # accepted, no output yet (queued or in prefill)
-        self._dead = False
+        self._error: EngineDeadError | None = None  # set once the engine core has failed or died
+        self._stopped = False                      # stop_requests() was called: the server is shutting down
+        self._errored_event: asyncio.Event | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._start_engine_core()
         self._output_task: asyncio.Task | None = None
@@ -107,17 +112,21 @@ class AsyncLLM:
     def _ensure_output_task(self) -> None:
         loop = asyncio.get_running_loop()
         if self._output_task is None or self._output_task.get_loop() is not loop:
+            self._errored_event = asyncio.Event()
+            if self._error is not None:
+                self._errored_event.set()
             self._output_task = loop.create_task(self._drain_outputs(zmq.asyncio.Socket.from_socket(self._output)))
 
     async def _drain_outputs(self, output: zmq.asyncio.Socket) -> None:
-        while True:
+        while self._error is None:
             if not await output.poll(timeout=int(DEATH_POLL_S * 1000)):
                 if not self.process.is_alive():
-                    self._fail_all(EngineDeadError(
-                        f"the engine core died (exit code {self.process.exitcode})"))
-                    return
+                    self._set_errored(EngineDeadError(f"the engine core died (exit code {self.process.exitcode})"))
                 continue
             kind, payload = await output.recv_multipart()
+            if kind == core_process.DEAD:
+                self._on_failure(core_process.decode_failure(payload))
+                continue
             if kind != core_process.OUTPUTS:
                 continue
             outputs = core_process.decode_outputs(payload)
@@ -141,21 +150,55 @@ class AsyncLLM:
         c["prefix_cache_queries"] += stats.prefix_cache_queries
         c["prefix_cache_hits"] += stats.prefix_cache_hits
 
+    def _on_failure(self, failure: EngineCoreFailure) -> None:
+        # Each request's state ends as the engine core ended it (FinishReason.ERROR); their streams
+        # get the error itself, not a normal-looking last output.
+        self.output_processor.process_outputs(failure.outputs)
+        logger.error("the engine core failed: %s (%d requests ended with it)", failure.message, len(failure.outputs))
+        self._set_errored(EngineDeadError(f"the engine core failed: {failure.message}"))
+
+    def _set_errored(self, error: EngineDeadError) -> None:
+        self._error = error
+        self._fail_all(error)
+        if self._errored_event is not None:
+            self._errored_event.set()
+
     def _fail_all(self, error: Exception) -> None:
-        self._dead = True
         for stream in self._streams.values():
-            stream.put_nowait(error)
+            stream.put_nowait(type(error)(*error.args))  # one instance per stream: each gets its own traceback
 
     def stop_requests(self, reason: str) -> None:
-        """Refuse new requests and end every open stream with `EngineDeadError(reason)` (shutdown)."""
-        self._fail_all(EngineDeadError(reason))
+        """Refuse new requests and end every open stream with `EngineStoppedError(reason)` (shutdown)."""
+        self._stopped = True
+        self._fail_all(EngineStoppedError(reason))
+
+    async def wait_until_errored(self) -> EngineDeadError:
+        """Return (the error) once the engine core has failed or died; never returns while it serves."""
+        self._ensure_output_task()
+        assert self._errored_event is not None
+        await self._errored_event.wait()
+        assert self._error is not None
+        return self._error
 
     def _send(self, kind: bytes, payload) -> None:
         self._input.send_multipart([kind, self._encoder.encode(payload)], copy=False)
 
     @property
     def is_running(self) -> bool:
-        return not self._dead and self.process.is_alive()
+        return not self._stopped and self._error is None and self.process.is_alive()
+
+    @property
+    def error(self) -> EngineDeadError | None:
+        """Why the engine core stopped serving (a failed step, or its process died); None while it serves."""
+        return self._error
+
+    def not_running_error(self) -> Exception:
+        """The error for a request that arrives when the engine no longer serves."""
+        if self._error is not None:
+            return EngineDeadError(f"the engine core is not running: {self._error}")
+        if self._stopped:
+            return EngineStoppedError("the engine is shutting down")
+        return EngineDeadError(f"the engine core is not running (exit code {self.process.exitcode})")
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -166,7 +209,7 @@ class AsyncLLM:
         on the first output only, and nothing is yielded before they are complete); else one final
         output."""
         if not self.is_running:
-            raise EngineDeadError("the engine core is not running")
+            raise self.not_running_error()
         self._ensure_output_task()
         request_id = request_id or uuid.uuid4().hex
         arrival = time.time()
@@ -184,31 +227,32 @@ class AsyncLLM:
             self.num_waiting_requests += 1
             waiting = True
             while not finished:
-                latest = await queue.get()
-                while not queue.empty():  # coalesce what piled up while we were away
-                    latest = queue.get_nowait()
+                latest, error = await _next_output(queue)
                 if waiting:
                     self.num_waiting_requests -= 1
                     waiting = False
-                if isinstance(latest, Exception):
-                    raise latest
-                finished = latest.finished
-                if stream:
-                    if params.prompt_logprobs is not None:
-                        if prompt_logprobs_sent:
-                            latest = replace(latest, prompt_logprobs=None)
-                        elif latest.prompt_logprobs is None and not finished:
-                            continue  # another sample ran ahead of the prompt's scoring: hold it
-                        else:
-                            prompt_logprobs_sent = True
-                    yield _delta(latest, sent)
-                elif finished:
-                    yield latest
+                if latest is not None:
+                    finished = latest.finished
+                    if stream:
+                        held = False
+                        if params.prompt_logprobs is not None:
+                            if prompt_logprobs_sent:
+                                latest = replace(latest, prompt_logprobs=None)
+                            elif latest.prompt_logprobs is None and not finished:
+                                held = True  # another sample ran ahead of the prompt's scoring: hold it
+                            else:
+                                prompt_logprobs_sent = True
+                        if not held:
+                            yield _delta(latest, sent)
+                    elif finished:
+                        yield latest
+                if error is not None and not finished:
+                    raise error
         finally:
             if waiting:
                 self.num_waiting_requests -= 1
             self._streams.pop(request_id, None)
-            if not finished and not self._dead:
+            if not finished and self.is_running:
                 self._abort(request_id)
 
     async def abort(self, request_id: str) -> None:
@@ -240,6 +284,17 @@ class AsyncLLM:
                 os.unlink(addr.removeprefix("ipc://"))
             except OSError:
                 pass
+
+
+async def _next_output(queue: asyncio.Queue) -> tuple[RequestOutput | None, Exception | None]:
+    """What piled up in a request's queue while its consumer was away: the latest output (they are
+    cumulative, so it holds the others) and the error that ended the request, if one came."""
+    items = [await queue.get()]
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    outputs = [item for item in items if not isinstance(item, Exception)]
+    error = next((item for item in items if isinstance(item, Exception)), None)
+    return (outputs[-1] if outputs else None), error
 
 
 class _Sent:

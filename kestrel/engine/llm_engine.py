@@ -12,6 +12,7 @@ import time
 from kestrel.config import EngineArgs, EngineConfig
 from kestrel.core.engine_core import EngineCore
 from kestrel.engine.arg_utils import create_engine_config
+from kestrel.engine.exceptions import EngineDeadError
 from kestrel.engine.output_processor import OutputProcessor
 from kestrel.engine.processor import Processor, PromptType
 from kestrel.engine.stat_logger import LoggingStatLogger
@@ -34,6 +35,7 @@ class LLMEngine:
         self.engine_core = EngineCore(config, Executor.get_class(config.parallel)(config, source))
         self.last_stats: SchedulerStats | None = None
         self.stat_logger = LoggingStatLogger.from_config(config)
+        self.error: EngineDeadError | None = None  # set when a step fails: the engine serves no more
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -43,6 +45,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Validate and queue one request; raises ValueError (queueing nothing) on bad input."""
+        self._check_alive()
         arrival_time = arrival_time if arrival_time is not None else time.time()
         text, ids, core_requests = self.processor.process(request_id, prompt, params, arrival_time, priority)
         self.output_processor.add_request(request_id, text, ids, params,
@@ -51,13 +54,22 @@ class LLMEngine:
             self.engine_core.add_request(request)
 
     def abort_request(self, request_ids: list[str]) -> None:
-        self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
+        children = self.output_processor.abort_requests(request_ids)
+        if self.error is None:  # after a failed step the engine core's state is not touched again
+            self.engine_core.abort_requests(children)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        outputs = self.engine_core.step()
+        """Run one engine step. If it raises, the engine is dead: `EngineDeadError` (the cause
+        chained), now and on every later call."""
+        self._check_alive()
+        try:
+            outputs = self.engine_core.step()
+        except Exception as e:
+            self.error = EngineDeadError(f"the engine failed in a step: {type(e).__name__}: {e}")
+            raise self.error from e
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats
             self.stat_logger.record(outputs.scheduler_stats)
@@ -65,6 +77,10 @@ class LLMEngine:
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"{self.error}; create a new engine")
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -1,0 +1,105 @@
+"""`/v1/chat/completions`: the model's chat template over the messages, `n` samples, logprobs,
+streamed as SSE (a role chunk per sample first) or answered at once."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from kestrel.entrypoints.openai.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+    UsageInfo,
+    random_id,
+)
+from kestrel.entrypoints.openai.serving_engine import (
+    MAX_LOGPROBS,
+    Admission,
+    APIError,
+    OpenAIServing,
+    sampling_params_from,
+    sse,
+)
+from kestrel.outputs import CompletionOutput
+from kestrel.sampling_params import SamplingParams
+
+
+class OpenAIServingChat(OpenAIServing):
+
+    async def chat(self, req: ChatCompletionRequest, admission: Admission):
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", 400,
+                           "top_logprobs")
+        ids = await self.in_tokenizer_thread(self.chat_prompt_ids, req.messages, req.add_generation_prompt,
+                                             req.chat_template_kwargs)
+        max_tokens, param = req.max_tokens, "max_tokens"
+        if req.max_completion_tokens is not None:
+            max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+        top = req.top_logprobs or 0
+        params = sampling_params_from(req, self.resolve_max_tokens(max_tokens, len(ids), param),
+                                      top if req.logprobs else None)
+        request_id = random_id("chatcmpl")
+        prompt = {"prompt_token_ids": ids}
+        self.validate(request_id, prompt, params)
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self.stream_response(self._chat_stream(req, prompt, params, request_id, created, len(ids), top,
+                                                          include_usage, admission))
+        final = None
+        async for out in self.generate(prompt, params, request_id, False, admission):
+            final = out
+        self.observe(final)
+        choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                                        logprobs=self.chat_logprobs(c, top) if req.logprobs else None,
+                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                   for c in sorted(final.outputs, key=lambda c: c.index)]
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
+                                      usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
+                                                      total_tokens=len(ids) + completion_tokens)).model_dump()
+
+    def chat_logprobs(self, c: CompletionOutput, top: int) -> ChatChoiceLogprobs:
+        content = []
+        for tid, entry in zip(c.token_ids, c.logprobs or []):
+            lp = entry.get(tid)
+            tok = self.token_text(tid, lp)
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top]
+            content.append(ChatTokenLogprob(
+                token=tok, logprob=lp.logprob if lp is not None else float("-inf"), bytes=list(tok.encode()),
+                top_logprobs=[TopLogprob(token=(t := self.token_text(i, v)), logprob=v.logprob,
+                                         bytes=list(t.encode())) for i, v in ranked]))
+        return ChatChoiceLogprobs(content=content)
+
+    async def _chat_stream(self, req: ChatCompletionRequest, prompt: dict, params: SamplingParams,
+                           request_id: str, created: int, prompt_len: int, top: int,
+                           include_usage: bool, admission: Admission) -> AsyncIterator[str]:
+        def chunk(choice: ChatStreamChoice) -> str:
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[choice]))
+
+        for i in range(params.n):
+            yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+        completion_tokens = 0
+        async for out in self.generate(prompt, params, request_id, True, admission):
+            for c in out.outputs:
+                if not c.text and not c.token_ids and c.finish_reason is None:
+                    continue
+                completion_tokens += len(c.token_ids)
+                yield chunk(ChatStreamChoice(
+                    index=c.index, delta=DeltaMessage(content=c.text if (c.text or c.finish_reason is None) else None),
+                    logprobs=self.chat_logprobs(c, top) if req.logprobs else None, finish_reason=c.finish_reason))
+            if out.finished:
+                self.observe(out, completion_tokens)
+        if include_usage:
+            yield sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[],
+                                          usage=UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion_tokens,
+                                                          total_tokens=prompt_len + completion_tokens)))

@@ -1,0 +1,166 @@
+"""`/v1/completions`: one or several prompts (text or token ids), `n` samples each, echo, logprobs,
+streamed as SSE or answered at once."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kestrel.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+    random_id,
+)
+from kestrel.entrypoints.openai.serving_engine import (
+    Admission,
+    APIError,
+    OpenAIServing,
+    merge,
+    sampling_params_from,
+    sse,
+)
+from kestrel.outputs import CompletionOutput, RequestOutput
+
+# One prompt's request: (request id, engine prompt, sampling params, prompt text or None, prompt ids).
+Job = tuple[str, dict, Any, str | None, list[int]]
+
+
+class OpenAIServingCompletion(OpenAIServing):
+
+    async def completions(self, req: CompletionRequest, admission: Admission):
+        self.check_model(req.model)
+        if req.logprobs is not None and req.logprobs < 0:
+            raise APIError(f"logprobs must be non-negative, got {req.logprobs}", 400, "logprobs")
+        prompts = await self.in_tokenizer_thread(self.completion_prompts, req.prompt)
+        request_id = random_id("cmpl")
+        jobs: list[Job] = []
+        for i, (text, ids) in enumerate(prompts):
+            params = sampling_params_from(req, self.resolve_max_tokens(req.max_tokens, len(ids)), req.logprobs)
+            if req.echo and req.logprobs is not None:  # the echoed prompt tokens get logprobs too
+                params = params.clone(prompt_logprobs=req.logprobs)
+            prompt = {"prompt_token_ids": ids, "prompt": text}
+            self.validate(f"{request_id}-{i}", prompt, params)
+            jobs.append((f"{request_id}-{i}", prompt, params, text, ids))
+        created, n = int(time.time()), req.n
+
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self.stream_response(self._completion_stream(req, jobs, request_id, created, n, include_usage,
+                                                                admission))
+
+        iters = [self.generate(p, sp, rid, False, admission) for rid, p, sp, _, _ in jobs]
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in merge(iters):
+            finals[i] = out
+        choices, usage = [], UsageInfo()
+        for i, (_, _, _, text, ids) in enumerate(jobs):
+            out = finals[i]
+            usage.prompt_tokens += len(ids)
+            self.observe(out)
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                usage.completion_tokens += len(c.token_ids)
+                prefix = self.echo_text(text, ids) if req.echo else ""
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs, _ = self.completion_logprobs(c, 0, ids if req.echo else None, out.prompt_logprobs)
+                choices.append(CompletionChoice(index=i * n + c.index, text=prefix + c.text, logprobs=logprobs,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
+                                  usage=usage).model_dump()
+
+    def completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) per prompt (blocking: call through `in_tokenizer_thread`)."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError("prompt is empty", 400, "prompt")
+        if all(isinstance(p, int) for p in prompt):
+            prompt = [prompt]
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                if not p:
+                    raise APIError("prompt is empty", 400, "prompt")
+                out.append((p, self.tokenizer.encode(p, add_special_tokens=True)))
+            else:
+                if not p:
+                    raise APIError("prompt is empty (it has no tokens)", 400, "prompt")
+                self.check_ids(p)
+                out.append((None, list(p)))
+        return out
+
+    def echo_text(self, text: str | None, ids: list[int]) -> str:
+        return text if text is not None else self.tokenizer.decode(ids)
+
+    def completion_logprobs(self, c: CompletionOutput, offset: int, prompt_ids: list[int] | None = None,
+                            prompt_logprobs: list | None = None) -> tuple[CompletionLogprobs, int]:
+        """Echoed prompt tokens (scored from `prompt_logprobs` where given; the first prompt token
+        never is), then the generated ones."""
+        out = CompletionLogprobs()
+        for k, tid in enumerate(prompt_ids or []):
+            entry = prompt_logprobs[k] if prompt_logprobs is not None and k < len(prompt_logprobs) else None
+            lp = entry.get(tid) if entry is not None else None
+            tok = self.token_text(tid, lp)
+            out.tokens.append(tok)
+            out.token_logprobs.append(lp.logprob if lp is not None else None)
+            out.top_logprobs.append({self.token_text(t, v): v.logprob for t, v in entry.items()}
+                                    if entry is not None else None)
+            out.text_offset.append(offset)
+            offset += len(tok)
+        for tid, entry in zip(c.token_ids, c.logprobs or []):
+            lp = entry.get(tid)
+            tok = self.token_text(tid, lp)
+            out.tokens.append(tok)
+            out.token_logprobs.append(lp.logprob if lp is not None else None)
+            out.top_logprobs.append({self.token_text(t, v): v.logprob for t, v in entry.items()})
+            out.text_offset.append(offset)
+            offset += len(tok)
+        return out, offset
+
+    async def _completion_stream(self, req: CompletionRequest, jobs: list[Job], request_id: str, created: int,
+                                 n: int, include_usage: bool, admission: Admission) -> AsyncIterator[str]:
+        iters = [self.generate(p, sp, rid, True, admission) for rid, p, sp, _, _ in jobs]
+        offsets: dict[int, int] = {}
+        started: set[int] = set()
+        completion_tokens = 0
+        ntokens: dict[int, int] = {}
+        prompt_logprobs: dict[int, list] = {}  # per prompt: sent once, on its first output
+
+        def chunk(choice: CompletionChoice) -> str:
+            return sse(CompletionChunk(id=request_id, created=created, model=self.model_name, choices=[choice]))
+
+        async for i, out in merge(iters):
+            text, ids = jobs[i][3], jobs[i][4]
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[i] = out.prompt_logprobs
+            for c in out.outputs:
+                index = i * n + c.index
+                prefix, echo_ids = "", None
+                if index not in started:
+                    started.add(index)
+                    if req.echo:
+                        prefix, echo_ids = self.echo_text(text, ids), ids
+                if not c.text and not c.token_ids and c.finish_reason is None and not prefix:
+                    continue
+                completion_tokens += len(c.token_ids)
+                ntokens[i] = ntokens.get(i, 0) + len(c.token_ids)
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs, offsets[index] = self.completion_logprobs(c, offsets.get(index, 0), echo_ids,
+                                                                        prompt_logprobs.get(i))
+                yield chunk(CompletionChoice(index=index, text=prefix + c.text, logprobs=logprobs,
+                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            if out.finished:
+                self.observe(out, ntokens.get(i, 0))
+        if include_usage:
+            prompt_tokens = sum(len(j[4]) for j in jobs)
+            yield sse(CompletionChunk(id=request_id, created=created, model=self.model_name, choices=[],
+                                      usage=UsageInfo(prompt_tokens=prompt_tokens,
+                                                      completion_tokens=completion_tokens,
+                                                      total_tokens=prompt_tokens + completion_tokens)))

@@ -1,0 +1,373 @@
+"""What every OpenAI endpoint shares: errors in OpenAI's shape, reading and checking a request body,
+tokenizing off the event loop, the admission limit, handing requests to the engine, SSE streams.
+
+Every error is OpenAI-shaped, `{"error": {"message", "type", "param", "code"}}`: 400 for bad input
+(malformed or too deeply nested JSON, wrong types, invalid values, prompt + max_tokens over
+max_model_len), 413 for an oversized body, 429 when the queue is full, 500 for a request the engine
+failed while running it, 503 once the engine no longer serves. No bad input gives a 5xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from kestrel.engine.exceptions import EngineDeadError, EngineStoppedError
+from kestrel.entrypoints.openai.metrics import ServerMetrics
+from kestrel.entrypoints.openai.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingFields
+from kestrel.outputs import RequestOutput
+from kestrel.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+MAX_N = 128          # samples per prompt
+MAX_LOGPROBS = 20    # top logprobs per token, as vLLM's default max_logprobs
+INT64_MAX = 2**63 - 1
+# Bodies larger than this are parsed off the event loop (json.loads of 8 MiB takes tens of ms).
+PARSE_IN_THREAD_BYTES = 1 << 20
+
+T = TypeVar("T")
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+class APIError(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    return ErrorResponse(error=ErrorInfo(message=message, type=_ERROR_TYPES.get(status, HTTPStatus(status).phrase),
+                                         param=param, code=status)).model_dump()
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+def engine_error(exc: Exception) -> APIError | None:
+    """The HTTP answer for a request the engine ended with an error; None if `exc` is not one."""
+    if isinstance(exc, EngineDeadError):
+        return APIError(f"the engine failed while running this request: {exc}", 500)
+    if isinstance(exc, EngineStoppedError):
+        return APIError(f"the request failed: {exc}", 503)
+    return None
+
+
+def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    where = ".".join(loc)
+    return (f"{where}: {first.get('msg')}" if where else str(first.get("msg"))), (loc[0] if loc else None)
+
+
+# ---- reading a request ----------------------------------------------------------------------------
+
+async def read_json(request: Request, max_body_bytes: int) -> Any:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_body_bytes:
+            raise APIError(f"request body exceeds the limit of {max_body_bytes} bytes", 413)
+    if len(body) > PARSE_IN_THREAD_BYTES:
+        return await asyncio.to_thread(parse_json, bytes(body))
+    return parse_json(body)
+
+
+def parse_json(body: bytes | bytearray) -> Any:
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"malformed JSON body: {e}") from None
+    except RecursionError:
+        # `[[[[...]]]]` deeper than the interpreter's recursion limit: the caller's input, not our fault.
+        raise APIError("malformed JSON body: it is nested too deeply") from None
+
+
+def parse_body(model: type[BaseModel], obj: Any) -> Any:
+    if not isinstance(obj, dict):
+        raise APIError("the request body must be a JSON object")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        message, param = validation_message(e)
+        raise APIError(message, 400, param) from None
+    except RecursionError:
+        raise APIError("the request body is nested too deeply") from None
+
+
+def sampling_params_from(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    kw: dict[str, Any] = dict(n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                              ignore_eos=req.ignore_eos, seed=req.seed, logprobs=logprobs,
+                              skip_special_tokens=req.skip_special_tokens,
+                              include_stop_str_in_output=req.include_stop_str_in_output,
+                              stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+                              stop_token_ids=list(req.stop_token_ids or []))
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    # Bounds that keep one request from swamping or breaking the engine core.
+    for name, value in kw.items():
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, int) and not -INT64_MAX <= v <= INT64_MAX for v in values):
+            raise APIError(f"{name} is out of range, got {value!r}", 400, name)
+    if req.n > MAX_N:
+        raise APIError(f"n must be at most {MAX_N}, got {req.n}", 400, "n")
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        raise APIError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}", 400, "logprobs")
+    params = SamplingParams(**kw)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise APIError(str(e), 400, str(e).split(" ", 1)[0]) from None
+    return params
+
+
+def message_text(m: ChatMessage) -> str:
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    parts = []
+    for part in m.content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(f"only text content parts are supported, got {part.get('type')!r}", 400, "messages")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+# ---- admission ------------------------------------------------------------------------------------
+
+class QueueLimit:
+    """`--max-queued-requests`: answer 429 while this many accepted requests have no output yet.
+
+    A request counts from its admission, first here (`num_preparing`, while its prompt is tokenized
+    off the event loop and others are admitted meanwhile), then in the engine
+    (`AsyncLLM.num_waiting_requests`) from the moment it is added there until its first output."""
+
+    def __init__(self, engine, limit: int | None) -> None:
+        self.engine, self.limit = engine, limit
+        self.num_preparing = 0
+
+    def admit(self) -> Admission:
+        if self.limit is not None and self.engine.num_waiting_requests + self.num_preparing >= self.limit:
+            raise APIError(f"the server is at its limit of {self.limit} queued requests; retry later", 429)
+        self.num_preparing += 1
+        return Admission(self)
+
+
+class Admission:
+    """One admitted request's place in `QueueLimit.num_preparing`; released once, by whichever comes
+    first: its hand-over to the engine, or the end of its handler."""
+    __slots__ = ("limit", "released")
+
+    def __init__(self, limit: QueueLimit) -> None:
+        self.limit, self.released = limit, False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.limit.num_preparing -= 1
+
+
+# ---- async helpers --------------------------------------------------------------------------------
+
+async def merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave async iterators, yielding (index, item); cancels the rest if one fails or the
+    consumer stops (which aborts their requests)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(i: int, it: AsyncIterator) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item, None))
+            await queue.put((i, done, None))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, done, e))
+
+    tasks = [asyncio.create_task(drain(i, it)) for i, it in enumerate(iterators)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if item is done:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_disconnected(request: Request) -> None:
+    """Return when the client goes away (call only once the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, coro) -> Any:
+    """Run a non-streaming handler, cancelling it (and so aborting its requests in the engine core)
+    if the client disconnects first. Streaming responses watch for the disconnect themselves."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, watch):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(work, watch, return_exceptions=True)
+    if work.cancelled():
+        # Nobody is listening; 499 as nginx logs it ("client closed request").
+        return Response(status_code=499)
+    return work.result()
+
+
+def sse(obj: BaseModel | dict) -> str:
+    data = obj.model_dump_json(exclude_none=False) if isinstance(obj, BaseModel) else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+# ---- the base of every endpoint's serving class ----------------------------------------------------
+
+class OpenAIServing:
+    """Model checks, prompt tokenizing (in `tokenizer_pool`, never on the event loop), the hand-over
+    to the engine, metrics, and SSE responses, for the endpoint classes built on it."""
+
+    def __init__(self, engine, served_model_name: str, metrics: ServerMetrics,
+                 tokenizer_pool: ThreadPoolExecutor) -> None:
+        self.engine = engine
+        self.model_name = served_model_name
+        self.metrics = metrics
+        self.max_model_len = engine.config.model.max_model_len
+        self.vocab_size = engine.config.model.vocab_size
+        self.tokenizer = engine.tokenizer
+        self.tokenizer_pool = tokenizer_pool
+
+    async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run `fn` (tokenizing, templating, decoding long inputs) on the tokenizer thread, so that a
+        5 MB prompt does not stop the event loop from answering /health and the other requests."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_pool, functools.partial(fn, *args, **kwargs))
+
+    # -- input ------------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.model_name,):
+            raise APIError(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           404, "model")
+
+    def check_ids(self, ids: list[int], param: str = "prompt") -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise APIError(f"token id {bad} is out of range for a vocabulary of {self.vocab_size}", 400, param)
+
+    def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                        kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The chat template applied and tokenized (blocking: call through `in_tokenizer_thread`)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError("this model's tokenizer has no chat template; use /v1/completions", 400, "messages")
+        conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True, return_dict=False, **(kwargs or {}))
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template error is the caller's input
+            raise APIError(f"could not apply the chat template: {e}", 400, "messages") from None
+        return list(ids)
+
+    def resolve_max_tokens(self, max_tokens: int | None, prompt_len: int, param: str = "max_tokens") -> int:
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(f"{param} must be at least 1, got {max_tokens}", 400, param)
+        if max_tokens is None:
+            if prompt_len >= self.max_model_len:
+                raise APIError(f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                               f"prompt has {prompt_len} tokens, which leaves no room to generate", 400, "prompt")
+            return self.max_model_len - prompt_len
+        if prompt_len + max_tokens > self.max_model_len:
+            raise APIError(f"this model's maximum context length is {self.max_model_len} tokens; the request has "
+                           f"{prompt_len} prompt tokens and asks for {max_tokens} completion tokens "
+                           f"({prompt_len + max_tokens} in total)", 400, param)
+        return max_tokens
+
+    def validate(self, request_id: str, prompt: dict, params: SamplingParams) -> None:
+        try:
+            self.engine.processor.process(request_id, prompt, params)
+        except ValueError as e:
+            raise APIError(str(e), 400) from None
+
+    async def generate(self, prompt: dict, params: SamplingParams, request_id: str, stream: bool,
+                       admission: Admission) -> AsyncIterator[RequestOutput]:
+        outputs = self.engine.generate(prompt, params, request_id, stream=stream)
+        # The engine adds the request (and counts it as waiting) in its first step, which runs in
+        # the same turn of the event loop as this line: the admission hands its place over without
+        # a gap in which another request could slip past the limit.
+        admission.release()
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()
+
+    # -- output -----------------------------------------------------------------------------------
+
+    def token_text(self, tid: int, lp) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([tid])
+
+    def observe(self, out: RequestOutput | None, num_tokens: int | None = None) -> None:
+        if out is None:
+            return
+        if num_tokens is None:
+            num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        self.metrics.observe_finished(out.metrics, num_tokens, [c.finish_reason for c in out.outputs])
+
+    def stream_response(self, events: AsyncIterator[str]) -> StreamingResponse:
+        """An SSE response; an error after the headers went out is one error event, then [DONE]."""
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for event in events:
+                    yield event
+            except Exception as e:  # noqa: BLE001 - the headers are sent; report in-band
+                error = engine_error(e)
+                if error is None:
+                    logger.exception("streaming request failed")
+                    error = APIError(f"the request failed: {e}", 503 if not self.engine.is_running else 500)
+                yield sse(error_body(error.message, error.status))
+            finally:
+                await events.aclose()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
