@@ -14,6 +14,7 @@ import torch
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30  # as vLLM's CPU backend: 4 GiB unless --kv-cache-memory says otherwise
+INT8_KV_BLOCK = 16  # tokens per block of the int8 KV cache (K is stored transposed within each block)
 
 
 @dataclass(frozen=True)

@@ -160,9 +160,10 @@ def test_dispatch_takes_the_kernel_for_bf16():
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(5, 576, generator=gen).bfloat16()
     qw, ws = _int8_weight(960, 576, gen)
-    assert Q._int8_kernels(x, qw) is kernels
-    assert Q._int8_kernels(x.float(), qw) is None
-    assert _same_bits(Q.linear_int8(x, qw, ws), kernels.linear_int8_amx(x, qw, ws))
+    matmul = Q.select_int8_matmul(torch.device("cpu"), torch.bfloat16)
+    assert matmul is not Q.linear_int8_reference
+    assert Q.select_int8_matmul(torch.device("cpu"), torch.float32) is Q.linear_int8_reference
+    assert _same_bits(Q.linear_int8(x, qw, ws, matmul=matmul), kernels.linear_int8_amx(x, qw, ws))
 
 
 # ---- the model and the engine -------------------------------------------------------------------
@@ -206,7 +207,12 @@ def test_engine_gives_the_same_tokens_with_the_kernel_and_the_reference(tiny_bf1
     engine_check(llm)
     del llm
     calls = []
-    monkeypatch.setattr(Q, "_int8_kernels", lambda x, w: calls.append(1))  # always None: the reference
+
+    def counted_reference(x, qweight, scale):
+        calls.append(1)
+        return Q.linear_int8_reference(x, qweight, scale)
+
+    monkeypatch.setattr(Q, "select_int8_matmul", lambda device, dtype: counted_reference)
     llm = LLM(**kw)
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert calls, "the reference path did not run"

@@ -9,14 +9,13 @@ from __future__ import annotations
 import logging
 import time
 
-from kestrel.config import (CacheConfig, DeviceConfig, EngineArgs, EngineConfig, SchedulerConfig, resolve_bytes,
-                            resolve_device, resolve_dtype)
+from kestrel.config import (INT8_KV_BLOCK, CacheConfig, DeviceConfig, EngineArgs, EngineConfig, SchedulerConfig,
+                            resolve_bytes, resolve_device, resolve_dtype)
 from kestrel.core.engine_core import EngineCore
 from kestrel.engine.output_processor import OutputProcessor
 from kestrel.engine.processor import Processor, PromptType
 from kestrel.messages import SchedulerStats
 from kestrel.model import model_config_from_hf
-from kestrel.model.attention import INT8_BLOCK
 from kestrel.model.loader import ModelSource, load_config, load_tokenizer, resolve_model
 from kestrel.outputs import RequestOutput
 from kestrel.sampling_params import SamplingParams
@@ -46,8 +45,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, o
         raise ValueError(f"block_size must be a power of two, got {args.block_size}")
     if args.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {args.kv_cache_dtype!r}")
-    if args.kv_cache_dtype == "int8" and args.block_size != INT8_BLOCK:
-        raise ValueError(f"--kv-cache-dtype int8 stores K in blocks of {INT8_BLOCK} tokens; "
+    if args.kv_cache_dtype == "int8" and args.block_size != INT8_KV_BLOCK:
+        raise ValueError(f"--kv-cache-dtype int8 stores K in blocks of {INT8_KV_BLOCK} tokens; "
                          f"--block-size {args.block_size} is not supported with it")
     budget = args.max_num_batched_tokens
     if budget is None:
