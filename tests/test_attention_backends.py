@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from parity import assert_greedy_close, kestrel_greedy, save_tiny_llama, worker_of
 
 from kestrel import LLM
-from kestrel.attention import (CpuKernelsBackend, TorchSDPABackend, cpu_backend_unavailable,
+from kestrel.attention import (CommonAttentionMetadata, CpuKernelsBackend, TorchSDPABackend, cpu_backend_unavailable,
                                select_attention_backend)
+from kestrel.attention.torch_sdpa import DECODE_GROUP_SLOTS, decode_attention
 from kestrel.config import DeviceConfig, EngineArgs
 from kestrel.engine.llm_engine import create_engine_config
 from kestrel.ops import cpu_kernels
+from kestrel.ops.dispatch import rotary_reference
 
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="needs the compiled CPU kernels")
 
@@ -105,3 +108,33 @@ def test_both_backends_give_the_same_greedy_tokens(tiny, dtype, kv_cache_dtype, 
     atol, allowed_to_differ = (2e-3, 1) if dtype == "float32" else (0.1, 2)
     num_exact = assert_greedy_close(runs["torch"], runs["cpu"], exact=False, logprob_atol=atol)
     assert num_exact >= len(prompts) - allowed_to_differ
+
+
+def test_reference_cuts_decodes_into_groups_of_bounded_padding():
+    """The reference's decode groups (longest first): each at most DECODE_GROUP_SLOTS padded slots, or
+    one member alone; masks hide each member's padding; the output matches attention row by row."""
+    bs, kv_heads, heads, d = 16, 2, 4, 64
+    lens = np.array([2100, 1000, 30, 30, 17], dtype=np.int64)
+    blocks_needed = -(-lens // bs)
+    table = np.zeros((len(lens), blocks_needed[0]), dtype=np.int64)
+    next_block = 1
+    for i, n in enumerate(blocks_needed):
+        table[i, :n] = np.arange(next_block, next_block + n)
+        next_block += n
+    gen = torch.Generator().manual_seed(0)
+    cache = tuple(torch.randn(next_block * bs, kv_heads, d, generator=gen) for _ in range(2))
+    q = torch.randn(len(lens), heads, d, generator=gen)
+    common = CommonAttentionMetadata(torch.zeros(len(lens), dtype=torch.long), bs, len(lens), torch.from_numpy(table),
+                                     torch.from_numpy(lens), lens, [])
+    backend = TorchSDPABackend(torch.float32, rotary_reference)
+    meta = backend.build_metadata(common)
+    assert [(g.token_start, g.token_end) for g in meta.decodes] == [(0, 1), (1, 3), (3, 5)]
+    for g in meta.decodes[1:]:
+        assert g.mask.shape[-1] <= DECODE_GROUP_SLOTS
+    out = backend.forward(q, None, None, cache, meta, d ** -0.5)
+    for i, length in enumerate(lens.tolist()):
+        blocks = torch.from_numpy(table[i:i + 1, :-(-length // bs)])
+        alone = CommonAttentionMetadata(torch.zeros(1, dtype=torch.long), bs, 1, blocks,
+                                        torch.tensor([length]), np.array([length]), [])
+        group = backend.build_metadata(alone).decodes[0]
+        torch.testing.assert_close(out[i:i + 1], decode_attention(q[i:i + 1], cache, group, bs, d ** -0.5))

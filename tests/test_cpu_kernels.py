@@ -220,7 +220,7 @@ def test_argmax_rows_ties_infinities_and_nan_follow_torch():
 
 
 linear_f32 = pytest.mark.skipif(kernels is None or f32_kernels() is None,
-                                reason="this build of the kernels has no linear_f32")
+                                reason="needs linear_f32 (the AVX2 build has it)")
 
 
 @linear_f32

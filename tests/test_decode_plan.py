@@ -24,7 +24,8 @@ has_plan = cpu_kernels() is not None and amx_gemv() is not None
 needs_plan = pytest.mark.skipif(not has_plan, reason="the plan needs the compiled kernels and AMX")
 # On a build with linear_f32 (the AVX2 one) a float32 model gets a plan of its own, its projections on it.
 has_f32_plan = cpu_kernels() is not None and f32_kernels() is not None
-needs_f32_plan = pytest.mark.skipif(not has_f32_plan, reason="the float32 plan needs a build with linear_f32")
+needs_f32_plan = pytest.mark.skipif(not has_f32_plan,
+                                    reason="the float32 plan needs linear_f32 (the AVX2 build has it)")
 
 
 @pytest.fixture(scope="module")
