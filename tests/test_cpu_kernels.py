@@ -46,7 +46,7 @@ def test_paged_decode_attention_matches_sdpa(dtype, head_dim, group, kv_heads):
     lens = [1, 15, 16, 17, 33, 100, 257]  # block boundaries and a one-token context
     q, k, v, table, seq_lens = _paged_case(dtype, head_dim, group, kv_heads, lens)
     scale = head_dim ** -0.5
-    out = kernels.pageddecode_attention(q, k, v, table, seq_lens, 16, scale)
+    out = kernels.paged_decode_attention(q, k, v, table, seq_lens, 16, scale)
     span = table.shape[1] * 16
     visible = torch.arange(span)[None, :] < seq_lens[:, None]
     mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).view(len(lens), 1, 1, span)
@@ -85,7 +85,7 @@ def test_paged_decode_attention_bf16_paths(threads, q_dtype, block_size, head_di
     q, k, v, table, seq_lens = _paged_case(torch.bfloat16, head_dim, group, kv_heads, lens, block_size, seed=1)
     q = q.to(q_dtype)
     scale = head_dim ** -0.5
-    out = kernels.pageddecode_attention(q, k, v, table, seq_lens, block_size, scale)
+    out = kernels.paged_decode_attention(q, k, v, table, seq_lens, block_size, scale)
     torch.testing.assert_close(out, _reference(q, k, v, table, seq_lens, block_size, scale),
                                atol=TOL[torch.float32], rtol=1e-4)
 
@@ -98,7 +98,7 @@ def test_paged_decode_attention_batch_of_one(threads, q_dtype, num_threads, leng
     threads(num_threads)
     q, k, v, table, seq_lens = _paged_case(torch.bfloat16, 64, 3, 3, [length], seed=length)
     q = q.to(q_dtype)
-    out = kernels.pageddecode_attention(q, k, v, table, seq_lens, 16, 0.125)
+    out = kernels.paged_decode_attention(q, k, v, table, seq_lens, 16, 0.125)
     torch.testing.assert_close(out, _reference(q, k, v, table, seq_lens, 16, 0.125),
                                atol=TOL[torch.float32], rtol=1e-4)
 
@@ -108,8 +108,8 @@ def test_paged_decode_attention_in_q_dtype_rounds_as_to(q_dtype):
     """in_q_dtype: the float32 result rounded once, bit for bit as .to(q.dtype) rounds it."""
     q, k, v, table, seq_lens = _paged_case(torch.bfloat16, 64, 3, 3, [700, 33, 1, 200], seed=5)
     q = q.to(q_dtype)
-    wide = kernels.pageddecode_attention(q, k, v, table, seq_lens, 16, 0.125)
-    rounded = kernels.pageddecode_attention(q, k, v, table, seq_lens, 16, 0.125, in_q_dtype=True)
+    wide = kernels.paged_decode_attention(q, k, v, table, seq_lens, 16, 0.125)
+    rounded = kernels.paged_decode_attention(q, k, v, table, seq_lens, 16, 0.125, in_q_dtype=True)
     assert wide.dtype == torch.float32 and rounded.dtype == q_dtype
     assert torch.equal(rounded, wide.to(q_dtype))
 
@@ -120,7 +120,7 @@ def test_paged_decode_attention_bf16_large_scores():
     ramp = torch.linspace(0, 6, k.shape[0])[:, None, None]
     k = (k.float() * 3 + ramp).bfloat16()
     q = (q.float() * 3).bfloat16()
-    out = kernels.pageddecode_attention(q, k, v, table, seq_lens, 16, 0.125)
+    out = kernels.paged_decode_attention(q, k, v, table, seq_lens, 16, 0.125)
     torch.testing.assert_close(out, _reference(q, k, v, table, seq_lens, 16, 0.125),
                                atol=TOL[torch.float32], rtol=1e-4)
 
@@ -129,7 +129,7 @@ def test_paged_decode_attention_bf16_large_scores():
 @pytest.mark.parametrize("block_size", [16, 8])
 def test_paged_decode_attention_reads_only_its_blocks(dtype, block_size):
     q, k, v, table, seq_lens = _paged_case(dtype, 64, 3, 3, [20, 40, 3], block_size)
-    before = kernels.pageddecode_attention(q, k, v, table, seq_lens, block_size, 0.125)
+    before = kernels.paged_decode_attention(q, k, v, table, seq_lens, block_size, 0.125)
     # Poison every slot the requests do not own (including positions past each length).
     owned = torch.zeros(k.shape[0], dtype=torch.bool)
     for i, L in enumerate(seq_lens.tolist()):
@@ -137,7 +137,7 @@ def test_paged_decode_attention_reads_only_its_blocks(dtype, block_size):
             owned[table[i, t // block_size] * block_size + t % block_size] = True
     k[~owned] = float("nan")
     v[~owned] = float("nan")
-    after = kernels.pageddecode_attention(q, k, v, table, seq_lens, block_size, 0.125)
+    after = kernels.paged_decode_attention(q, k, v, table, seq_lens, block_size, 0.125)
     assert not after.isnan().any()
     torch.testing.assert_close(before, after)
 
