@@ -1,5 +1,5 @@
 """The small-batch bf16 linear kernels (kestrel/ops/cpu_gemv.cpp: AVX512-BF16 and AMX) against torch,
-and the dispatch in kestrel.model.layers.linear."""
+and the linear op selected for bf16 models (kestrel/ops/dispatch.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kestrel.model import layers
-from kestrel.ops import cpu_gemv
+from kestrel.ops import cpu_gemv, dispatch
 
 kernels = cpu_gemv()
 pytestmark = pytest.mark.skipif(kernels is None, reason="needs a CPU with AVX512-BF16 and a C++ compiler")
@@ -88,13 +87,10 @@ def test_amx_rejects_what_it_cannot_do():
 
 @pytest.mark.parametrize("use_amx", [True, False])
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 64, 128, 129])
-def test_linear_dispatch_matches_torch(rows, use_amx, monkeypatch):
+def test_linear_dispatch_matches_torch(rows, use_amx):
     calls = []
 
     class Spy:
-        def amx_usable(self):
-            return use_amx
-
         def linear_bf16_small(self, x, w):
             calls.append(("small", x.shape[0]))
             return kernels.linear_bf16_small(x, w)
@@ -103,28 +99,31 @@ def test_linear_dispatch_matches_torch(rows, use_amx, monkeypatch):
             calls.append(("amx", x.shape[0]))
             return kernels.linear_bf16_amx(x, w) if kernels.amx_usable() else F.linear(x, w)
 
-    monkeypatch.setattr(layers, "cpu_gemv", lambda: Spy())
-    layers._amx_usable.cache_clear()
-    try:
-        x = torch.randn(rows, 576).bfloat16()
-        w = (torch.randn(960, 576) * 0.05).bfloat16()
-        y = layers.linear(x, w)
-        assert ((y.double() - F.linear(x, w).double()).abs() <= F.linear(x, w).double().abs() * 2 ** -7 + 1e-6).all()
-        if use_amx and rows <= layers.AMX_MAX_ROWS:
-            expected = [("amx", rows)]
-        elif not use_amx and rows <= layers.SMALL_BATCH_ROWS:
-            expected = [("small", rows)]
-        else:
-            expected = []
-        assert calls == expected
-        # float32 (the parity tests' dtype), biased layers and widths the kernels cannot tile always
-        # take torch's path.
-        layers.linear(x.float(), w.float())
-        layers.linear(x, w, torch.zeros(960, dtype=torch.bfloat16))
-        layers.linear(x[:, :48].contiguous(), w[:, :48].contiguous())
-        assert calls == expected
-    finally:
-        layers._amx_usable.cache_clear()
+    linear = (dispatch._amx_linear(Spy()) if use_amx else dispatch._small_batch_linear(Spy())).linear
+    x = torch.randn(rows, 576).bfloat16()
+    w = (torch.randn(960, 576) * 0.05).bfloat16()
+    y = linear(x, w)
+    assert ((y.double() - F.linear(x, w).double()).abs() <= F.linear(x, w).double().abs() * 2 ** -7 + 1e-6).all()
+    if use_amx and rows <= dispatch.AMX_MAX_ROWS:
+        expected = [("amx", rows)]
+    elif not use_amx and rows <= dispatch.SMALL_BATCH_ROWS:
+        expected = [("small", rows)]
+    else:
+        expected = []
+    assert calls == expected
+    # float32, biased layers and widths the kernels cannot tile always take torch's path.
+    linear(x.float(), w.float())
+    linear(x, w, torch.zeros(960, dtype=torch.bfloat16))
+    linear(x[:, :48].contiguous(), w[:, :48].contiguous())
+    assert calls == expected
+
+
+def test_bf16_models_take_the_amx_linear_where_amx_runs(monkeypatch):
+    ops = dispatch.select_linear(torch.device("cpu"), torch.bfloat16)
+    assert (ops.plan_matmul is not None) == (dispatch.amx_gemv() is not None)
+    monkeypatch.setenv("KESTREL_DISABLE_AMX", "1")
+    assert dispatch.select_linear(torch.device("cpu"), torch.bfloat16).plan_matmul is None
+    assert dispatch.select_linear(torch.device("meta"), torch.bfloat16).linear is F.linear
 
 
 @amx
@@ -135,6 +134,7 @@ def test_amx_float_out_is_the_bf16_result_widened(rows):
     w = (torch.randn(4096, 576, generator=gen) * 0.05).bfloat16()
     y = kernels.linear_bf16_amx(x, w, float_out=True)
     assert y.dtype == torch.float32 and torch.equal(y, kernels.linear_bf16_amx(x, w).float())
-    assert torch.equal(layers.linear_to_float(x, w), y)
+    ops = dispatch.select_linear(torch.device("cpu"), torch.bfloat16)
+    assert torch.equal(ops.linear_to_float(x, w), y)
     # float32 inputs (the parity tests) keep torch's path
-    assert torch.equal(layers.linear_to_float(x.float(), w.float()), F.linear(x.float(), w.float()))
+    assert torch.equal(ops.linear_to_float(x.float(), w.float()), F.linear(x.float(), w.float()))

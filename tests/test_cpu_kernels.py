@@ -5,9 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kestrel.model.attention import DecodeGroup, _decode_attention
+from kestrel.attention.torch_sdpa import DecodeGroup, decode_attention
 from kestrel.model.layers import rms_norm_reference
 from kestrel.ops import cpu_kernels, cpu_kernels_source
+from kestrel.ops.dispatch import F32_MAX_ROWS, f32_kernels, select_linear
 
 # Without AVX-512 or AVX2 the kernels are not built and the PyTorch path (covered by the parity tests)
 # runs. With either, a kernel that fails to build is a failure here, not a silent fallback; the tests
@@ -50,7 +51,7 @@ def test_paged_decode_attention_matches_sdpa(dtype, head_dim, group, kv_heads):
     visible = torch.arange(span)[None, :] < seq_lens[:, None]
     mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).view(len(lens), 1, 1, span)
     group_meta = DecodeGroup(0, len(lens), table, seq_lens, mask)
-    ref = _decode_attention(q.float(), (k.float(), v.float()), group_meta, 16, scale)
+    ref = decode_attention(q.float(), (k.float(), v.float()), group_meta, 16, scale)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=1e-4)
 
@@ -60,7 +61,7 @@ def _reference(q, k, v, table, seq_lens, block_size, scale):
     visible = torch.arange(span)[None, :] < seq_lens[:, None]
     mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).view(len(seq_lens), 1, 1, span)
     group_meta = DecodeGroup(0, len(seq_lens), table, seq_lens, mask)
-    return _decode_attention(q.float(), (k.float(), v.float()), group_meta, block_size, scale)
+    return decode_attention(q.float(), (k.float(), v.float()), group_meta, block_size, scale)
 
 
 @pytest.fixture
@@ -170,7 +171,7 @@ def test_silu_and_mul(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, heads, kv_heads, head_dim", [(1, 9, 3, 64), (37, 4, 4, 128), (300, 8, 2, 64)])
 def test_rotary_write_kv_is_bit_exact_with_the_reference(dtype, tokens, heads, kv_heads, head_dim):
-    from kestrel.model.attention import write_kv
+    from kestrel.attention import write_kv
     from kestrel.model.layers import RotaryEmbedding, apply_rotary
     g = torch.Generator().manual_seed(tokens)
     qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=g).to(dtype)
@@ -218,7 +219,8 @@ def test_argmax_rows_ties_infinities_and_nan_follow_torch():
         kernels.argmax_rows(x.bfloat16())
 
 
-linear_f32 = pytest.mark.skipif(not hasattr(kernels, "linear_f32"), reason="linear_f32 is in the AVX2 build only")
+linear_f32 = pytest.mark.skipif(kernels is None or f32_kernels() is None,
+                                reason="needs linear_f32 (the AVX2 build has it)")
 
 
 @linear_f32
@@ -233,16 +235,17 @@ def test_linear_f32_matches_torch(rows, out_features, in_features):
 
 @linear_f32
 def test_linear_takes_the_f32_kernel_for_decode_sized_batches():
-    from kestrel.model import layers
+    ops = select_linear(torch.device("cpu"), torch.float32)
+    assert ops.plan_matmul is not None and ops.plan_matmul.kernel is kernels.linear_f32
     g = torch.Generator().manual_seed(0)
     w, bias = torch.randn(960, 576, generator=g), torch.randn(960, generator=g)
-    for rows in (1, layers.F32_MAX_ROWS):
+    for rows in (1, F32_MAX_ROWS):
         x = torch.randn(rows, 576, generator=g)
-        assert torch.equal(layers.linear(x, w), kernels.linear_f32(x, w))
-        assert torch.equal(layers.linear(x, w, bias), kernels.linear_f32(x, w) + bias)
-    # Prefill-sized batches, and bf16, take torch's GEMM.
-    many = torch.randn(layers.F32_MAX_ROWS + 1, 576, generator=g)
-    assert torch.equal(layers.linear(many, w), F.linear(many, w))
+        assert torch.equal(ops.linear(x, w), kernels.linear_f32(x, w))
+        assert torch.equal(ops.linear(x, w, bias), kernels.linear_f32(x, w) + bias)
+    # Prefill-sized batches take torch's GEMM.
+    many = torch.randn(F32_MAX_ROWS + 1, 576, generator=g)
+    assert torch.equal(ops.linear(many, w), F.linear(many, w))
 
 
 @linear_f32

@@ -1,16 +1,18 @@
 """The AMX prefill-attention kernel (kestrel/ops/cpu_prefill.cpp) against exact attention and SDPA,
-and its wiring in kestrel.model.attention (fresh prompts, chunks over a cached context)."""
+and its wiring in the CPU kernels attention backend (fresh prompts, chunks over a cached context)."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kestrel.model.attention import AttentionMetadata, PrefillChunk, paged_attention
-from kestrel.ops import _cpu_flags, cpu_prefill
+from kestrel.attention import CommonAttentionMetadata, CpuKernelsBackend, PrefillSpan, TorchSDPABackend, write_kv
+from kestrel.ops import _cpu_flags, cpu_kernels, cpu_prefill
+from kestrel.ops.dispatch import select_rotary
 
 _has_amx = {"amx_bf16", "amx_tile", "avx512f"} <= _cpu_flags()
 kernels = cpu_prefill()
@@ -101,13 +103,12 @@ def test_rejects_what_it_cannot_do():
         kernels.prefill_attention(q.transpose(1, 2).contiguous().transpose(1, 2), kv, kv, 1.0)  # strided D
 
 
-def test_paged_attention_uses_it_for_fresh_and_continued_chunks():
+def test_cpu_backend_uses_it_for_fresh_and_continued_chunks():
     """A step of two prefill chunks, one a fresh prompt and one continuing a context already in the
-    paged cache: the kernel path agrees with the SDPA path."""
+    paged cache: the CPU backend (on the kernel) agrees with the PyTorch reference backend (SDPA)."""
     heads, kv_heads, d, bs = 9, 3, 64, 16
     gen = torch.Generator().manual_seed(3)
-    cache = (torch.zeros(64 * bs, kv_heads, d, dtype=torch.bfloat16),
-             torch.zeros(64 * bs, kv_heads, d, dtype=torch.bfloat16))
+    cache = tuple(torch.zeros(64 * bs, kv_heads, d, dtype=torch.bfloat16) for _ in range(2))
     # Request B: 50 tokens already cached in blocks 7, 3, 9, 12; this step brings tokens 50..69.
     table_b = torch.tensor([7, 3, 9, 12, 20])
     ctx = torch.randn(2, 50, kv_heads, d, generator=gen).bfloat16()
@@ -120,13 +121,15 @@ def test_paged_attention_uses_it_for_fresh_and_continued_chunks():
     v = torch.randn(n_a + n_b, kv_heads, d, generator=gen).bfloat16()
     new = torch.arange(50, 70)
     slots = torch.cat([torch.tensor([30 * bs]) + torch.arange(n_a), table_b[new // bs] * bs + new % bs])
-    mask_b = torch.arange(5 * bs)[None, :] <= new[:, None]
-    sdpa_chunks = [PrefillChunk(0, n_a, None, None, n_a), PrefillChunk(n_a, n_a + n_b, table_b, mask_b, 70)]
-    kernel_chunks = [PrefillChunk(0, n_a, None, None, n_a), PrefillChunk(n_a, n_a + n_b, table_b, None, 70)]
-    outs = []
-    for chunks, kernel in ((sdpa_chunks, None), (kernel_chunks, kernels.prefill_attention)):
-        meta = AttentionMetadata(slot_mapping=slots, block_size=bs, decodes=[], prefills=chunks, prefill_kernel=kernel)
-        outs.append(paged_attention(q, k, v, cache, meta, 0.125))
+    write_kv(cache, k, v, slots)
+    spans = [PrefillSpan(0, n_a, 0, np.array([30, 31, 32])), PrefillSpan(n_a, n_a + n_b, 50, table_b.numpy())]
+    no_decodes = torch.zeros(0, dtype=torch.long)
+    common = CommonAttentionMetadata(slots, bs, 0, no_decodes.view(0, 0), no_decodes, np.zeros(0, dtype=np.int64),
+                                     spans)
+    rotary = select_rotary(torch.device("cpu"), torch.bfloat16)
+    backends = (TorchSDPABackend(torch.bfloat16, rotary),
+                CpuKernelsBackend(cpu_kernels(), kernels.prefill_attention, False, rotary))
+    outs = [b.forward(q, k, v, cache, b.build_metadata(common), 0.125) for b in backends]
     sdpa_out, kernel_out = (o.double() for o in outs)
     assert (kernel_out - sdpa_out).abs().max().item() < 2 ** -5
     # Each query's output is a weighted mean of the V rows it may see: the chunk over a context

@@ -1,29 +1,31 @@
 """The decode plan (kestrel/model/decode_plan.py): decode-only steps run as pre-bound kernel calls,
 and must give bit-identical hidden states to the model's own forward, hence the same tokens and
 logprobs, in bf16, with --quantization int8 and with --kv-cache-dtype int8 (on AMX), and in float32
-(on the AVX2 build)."""
+(on a build with linear_f32). --enforce-eager runs every step through the forward instead."""
 
 from __future__ import annotations
 
 import functools
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from parity import save_tiny_llama, save_tiny_model, worker_of
 
 from kestrel import LLM, SamplingParams
-from kestrel.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from kestrel.attention import CommonAttentionMetadata, PrefillSpan
 from kestrel.model.decode_plan import DecodePlan
 from kestrel.model.layers import F32_MAX_ROWS
-from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels
+from kestrel.ops import cpu_kernels
+from kestrel.ops.dispatch import amx_gemv, f32_kernels
 
-gemv = cpu_gemv()
-has_plan = cpu_kernels() is not None and gemv is not None and gemv.amx_usable() and not amx_disabled()
+has_plan = cpu_kernels() is not None and amx_gemv() is not None
 needs_plan = pytest.mark.skipif(not has_plan, reason="the plan needs the compiled kernels and AMX")
-# On the AVX2 build a float32 model gets a plan of its own, its projections on linear_f32.
-has_f32_plan = hasattr(cpu_kernels(), "linear_f32")
-needs_f32_plan = pytest.mark.skipif(not has_f32_plan, reason="the float32 plan needs the AVX2 build of the kernels")
+# On a build with linear_f32 (the AVX2 one) a float32 model gets a plan of its own, its projections on it.
+has_f32_plan = cpu_kernels() is not None and f32_kernels() is not None
+needs_f32_plan = pytest.mark.skipif(not has_f32_plan,
+                                    reason="the float32 plan needs linear_f32 (the AVX2 build has it)")
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +88,7 @@ def test_float32_plan_gives_the_model_forward_bit_for_bit(model, kv_cache_dtype,
     plan = runner.decode_plan
     assert plan is not None and plan.max_rows == F32_MAX_ROWS
     assert not isinstance(plan.layers[0].qkv_proj, torch.nn.Module)   # bound straight to linear_f32
-    native = plan.native_layers(runner.kv_caches, runner.decode_kernel)
+    native = plan.native_layers(runner.kv_caches)
     assert (native is not None) == (model == "tiny_bf16" and kv_cache_dtype == "auto")
     _check_plan_against_the_forward(llm, engine_check)
 
@@ -104,7 +106,7 @@ def test_native_layer_loop_matches_the_python_loop(tiny_bf16):
         python_loop = plan(ids, positions, kv_caches, meta)   # rewrites the same K/V to the same slots
         plan.native_class = native_class
         native = plan(ids, positions, kv_caches, meta)
-        assert plan.native_layers(kv_caches, meta.decode_kernel) is not None
+        assert plan.native_layers(kv_caches) is not None
         assert torch.equal(native, python_loop)
         steps.append(ids.shape[0])
         return native
@@ -123,11 +125,12 @@ def _check_plan_against_the_forward(llm: LLM, engine_check) -> None:
     def checked(ids, positions, kv_caches, meta):
         hidden = plan(ids, positions, kv_caches, meta)
         # The model's forward rewrites the same K/V to the same slots: running it second is harmless.
-        assert torch.equal(hidden, runner.model(ids, positions, kv_caches, meta))
+        assert torch.equal(hidden, runner.model(ids, positions, kv_caches, runner.attn.build_metadata(meta)))
         rows_seen.append(ids.shape[0])
         return hidden
 
-    runner.decode_plan = type("Checked", (), {"covers": staticmethod(plan.covers), "__call__": staticmethod(checked)})()
+    runner.decode_plan = type("Checked", (), {"covers": staticmethod(plan.covers),
+                                              "__call__": staticmethod(checked)})()
     with_plan = _generate(llm)
     engine_check(llm)
     assert rows_seen and max(rows_seen) >= 5 and 1 in rows_seen
@@ -137,23 +140,20 @@ def _check_plan_against_the_forward(llm: LLM, engine_check) -> None:
     assert all(len(tokens) == 20 for tokens, _ in with_plan)
 
 
-@pytest.mark.skipif(cpu_kernels() is None, reason="needs the compiled decode attention")
-def test_plan_covers_only_decode_steps_the_kernels_serve():
-    table, lens = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)
-    kernel = cpu_kernels().paged_decode_attention
-    decode = DecodeGroup(0, 1, table, lens, None)
+def test_plan_covers_decode_only_steps_within_its_rows():
     covers = functools.partial(DecodePlan.covers, SimpleNamespace(max_rows=128))  # an AMX plan's rows
 
-    def meta(decodes, prefills=(), kernel=kernel):
-        return AttentionMetadata(torch.zeros(1, dtype=torch.long), 16, list(decodes), list(prefills), kernel)
+    def batch(num_decodes, prefills=()):
+        lens = np.full(num_decodes, 5, dtype=np.int64)
+        return CommonAttentionMetadata(torch.zeros(num_decodes, dtype=torch.long), 16, num_decodes,
+                                       torch.ones(num_decodes, 1, dtype=torch.long), torch.from_numpy(lens), lens,
+                                       list(prefills))
 
-    assert covers(1, meta([decode]))
-    assert covers(128, meta([decode]))
-    assert not covers(129, meta([decode]))                  # beyond the AMX matmul's rows
-    assert not covers(1, meta([decode], kernel=None))       # the PyTorch attention path
-    assert not covers(1, meta([DecodeGroup(0, 1, table, lens, torch.zeros(1, 1, 1, 16))]))
-    assert not covers(5, meta([decode], [PrefillChunk(1, 5, None, None, 4)]))   # mixed step
-    assert not covers(4, meta([], [PrefillChunk(0, 4, None, None, 4)]))
+    assert covers(batch(1))
+    assert covers(batch(128))
+    assert not covers(batch(129))                                                  # beyond the AMX matmul's rows
+    assert not covers(batch(1, [PrefillSpan(1, 5, 0, np.zeros(1, dtype=np.int64))]))   # mixed step
+    assert not covers(batch(0, [PrefillSpan(0, 4, 0, np.zeros(1, dtype=np.int64))]))   # prefill only
 
 
 @needs_plan
@@ -164,7 +164,10 @@ def test_plan_is_built_only_where_it_applies(tiny_bf16):
     assert not isinstance(plan.layers[0].qkv_proj, torch.nn.Module)   # bound straight to the AMX kernel
     del llm
     llm = LLM(model=tiny_bf16, dtype="float32", max_model_len=128, kv_cache_memory=8 << 20)
-    assert _runner_of(llm).decode_plan is None
+    assert (_runner_of(llm).decode_plan is not None) == has_f32_plan   # float32: only on a build with linear_f32
+    del llm
+    llm = LLM(model=tiny_bf16, dtype="bfloat16", max_model_len=128, kv_cache_memory=8 << 20, attention_backend="torch")
+    assert _runner_of(llm).decode_plan is None                        # the PyTorch attention has no decode kernels
 
 
 def test_no_plan_without_amx(tiny_bf16, monkeypatch):
@@ -173,3 +176,37 @@ def test_no_plan_without_amx(tiny_bf16, monkeypatch):
     assert _runner_of(llm).decode_plan is None
     out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@needs_plan
+def test_enforce_eager_runs_every_step_through_the_forward(tiny_bf16):
+    """--enforce-eager: no plan is built, every step runs the model's forward, and greedy tokens and
+    logprobs are those of a run with the plan (which is bit-identical to the forward)."""
+    kw = dict(model=tiny_bf16, dtype="bfloat16", max_model_len=512, kv_cache_memory=16 << 20,
+              max_num_batched_tokens=64)
+    llm = LLM(**kw)
+    runner = _runner_of(llm)
+    plan, plan_steps = runner.decode_plan, []
+    assert plan is not None
+
+    def counted(*args):
+        plan_steps.append(1)
+        return plan(*args)
+
+    runner.decode_plan = type("Counted", (), {"covers": staticmethod(plan.covers), "__call__": staticmethod(counted)})()
+    with_plan = _generate(llm)
+    assert plan_steps
+    del llm, runner
+    eager = LLM(**kw, enforce_eager=True)
+    runner = _runner_of(eager)
+    assert runner.decode_plan is None
+    forward_calls = []
+    model_forward = runner.model.forward
+
+    def forward(*args):
+        forward_calls.append(args[0].shape[0])
+        return model_forward(*args)
+
+    runner.model.forward = forward
+    assert _generate(eager) == with_plan
+    assert 1 in forward_calls and len(forward_calls) >= 19   # decode steps of one row went through it

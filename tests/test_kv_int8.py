@@ -1,4 +1,4 @@
-"""--kv-cache-dtype int8: the quantized KV cache (layout in kestrel/model/attention.py). The write
+"""--kv-cache-dtype int8: the quantized KV cache (layout in kestrel/attention/kv_cache.py). The write
 kernel is bit-identical to the PyTorch reference, decode attention over it matches attention over the
 dequantized cache, and the engine runs with it: ~1.9x the blocks, prefix caching, chunked prefill,
 preemption, and its cost in agreement with the default engine. (The decode plan on it:
@@ -12,7 +12,8 @@ import torch
 from parity import save_tiny_llama, worker_of
 
 from kestrel import LLM, SamplingParams
-from kestrel.model.attention import DecodeGroup, _decode_attention, gather_kv, quantize_rows, write_kv
+from kestrel.attention import gather_kv, quantize_rows, write_kv
+from kestrel.attention.torch_sdpa import DecodeGroup, decode_attention
 from kestrel.model.layers import RotaryEmbedding, apply_rotary
 from kestrel.ops import cpu_kernels
 
@@ -99,7 +100,7 @@ def _int8_reference(q, cache, table, seq_lens, head_dim):
     visible = torch.arange(span)[None, :] < seq_lens[:, None]
     mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).view(len(seq_lens), 1, 1, span)
     group = DecodeGroup(0, len(seq_lens), table, seq_lens, mask)
-    return _decode_attention(q.float(), cache, group, 16, head_dim ** -0.5)
+    return decode_attention(q.float(), cache, group, 16, head_dim ** -0.5)
 
 
 @pytest.fixture
@@ -193,7 +194,7 @@ def test_engine_runs_on_the_int8_cache(tiny_bf16, kernel_mode, monkeypatch, requ
     llm = LLM(**{**_kw(tiny_bf16, kv_cache_dtype="int8", max_num_batched_tokens=64), "kv_cache_memory": None,
                  "num_kv_blocks": 36})
     runner = worker_of(llm).runner
-    assert (runner.decode_kernel is not None) == (kernel_mode == "compiled")
+    assert runner.attn.name == ("cpu" if kernel_mode == "compiled" else "torch")
     first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     again = [o.outputs[0].token_ids for o in outs]
@@ -216,7 +217,7 @@ def test_default_model_agrees_with_the_bf16_cache():
 
 
 def test_benchmark_reports_name_the_cache():
-    from kestrel.bench.throughput_report import _precision
+    from kestrel.bench.throughput import _precision
     assert _precision({"dtype": "bfloat16"}) == "bfloat16"
     assert _precision({"dtype": "bfloat16", "kv_cache_dtype": "auto", "quantization": None}) == "bfloat16"
     assert _precision({"dtype": "bfloat16", "kv_cache_dtype": "int8", "quantization": "int8"}) == \

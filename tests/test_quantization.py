@@ -5,6 +5,8 @@ without it, and the cost in agreement on the default model (kestrel bench parity
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from parity import save_tiny_llama, worker_of
@@ -107,6 +109,9 @@ def test_unknown_method_is_refused():
 # ---- the AMX-INT8 kernel ------------------------------------------------------------------------
 
 def test_kernel_builds_where_the_cpu_has_amx_int8():
+    if os.environ.get("KESTREL_DISABLE_CPU_KERNELS") == "1":   # switched off: bf16 models take the reference
+        assert Q.select_int8_matmul(torch.device("cpu"), torch.bfloat16) is Q.linear_int8_reference
+        return
     flags = _cpu_flags()
     if {"amx_int8", "amx_bf16", "amx_tile", "avx512_bf16"} <= flags:
         assert has_int8_kernel, "the CPU has AMX-INT8 but the int8 kernel did not build or run"
@@ -160,9 +165,10 @@ def test_dispatch_takes_the_kernel_for_bf16():
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(5, 576, generator=gen).bfloat16()
     qw, ws = _int8_weight(960, 576, gen)
-    assert Q._int8_kernels(x, qw) is kernels
-    assert Q._int8_kernels(x.float(), qw) is None
-    assert _same_bits(Q.linear_int8(x, qw, ws), kernels.linear_int8_amx(x, qw, ws))
+    matmul = Q.select_int8_matmul(torch.device("cpu"), torch.bfloat16)
+    assert matmul is not Q.linear_int8_reference
+    assert Q.select_int8_matmul(torch.device("cpu"), torch.float32) is Q.linear_int8_reference
+    assert _same_bits(Q.linear_int8(x, qw, ws, matmul=matmul), kernels.linear_int8_amx(x, qw, ws))
 
 
 # ---- the model and the engine -------------------------------------------------------------------
@@ -206,7 +212,12 @@ def test_engine_gives_the_same_tokens_with_the_kernel_and_the_reference(tiny_bf1
     engine_check(llm)
     del llm
     calls = []
-    monkeypatch.setattr(Q, "_int8_kernels", lambda x, w: calls.append(1))  # always None: the reference
+
+    def counted_reference(x, qweight, scale):
+        calls.append(1)
+        return Q.linear_int8_reference(x, qweight, scale)
+
+    monkeypatch.setattr(Q, "select_int8_matmul", lambda device, dtype: counted_reference)
     llm = LLM(**kw)
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert calls, "the reference path did not run"

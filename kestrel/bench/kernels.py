@@ -56,19 +56,22 @@ def linear_table(rows_list: list[int], calls: int, hidden: int = 576, intermedia
                  qkv_out: int = 960) -> str:
     import torch
 
-    from kestrel.model.layers import linear
-    from kestrel.model.quantization import _int8_kernels, linear_int8, symmetric_int8
+    from kestrel.model.quantization import linear_int8, linear_int8_reference, select_int8_matmul, symmetric_int8
+    from kestrel.ops.dispatch import select_linear
 
     shapes = [(qkv_out, hidden), (hidden, hidden), (2 * intermediate, hidden), (hidden, intermediate)]
     weights = [torch.randn(n, k).mul_(0.05).bfloat16() for n, k in shapes]
     quantized = [symmetric_int8(w) for w in weights]
-    if _int8_kernels(torch.zeros(1, hidden, dtype=torch.bfloat16), quantized[0][0]) is None:
+    linear = select_linear(torch.device("cpu"), torch.bfloat16).linear
+    int8_matmul = select_int8_matmul(torch.device("cpu"), torch.bfloat16)
+    if int8_matmul is linear_int8_reference:
         raise SystemExit("the AMX-INT8 kernel is not available on this machine")
     table = ["| rows | bf16 | int8 (W8A8) | speed-up |", "|---|---|---|---|"]
     for rows in rows_list:
         xs = [torch.randn(rows, k).bfloat16() for _, k in shapes]
         bf16 = lambda xs=xs: [linear(x, w) for x, w in zip(xs, weights)]  # noqa: E731
-        int8 = lambda xs=xs: [linear_int8(x, q, s) for x, (q, s) in zip(xs, quantized)]  # noqa: E731
+        int8 = lambda xs=xs: [linear_int8(x, q, s, matmul=int8_matmul)  # noqa: E731
+                              for x, (q, s) in zip(xs, quantized)]
         t_bf16, t_int8 = _interleaved_median_us(bf16, int8, calls)
         table.append(f"| {rows} | {t_bf16:.0f} µs | {t_int8:.0f} µs | {t_bf16 / t_int8:.2f}× |")
     return "\n".join(table)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kestrel.attention import AttentionBackend
 from kestrel.config import ModelConfig
 from kestrel.model.llama import LlamaForCausalLM
 from kestrel.model.quantization import check_quantization
+from kestrel.ops.dispatch import select_ops
 
 # model_type in the checkpoint's config → our module, and whether q/k are normalised per head.
 ARCHITECTURES: dict[str, tuple[type[nn.Module], bool]] = {
@@ -71,7 +73,9 @@ def model_config_from_hf(hf_config, *, model: str | None, dtype: torch.dtype,
     )
 
 
-def build_model(cfg: ModelConfig, device: torch.device) -> nn.Module:
+def build_model(cfg: ModelConfig, device: torch.device, attn: AttentionBackend | None = None) -> nn.Module:
+    """The model on `device`, its ops selected once for the device and dtype (kestrel/ops/dispatch.py),
+    its attention on `attn` (by default the PyTorch reference)."""
     cls = ARCHITECTURES[cfg.architecture][0]
     with torch.device(device):
-        return cls(cfg).eval()
+        return cls(cfg, select_ops(device, cfg.dtype), attn).eval()

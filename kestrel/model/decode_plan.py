@@ -11,12 +11,17 @@ AVX2 build (no q/k norms, no biases, the float cache) the list itself runs in C+
 (`DecodeLayersF32`): the same kernels in the same order, without the Python between them (~2 ms of
 a ~27 ms batch-1 step on 2 AVX2 cores).
 
+The plan takes its kernels from the selections made once for the model: the op families'
+(`model.ops.plan_kernels`: the norm and activation kernels and the matmul its projections bind) and the
+attention backend's (`decode_step_kernels`: the fused rotary + KV write and decode attention, for the
+float or the int8 cache). Where either has none (no compiled kernels, a bf16 model without AMX, a
+float32 model on a build without linear_f32, the PyTorch attention backend) there is no plan, and
+every step runs the model's own forward; so does every step under --enforce-eager.
+
 Invariant: a step the plan covers gives bit-identical hidden states to `LlamaForCausalLM.forward`
-(same kernels, same order, same roundings); tests/test_decode_plan.py holds it to that. A plan is
-built for a bf16 model where the CPU has AMX (its projections on the AMX matmul), or for a float32
-model on the AVX2 build of the kernels (its projections on linear_f32). Everything else (prefill
-chunks, mixed steps, more rows than the bound matmul takes, no compiled kernels) runs the model's
-own forward.
+(same kernels, same order, same roundings); tests/test_decode_plan.py holds it to that. The plan
+covers decode-only steps of no more rows than its bound matmul takes; everything else (prefill
+chunks, mixed steps, more rows) runs the model's forward.
 """
 
 from __future__ import annotations
@@ -26,10 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.model.attention import AttentionMetadata, KVCache, is_int8
-from kestrel.model.layers import AMX_MAX_ROWS, F32_MAX_ROWS, Linear
-from kestrel.model.layers import rms_norm as head_rms_norm  # kernel or PyTorch, by the input's layout
-from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels
+from kestrel.attention import AttentionBackend, CommonAttentionMetadata, DecodeStepKernels, KVCache
+from kestrel.model.layers import Linear
+from kestrel.ops.dispatch import PlanKernels, PlanMatmul
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
@@ -57,9 +61,10 @@ class LayerPlan:
 
 
 class DecodePlan:
-    def __init__(self, model: torch.nn.Module, layers: list[LayerPlan], max_rows: int) -> None:
+    def __init__(self, model: torch.nn.Module, layers: list[LayerPlan], kernels: PlanKernels,
+                 step: DecodeStepKernels) -> None:
         cfg = model.cfg
-        self.max_rows = max_rows  # the most rows the bound matmul takes (linear would pick another above)
+        self.max_rows = kernels.matmul.max_rows  # the most rows the bound matmul takes
         self.embed = model.embed_tokens.weight
         self.rotary = model.rotary
         self.layers = layers
@@ -67,27 +72,25 @@ class DecodePlan:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim ** -0.5
-        kernels = cpu_kernels()
         self.rms_norm = kernels.rms_norm
-        self.rotary_write_kv = kernels.rotary_write_kv
-        self.rotary_write_kv_int8 = kernels.rotary_write_kv_int8
+        self.head_rms_norm = model.ops.rms_norm   # the q/k norms, as the model's forward runs them
         self.silu_and_mul = kernels.silu_and_mul
-        # The whole layer loop in one C++ call (float32 on the AVX2 build, no q/k norms or biases,
-        # the float cache): built on the first step, once the KV caches exist.
-        self.native_class = getattr(kernels, "DecodeLayersF32", None) if self._native_eligible(model) else None
+        self.rotary_write_kv = step.rotary_write_kv
+        self.decode_attention = step.decode_attention
+        # The whole layer loop in one C++ call (float32 where the build has DecodeLayersF32, no q/k norms,
+        # every projection bound, the float cache): built on the first step, once the KV caches exist.
+        self.native_class = kernels.matmul.layer_loop if self._native_eligible(model, kernels.matmul, step) else None
         self._native: tuple[list[KVCache], Callable] | None = None
 
-    def _native_eligible(self, model: torch.nn.Module) -> bool:
-        return (model.cfg.dtype == torch.float32 and not model.cfg.qk_norm
-                and all(isinstance(p, BoundMatmul) and p.matmul is cpu_kernels().linear_f32
+    def _native_eligible(self, model: torch.nn.Module, matmul: PlanMatmul, step: DecodeStepKernels) -> bool:
+        return (model.cfg.dtype == torch.float32 and not model.cfg.qk_norm and not step.kv_int8
+                and all(isinstance(p, BoundMatmul) and p.matmul is matmul.kernel
                         for layer in self.layers
                         for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)))
 
-    def native_layers(self, kv_caches: list[KVCache], attend: Callable) -> Callable | None:
-        """The C++ layer loop for these caches, or None where the Python loop runs (int8 cache, or
-        an attention kernel other than the float one)."""
-        if (self.native_class is None or is_int8(kv_caches[0])
-                or attend is not cpu_kernels().paged_decode_attention):
+    def native_layers(self, kv_caches: list[KVCache]) -> Callable | None:
+        """The C++ layer loop for these caches, or None where the Python loop runs."""
+        if self.native_class is None:
             return None
         if self._native is None or self._native[0] is not kv_caches:
             weights = [t for layer in self.layers for t in (
@@ -98,53 +101,43 @@ class DecodePlan:
         return self._native[1]
 
     @classmethod
-    def build(cls, model: torch.nn.Module) -> DecodePlan | None:
-        """A plan for `model`, or None where its decode steps need the general forward."""
+    def build(cls, model: torch.nn.Module, attn: AttentionBackend) -> DecodePlan | None:
+        """A plan for `model` on `attn`, or None where its decode steps need the general forward."""
         cfg = getattr(model, "cfg", None)
+        ops = getattr(model, "ops", None)
         # The elementwise kernels take rows of a multiple of 32 values (the model's forward falls
         # back to PyTorch elsewhere; the plan has no fallback).
-        if (cfg is None or cfg.hidden_size % 32 or (2 * cfg.intermediate_size) % 32
-                or next(model.parameters()).device.type != "cpu"):
+        if cfg is None or ops is None or cfg.hidden_size % 32 or (2 * cfg.intermediate_size) % 32:
             return None
-        kernels = cpu_kernels()
-        if kernels is None:
+        kernels, step = ops.plan_kernels, attn.decode_step_kernels()
+        if kernels is None or step is None:
             return None
-        if cfg.dtype == torch.bfloat16:
-            gemv = cpu_gemv()
-            if gemv is None or amx_disabled() or not gemv.amx_usable():
-                return None
-            bind, max_rows = (lambda m: _projection(m, gemv.linear_bf16_amx, torch.bfloat16, 16, 32)), AMX_MAX_ROWS
-        elif cfg.dtype == torch.float32 and hasattr(kernels, "linear_f32"):
-            bind, max_rows = (lambda m: _projection(m, kernels.linear_f32, torch.float32, 1, 8)), F32_MAX_ROWS
-        else:
-            return None
-        layers = [LayerPlan(layer.input_layernorm.weight, bind(layer.qkv_proj), bind(layer.o_proj),
-                            layer.post_attention_layernorm.weight, bind(layer.gate_up_proj), bind(layer.down_proj),
+        matmul = kernels.matmul
+        layers = [LayerPlan(layer.input_layernorm.weight, _projection(layer.qkv_proj, matmul),
+                            _projection(layer.o_proj, matmul), layer.post_attention_layernorm.weight,
+                            _projection(layer.gate_up_proj, matmul), _projection(layer.down_proj, matmul),
                             layer.q_norm.weight if cfg.qk_norm else None,
                             layer.k_norm.weight if cfg.qk_norm else None)
                   for layer in model.layers]
-        return cls(model, layers, max_rows)
+        return cls(model, layers, kernels, step)
 
-    def covers(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """A decode-only step whose attention the compiled kernel serves in one call, of no more rows
-        than the bound matmul takes."""
-        return (not meta.prefills and len(meta.decodes) == 1 and meta.decodes[0].mask is None
-                and meta.decode_kernel is not None and num_tokens <= self.max_rows)
+    def covers(self, batch: CommonAttentionMetadata) -> bool:
+        """A decode-only step of no more rows than the bound matmul takes."""
+        return not batch.prefills and batch.num_decodes <= self.max_rows
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                 meta: AttentionMetadata) -> torch.Tensor:
+                 batch: CommonAttentionMetadata) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] (before the final norm), as the model's forward."""
         n, heads, kv_heads, head_dim, q_size = (input_ids.shape[0], self.heads, self.kv_heads, self.head_dim,
                                                 self.q_size)
         rms_norm, silu_and_mul, eps = self.rms_norm, self.silu_and_mul, self.eps
         # The cache is passed unpacked: (k, v), or the int8 cache's four tensors.
-        rotary_write_kv = self.rotary_write_kv_int8 if is_int8(kv_caches[0]) else self.rotary_write_kv
-        attend, scale, block_size = meta.decode_kernel, self.scale, meta.block_size
-        group, slots = meta.decodes[0], meta.slot_mapping
-        table, seq_lens = group.block_table, group.seq_lens
+        rotary_write_kv, attend, scale = self.rotary_write_kv, self.decode_attention, self.scale
+        slots, block_size = batch.slot_mapping, batch.block_size
+        table, seq_lens = batch.decode_block_table, batch.decode_seq_lens
         cos, sin = self.rotary.lookup(positions)
         x = self.embed[input_ids]
-        native = self.native_layers(kv_caches, attend)
+        native = self.native_layers(kv_caches)
         if native is not None:
             return native(x, cos, sin, slots, table, seq_lens, block_size)
         residual = None
@@ -155,8 +148,8 @@ class DecodePlan:
                 h = rms_norm(x, residual, layer.input_norm, eps)   # residual += x, in place
             qkv = layer.qkv_proj(h).view(n, heads + 2 * kv_heads, head_dim)
             if layer.q_norm is not None:  # as the model's forward does it (PyTorch norms over head slices)
-                qkv = torch.cat((head_rms_norm(qkv[:, :heads], layer.q_norm, eps),
-                                 head_rms_norm(qkv[:, heads:heads + kv_heads], layer.k_norm, eps),
+                qkv = torch.cat((self.head_rms_norm(qkv[:, :heads], layer.q_norm, eps),
+                                 self.head_rms_norm(qkv[:, heads:heads + kv_heads], layer.k_norm, eps),
                                  qkv[:, heads + kv_heads:]), dim=1)
             rotary_write_kv(qkv, cos, sin, *cache, slots, heads)
             out = attend(qkv[:, :heads], *cache, table, seq_lens, block_size, scale, True)
@@ -166,13 +159,11 @@ class DecodePlan:
         return x + residual
 
 
-def _projection(module: torch.nn.Module, matmul: Callable, dtype: torch.dtype, n_multiple: int,
-                k_multiple: int) -> Projection:
-    """The call for one projection: `matmul` (the AMX kernel, or linear_f32 on the AVX2 build) on its
-    weight where `linear` would pick it for every row count the plan covers, else the module itself
-    (int8, bias, odd shapes)."""
+def _projection(module: torch.nn.Module, matmul: PlanMatmul) -> Projection:
+    """The call for one projection: the plan's matmul on its weight where the model's linear op would
+    pick it for every row count the plan covers, else the module itself (int8, bias, odd shapes)."""
     w = getattr(module, "weight", None)
-    if (type(module) is Linear and not module.has_bias and w.dtype == dtype and w.is_contiguous()
-            and w.shape[0] % n_multiple == 0 and w.shape[1] % k_multiple == 0):
-        return BoundMatmul(matmul, w)
+    if (type(module) is Linear and not module.has_bias and w.dtype == matmul.dtype and w.is_contiguous()
+            and w.shape[0] % matmul.n_multiple == 0 and w.shape[1] % matmul.k_multiple == 0):
+        return BoundMatmul(matmul.kernel, w)
     return module

@@ -16,18 +16,22 @@ positions with it, 91.3% without (BENCHMARKS.md).
 
 The embedding, the output head and the norms stay in the model dtype (as vLLM leaves lm_head
 unquantized by default). On CPUs with AMX-INT8 the products run in cpu_gemv.cpp's linear_int8_amx;
-elsewhere `linear_int8_reference`, which gives bit-identical results, runs in PyTorch.
+elsewhere `linear_int8_reference`, which gives bit-identical results, runs in PyTorch. Which of the
+two a model's layers use is decided once, when the model is quantized (`select_int8_matmul`).
 """
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from kestrel.model.layers import Linear, _amx_usable
-from kestrel.ops import cpu_gemv
+from kestrel.model.layers import Linear
+from kestrel.ops.dispatch import amx_gemv
+
+# (x [M, K], qweight [N, K], scale [N]) -> y [M, N] in x's dtype
+Int8Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 QUANTIZATION_METHODS = ("int8",)
 
@@ -87,35 +91,39 @@ def linear_int8_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.T
     return ((acc * scale) * x_scale[:, None]).to(x.dtype)
 
 
-def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W^T (+ bias), for (qweight, scale) = quantize_weight(W), with x quantized per token."""
+def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                matmul: Int8Matmul = linear_int8_reference) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias), for (qweight, scale) = quantize_weight(W), with x quantized per token,
+    through `matmul` (a `select_int8_matmul` choice; the reference by default)."""
     if x.dim() != 2:
-        return linear_int8(x.reshape(-1, x.shape[-1]), qweight, scale, bias).view(*x.shape[:-1], qweight.shape[0])
-    kernels = _int8_kernels(x, qweight)
-    y = kernels.linear_int8_amx(x, qweight, scale) if kernels is not None else linear_int8_reference(x, qweight, scale)
+        y = linear_int8(x.reshape(-1, x.shape[-1]), qweight, scale, bias, matmul)
+        return y.view(*x.shape[:-1], qweight.shape[0])
+    y = matmul(x, qweight, scale)
     return y if bias is None else y + bias
 
 
-def _int8_kernels(x: torch.Tensor, qweight: torch.Tensor):
-    """cpu_gemv's AMX-INT8 kernel if it can take this product (bf16 on CPU, K % 64 == 0, N % 16 == 0)."""
-    if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[0] >= 1 and x.shape[1] % 64 == 0
-            and qweight.shape[0] % 16 == 0):
-        return _amx_int8_module()
-    return None
+def select_int8_matmul(device: torch.device, dtype: torch.dtype) -> Int8Matmul:
+    """The int8 matmul of a model on `device` in `dtype`: cpu_gemv's AMX-INT8 kernel for the products it
+    takes (bf16 on a CPU with AMX; per call K % 64 == 0, N % 16 == 0), else the reference."""
+    gemv = amx_gemv() if device.type == "cpu" and dtype == torch.bfloat16 else None
+    if gemv is None:
+        return linear_int8_reference
+    kernel = gemv.linear_int8_amx
 
+    def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.shape[0] >= 1 and x.shape[1] % 64 == 0 and qweight.shape[0] % 16 == 0:
+            return kernel(x, qweight, scale)
+        return linear_int8_reference(x, qweight, scale)
 
-@functools.cache
-def _amx_int8_module():
-    kernels = cpu_gemv()
-    return kernels if kernels is not None and _amx_usable(kernels) else None
+    return int8_matmul
 
 
 class Int8Linear(nn.Module):
     """A Linear with its weight held as int8 rows and a float32 scale per row."""
 
-    def __init__(self, linear: Linear) -> None:
+    def __init__(self, linear: Linear, matmul: Int8Matmul = linear_int8_reference) -> None:
         super().__init__()
+        self.matmul = matmul
         qweight, scale = quantize_weight(linear.weight.data)
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scale", scale.contiguous())
@@ -124,7 +132,7 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_int8(x, self.qweight, self.scale, self.bias if self.has_bias else None)
+        return linear_int8(x, self.qweight, self.scale, self.bias if self.has_bias else None, self.matmul)
 
     __call__ = forward  # as Linear's: no hook machinery on the decode path
 
@@ -135,8 +143,12 @@ def quantize_model_(model: nn.Module, method: str | None) -> int:
     if check_quantization(method) is None:
         return 0
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)]
+    if not targets:
+        return 0
+    weight = targets[0][1].weight
+    matmul = select_int8_matmul(weight.device, weight.dtype)   # once for the model
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(module))
+        setattr(parent, child, Int8Linear(module, matmul))
     return len(targets)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.ops import cpu_kernels
+from kestrel.ops.dispatch import Argmax, argmax_reference, select_argmax
 from kestrel.sample.metadata import SamplingMetadata
 
 
@@ -24,6 +24,10 @@ class SamplerOutput:
 
 
 class Sampler(torch.nn.Module):
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.argmax_rows = select_argmax(torch.device(device))   # the kernel on CPU where it builds
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         assert logits.shape[-1] == metadata.vocab_size, (logits.shape, metadata.vocab_size)
         # The steps below that change the logits do it in place, on a float32 copy, so that the
@@ -39,7 +43,7 @@ class Sampler(torch.nn.Module):
 
         apply_min_tokens(logits, metadata)
         apply_penalties(logits, metadata)
-        sampled = sample(logits, metadata)
+        sampled = sample(logits, metadata, self.argmax_rows)
 
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
@@ -89,28 +93,20 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor,
     return logits.copy_(torch.where(seen, penalized, logits))
 
 
-def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+def sample(logits: torch.Tensor, metadata: SamplingMetadata,
+           argmax_rows: Argmax = argmax_reference) -> torch.Tensor:
     """[B] int64: argmax on greedy rows, a random draw on the others."""
     greedy = None if metadata.all_random else argmax_rows(logits)
     if metadata.all_greedy:
         return greedy
-    random = sample_random(logits, metadata)
+    random = sample_random(logits, metadata, argmax_rows)
     if metadata.all_random:
         return random
     return torch.where(metadata.greedy_mask, greedy, random)
 
 
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(dim=-1) for [B, V] float32: the CPU kernel where it builds (torch's argmax takes ~3 ms
-    over 48 rows of a 49k vocabulary, a few percent of a decode step), else torch."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] > 0:
-        kernels = cpu_kernels()
-        if kernels is not None:
-            return kernels.argmax_rows(x)
-    return x.argmax(dim=-1)
-
-
-def sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+def sample_random(logits: torch.Tensor, metadata: SamplingMetadata,
+                  argmax_rows: Argmax = argmax_reference) -> torch.Tensor:
     """Temperature, min_p, top_k, top_p, then a draw from the softmax. Modifies `logits`."""
     logits.div_(metadata.temperature.unsqueeze(1))
     if metadata.min_p is not None:
@@ -118,7 +114,7 @@ def sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Ten
     if metadata.top_k is not None or metadata.top_p is not None:
         apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
     probs = logits.softmax(dim=-1)
-    return sample_by_exponential_race(probs, metadata.row_seeds)
+    return sample_by_exponential_race(probs, metadata.row_seeds, argmax_rows)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -149,7 +145,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return logits.scatter_(1, sorted_ids, sorted_logits)
 
 
-def sample_by_exponential_race(probs: torch.Tensor, row_seeds: dict[int, int]) -> torch.Tensor:
+def sample_by_exponential_race(probs: torch.Tensor, row_seeds: dict[int, int],
+                               argmax_rows: Argmax = argmax_reference) -> torch.Tensor:
     """argmax(probs / q) with q ~ Exp(1) draws a token with probability probs (Gumbel-max in
     disguise). Seeded rows draw q from their own generator, so their token depends only on their
     seed, output position and logits; the other rows share one batched draw. Modifies `probs`."""

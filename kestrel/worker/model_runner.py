@@ -5,6 +5,11 @@ changed) and appends the tokens it samples, so a decode step needs nothing from 
 the request's id. Batch order: requests with one token this step first (decodes), then prefill
 chunks; only rows that end a request's known tokens are turned into logits and sampled.
 
+Attention: the runner describes each step's batch without reference to any backend
+(`CommonAttentionMetadata`); the attention backend the worker chose turns it into its own metadata.
+Decode-only steps run through the decode plan where the model and backend have one (the CPU's stand-in
+for graph replay), except under --enforce-eager, where every step runs the model's forward.
+
 Prompt logprobs: for a request that asks (`prompt_logprobs`), the rows of its scheduled prompt
 positions are turned into logits too (the row at position p scores prompt token p + 1), chunk by
 chunk as the scheduler splits the prefill. Nothing extra runs when no request in the step asks.
@@ -18,29 +23,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from kestrel.attention import AttentionBackend, CommonAttentionMetadata, KVCache, PrefillSpan, new_kv_caches
 from kestrel.config import EngineConfig
 from kestrel.messages import EMPTY_MODEL_RUNNER_OUTPUT, Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from kestrel.model.attention import AttentionMetadata, DecodeGroup, KVCache, PrefillChunk
 from kestrel.model.decode_plan import DecodePlan
-from kestrel.ops import amx_disabled, cpu_kernels, cpu_prefill
 from kestrel.sample import Sampler, SamplerOutput, SamplingMetadata
 from kestrel.sample.sampler import gather_logprobs
 from kestrel.sampling_params import SamplingParams
 
-# Padded context slots per decode attention call (see kestrel/model/attention.py).
-DECODE_GROUP_SLOTS = 2048
 # Prompt rows turned into logits at a time for prompt logprobs (bounds the [rows, vocab] tensors).
 PROMPT_LOGPROBS_ROWS = 256
-
-
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor. On CPU its pages are mapped lazily (calloc via numpy), so a large KV pool
-    costs RAM only as it fills. Zeros matter: masked padding slots must not hold NaN."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype).view(shape)
 
 
 @dataclass
@@ -76,7 +68,7 @@ class CachedRequestState:
 class BatchInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    attn: CommonAttentionMetadata
     sample_req_ids: list[str]        # requests that sample this step, in logits-row order
     sample_rows: torch.Tensor        # their last token's row in the flattened batch
     # Requests scoring prompt tokens this step: (req_id, first row, index in the prompt of the first
@@ -85,59 +77,27 @@ class BatchInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module) -> None:
+    def __init__(self, config: EngineConfig, model: nn.Module, attn: AttentionBackend) -> None:
+        """`attn`: the attention backend the worker chose for this model (and built the model with)."""
         self.config = config
         self.model = model
+        self.attn = attn
         self.device = config.device.device
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.device)
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[KVCache] = []
-        self.kv_int8 = config.cache.kv_cache_dtype == "int8"
-        self.decode_kernel = self._find_decode_kernel()
-        self.prefill_kernel = self._find_prefill_kernel()
-        # Decode-only steps run as a plan of pre-bound kernel calls where the model has one (the
-        # CPU's stand-in for graph replay; bit-identical to the model's forward).
-        self.decode_plan = DecodePlan.build(model)
-
-    def _find_decode_kernel(self):
-        """The compiled decode attention for this model and cache, called as
-        kernel(q, *cache, block_table, seq_lens, block_size, scale[, in_q_dtype]); None: PyTorch."""
-        m = self.config.model
-        if self.device.type != "cpu" or m.dtype not in (torch.float32, torch.bfloat16):
-            return None
-        kernels = cpu_kernels()
-        if kernels is None or not kernels.supports(m.head_dim, m.num_heads // m.num_kv_heads):
-            return None
-        if self.kv_int8:
-            return kernels.paged_decode_attention_int8
-        return kernels.paged_decode_attention
-
-    def _find_prefill_kernel(self):
-        m = self.config.model
-        if (self.device.type != "cpu" or m.dtype != torch.bfloat16 or m.head_dim % 32 != 0 or m.head_dim > 256
-                or amx_disabled()):
-            return None
-        kernels = cpu_prefill()
-        if kernels is None or not kernels.usable():
-            return None
-        return kernels.prefill_attention
+        # Decode-only steps run as a plan of pre-bound kernel calls where the model and backend have
+        # one (bit-identical to the model's forward); never under --enforce-eager.
+        self.decode_plan = None if config.enforce_eager else DecodePlan.build(model, attn)
 
     # ---- KV memory ---------------------------------------------------------------------------
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         m = self.config.model
-        slots, heads, dim, dev = num_blocks * self.block_size, m.num_kv_heads, m.head_dim, self.device
-        if self.kv_int8:  # the layout of kestrel/model/attention.py: K transposed within each block
-            self.kv_caches = [(zeroed((num_blocks, heads, dim, self.block_size), torch.int8, dev),
-                               zeroed((num_blocks, heads, self.block_size), torch.float32, dev),
-                               zeroed((slots, heads, dim), torch.int8, dev),
-                               zeroed((slots, heads), torch.float32, dev))
-                              for _ in range(m.num_layers)]
-            return
-        shape = (slots, heads, dim)
-        self.kv_caches = [(zeroed(shape, m.dtype, dev), zeroed(shape, m.dtype, dev)) for _ in range(m.num_layers)]
+        self.kv_caches = new_kv_caches(m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_dim,
+                                       m.dtype, self.config.cache.kv_cache_dtype == "int8", self.device)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -145,17 +105,15 @@ class ModelRunner:
         sampling for the most sequences, so that peak activation memory can be measured."""
         sched = self.config.scheduler
         num_tokens = sched.max_num_batched_tokens
-        chunks, start = [], 0
+        spans, start = [], 0
         while start < num_tokens:
             end = min(start + sched.max_model_len, num_tokens)
-            chunks.append(PrefillChunk(start, end, None, None, end - start))
+            spans.append(PrefillSpan(start, end, 0, np.zeros(0, dtype=np.int64)))
             start = end
-        meta = AttentionMetadata(slot_mapping=torch.zeros(num_tokens, dtype=torch.long, device=self.device),
-                                 block_size=self.block_size, decodes=[], prefills=chunks,
-                                 prefill_kernel=self.prefill_kernel)
+        common = self._describe(torch.zeros(num_tokens, dtype=torch.long, device=self.device), [], spans)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(c.token_end - c.token_start, device=self.device) for c in chunks])
-        hidden = self.model(ids, positions, None, meta)
+        positions = torch.cat([torch.arange(s.token_end - s.token_start, device=self.device) for s in spans])
+        hidden = self.model(ids, positions, None, self.attn.build_metadata(common))
         num_rows = min(sched.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:num_rows])
         params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)] * num_rows
@@ -194,9 +152,10 @@ class ModelRunner:
 
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
         plan = self.decode_plan
-        if plan is not None and plan.covers(batch.input_ids.shape[0], batch.meta):
-            return plan(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        if plan is not None and plan.covers(batch.attn):
+            return plan(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        meta = self.attn.build_metadata(batch.attn)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, meta)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -227,7 +186,7 @@ class ModelRunner:
         sample_req_ids: list[str] = []
         sample_rows: list[int] = []
         prompt_logprob_spans: list[tuple[str, int, int, int]] = []
-        prefills: list[PrefillChunk] = []
+        prefills: list[PrefillSpan] = []
         row = 0
         for req_id in decodes + prefills_ids:
             state = self.requests[req_id]
@@ -239,7 +198,7 @@ class ModelRunner:
             table = np.asarray(state.block_ids, dtype=np.int64)
             slots.append(table[pos // bs] * bs + pos % bs)
             if n > 1:
-                prefills.append(self._prefill_chunk(row, start, end, table))
+                prefills.append(PrefillSpan(row, row + n, start, table))
             if end == len(state.token_ids):
                 sample_req_ids.append(req_id)
                 sample_rows.append(row + n - 1)
@@ -250,65 +209,30 @@ class ModelRunner:
                     prompt_logprob_spans.append((req_id, row, start + 1, num_scored))
             row += n
         dev = self.device
-        meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-                                 block_size=bs, decodes=self._decode_groups(decodes), prefills=prefills,
-                                 decode_kernel=self.decode_kernel, prefill_kernel=self.prefill_kernel)
+        attn = self._describe(torch.from_numpy(np.concatenate(slots)).to(dev), decodes, prefills)
         return BatchInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
-            meta=meta,
+            attn=attn,
             sample_req_ids=sample_req_ids,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
             prompt_logprob_spans=prompt_logprob_spans,
         )
 
-    def _decode_groups(self, decodes: list[str]) -> list[DecodeGroup]:
-        """One group for the kernel; for the PyTorch path, the (longest-first) decodes cut into groups
-        of at most DECODE_GROUP_SLOTS padded slots."""
-        if self.decode_kernel is not None and decodes:
-            return [self._decode_group(decodes, 0, len(decodes))]
-        groups: list[DecodeGroup] = []
-        start = 0
-        while start < len(decodes):
-            max_len = self.requests[decodes[start]].num_computed_tokens + 1
-            size = max(1, min(len(decodes) - start, DECODE_GROUP_SLOTS // max_len))
-            groups.append(self._decode_group(decodes, start, start + size))
-            start += size
-        return groups
-
-    def _decode_group(self, decodes: list[str], start: int, end: int) -> DecodeGroup:
+    def _describe(self, slot_mapping: torch.Tensor, decodes: list[str],
+                  prefills: list[PrefillSpan]) -> CommonAttentionMetadata:
+        """The step's batch for the attention backend: the decodes' block tables (longest first, padded
+        with the null block to the longest) and context lengths, and the prefill chunks."""
         bs, dev = self.block_size, self.device
-        states = [self.requests[r] for r in decodes[start:end]]
-        seq_lens = [s.num_computed_tokens + 1 for s in states]
-        max_blocks = -(-seq_lens[0] // bs)
+        states = [self.requests[r] for r in decodes]
+        seq_lens = np.array([s.num_computed_tokens + 1 for s in states], dtype=np.int64)
+        max_blocks = -(-int(seq_lens[0]) // bs) if states else 0
         table = np.zeros((len(states), max_blocks), dtype=np.int64)  # block 0: the null block
-        for i, (state, seq_len) in enumerate(zip(states, seq_lens)):
+        for i, (state, seq_len) in enumerate(zip(states, seq_lens.tolist())):
             n = -(-seq_len // bs)
             table[i, :n] = state.block_ids[:n]
-        lens = torch.tensor(seq_lens, device=dev)
-        mask = None
-        if self.decode_kernel is None:
-            span = max_blocks * bs
-            visible = torch.arange(span, device=dev)[None, :] < lens[:, None]
-            # An additive mask in the model's dtype: SDPA would convert a boolean one in every layer.
-            mask = torch.zeros(visible.shape, dtype=self.config.model.dtype, device=dev)
-            mask.masked_fill_(~visible, float("-inf")).unsqueeze_(1).unsqueeze_(1)
-        return DecodeGroup(start, end, torch.from_numpy(table).to(dev), lens, mask)
-
-    def _prefill_chunk(self, row: int, start: int, end: int, table: np.ndarray) -> PrefillChunk:
-        n = end - start
-        if start == 0:
-            return PrefillChunk(row, row + n, None, None, end)
-        bs, dev = self.block_size, self.device
-        num_blocks = -(-end // bs)
-        blocks = torch.from_numpy(table[:num_blocks]).to(dev)
-        if self.prefill_kernel is not None:  # it takes the first `end` keys, causal from the bottom right
-            return PrefillChunk(row, row + n, blocks, None, end)
-        # Query i sits at position start + i and sees keys 0 .. start + i (the padding after `end`
-        # is never visible).
-        mask = (torch.arange(num_blocks * bs, device=dev)[None, :]
-                <= torch.arange(start, end, device=dev)[:, None])
-        return PrefillChunk(row, row + n, blocks, mask, end)
+        return CommonAttentionMetadata(slot_mapping, bs, len(states), torch.from_numpy(table).to(dev),
+                                       torch.from_numpy(seq_lens).to(dev), seq_lens, prefills)
 
     def _compute_prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[str, int, int, int]]
                                  ) -> dict[str, tuple[int, Logprobs]]:

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from kestrel.attention import select_attention_backend
 from kestrel.config import EngineConfig
 from kestrel.messages import ModelRunnerOutput, SchedulerOutput
 from kestrel.model import build_model
@@ -33,12 +34,14 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
+        self.attn_backend = select_attention_backend(config)   # once: the model and runner use it
         start = time.perf_counter()
-        self.model = build_model(config.model, self.device)
+        self.model = build_model(config.model, self.device, self.attn_backend)
         self.model.load_weights(iter_weights(source))
         quantize_model_(self.model, config.model.quantization)
-        logger.info("loaded %s in %.1f s", source.name, time.perf_counter() - start)
-        self.runner = ModelRunner(config, self.model)
+        logger.info("loaded %s in %.1f s; attention backend: %s", source.name, time.perf_counter() - start,
+                    self.attn_backend.describe())
+        self.runner = ModelRunner(config, self.model, self.attn_backend)
         self.memory_profile: MemoryProfile | None = None
 
     def determine_num_kv_blocks(self) -> int:

@@ -1,0 +1,104 @@
+"""The CPU kernels backend (kestrel/ops/cpu_kernels*.cpp, cpu_prefill.cpp): decode attention reads the
+paged cache in place (bf16/float32 or int8 cache), all decodes of a step in one call; the q/k rotary
+and the KV write run as one fused kernel; prefill chunks run on the AMX prefill kernel where the CPU
+has AMX and the model is bf16 with head_dim % 32 == 0 (up to 256), else on the reference's SDPA path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kestrel.attention.backend import AttentionBackend, CommonAttentionMetadata, DecodeStepKernels, PrefillSpan
+from kestrel.attention.kv_cache import KVCache, gather_kv, write_kv
+from kestrel.attention.torch_sdpa import PrefillChunk, context_blocks, masked_prefill_chunk, prefill_attention
+from kestrel.ops.dispatch import Rotary, rotary_kernel_takes
+
+
+@dataclass
+class CpuAttentionMetadata:
+    slot_mapping: torch.Tensor
+    block_size: int
+    num_decodes: int
+    decode_block_table: torch.Tensor      # [num_decodes, max_blocks], null-block padded
+    decode_seq_lens: torch.Tensor         # [num_decodes]
+    prefills: list[PrefillChunk]          # mask None where the prefill kernel serves them
+
+
+class CpuKernelsBackend(AttentionBackend):
+    name: ClassVar[str] = "cpu"
+
+    def __init__(self, kernels, prefill_kernel: Callable | None, kv_int8: bool, rotary: Rotary) -> None:
+        """`kernels`: the cpu_kernels() build, which supports the model's (head_dim, group);
+        `prefill_kernel`: cpu_prefill's prefill_attention, or None where chunks take SDPA."""
+        self.kv_int8 = kv_int8
+        self.rotary = rotary
+        self.prefill_kernel = prefill_kernel
+        if kv_int8:
+            self._rotary_write_kv = kernels.rotary_write_kv_int8
+            self._decode_attention = kernels.paged_decode_attention_int8
+        else:
+            self._rotary_write_kv = kernels.rotary_write_kv
+            self._decode_attention = kernels.paged_decode_attention
+        if prefill_kernel is not None:
+            self._prefill_chunk, self._prefill = self._kernel_chunk, self._prefill_on_kernel
+        else:
+            self._prefill_chunk, self._prefill = masked_prefill_chunk, prefill_attention
+
+    def describe(self) -> str:
+        prefill = "the AMX prefill kernel" if self.prefill_kernel is not None else "SDPA prefill"
+        return f"cpu (decode kernel{' on the int8 cache' if self.kv_int8 else ''}, {prefill})"
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:
+        device = common.slot_mapping.device
+        prefills = [self._prefill_chunk(span, common.block_size, device) for span in common.prefills]
+        return CpuAttentionMetadata(common.slot_mapping, common.block_size, common.num_decodes,
+                                    common.decode_block_table, common.decode_seq_lens, prefills)
+
+    @staticmethod
+    def _kernel_chunk(span: PrefillSpan, block_size: int, device: torch.device) -> PrefillChunk:
+        """The kernel takes the first `end_pos` keys, causal from the bottom right: no mask."""
+        blocks = None if span.start_pos == 0 else context_blocks(span, block_size, device)
+        return PrefillChunk(span.token_start, span.token_end, blocks, None, span.end_pos)
+
+    def write_kv(self, qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                 cache: KVCache | None, meta: CpuAttentionMetadata) -> None:
+        if cache is not None and rotary_kernel_takes(qkv, cos):
+            self._rotary_write_kv(qkv, cos, sin, *cache, meta.slot_mapping, num_heads)
+            return
+        self.rotary(qkv, num_heads, cos, sin)
+        if cache is not None:
+            kv_heads = (qkv.shape[1] - num_heads) // 2
+            write_kv(cache, qkv[:, num_heads:num_heads + kv_heads], qkv[:, num_heads + kv_heads:],
+                     meta.slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
+                meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
+        nd, bs = meta.num_decodes, meta.block_size
+        if not meta.prefills:
+            # A decode-only step: the kernel's output, in q's dtype, is the whole result.
+            return self._decode_attention(q, *cache, meta.decode_block_table, meta.decode_seq_lens, bs, scale, True)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self._decode_attention(q[:nd], *cache, meta.decode_block_table, meta.decode_seq_lens,
+                                              bs, scale)
+        for chunk in meta.prefills:
+            s, e = chunk.token_start, chunk.token_end
+            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], cache, chunk, bs, scale)
+        return out
+
+    def _prefill_on_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
+                           chunk: PrefillChunk, block_size: int, scale: float) -> torch.Tensor:
+        """Causal attention of the chunk's queries over its keys, the queries being the last ones: its
+        own keys, or the first context_len keys of its gathered context."""
+        if chunk.context_blocks is not None:
+            kh, vh = gather_kv(cache, chunk.context_blocks, block_size, q.dtype)  # [kv_heads, len, head_dim]
+            k = kh.transpose(0, 1)[:chunk.context_len]
+            v = vh.transpose(0, 1)[:chunk.context_len]
+        return self.prefill_kernel(q, k, v, scale)
+
+    def decode_step_kernels(self) -> DecodeStepKernels:
+        return DecodeStepKernels(self._rotary_write_kv, self._decode_attention, self.kv_int8)

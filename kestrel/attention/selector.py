@@ -1,0 +1,74 @@
+"""The one place that chooses the attention backend, once per worker (vLLM's attention selector).
+
+`--attention-backend` (EngineConfig.attention_backend):
+- "cpu": the compiled CPU kernels (kestrel/attention/cpu.py). Needs a CPU device, a float32 or bf16
+  model, a build of the kernels (AVX-512 or AVX2 + FMA, a C++ compiler, KESTREL_DISABLE_CPU_KERNELS
+  unset) and a decode kernel for the model's (head_dim, query heads per KV head).
+- "torch": the PyTorch reference (kestrel/attention/torch_sdpa.py), on any device.
+- "auto": "cpu" where it can serve the model, else "torch". There is no GPU backend yet: on CUDA,
+  "auto" runs the PyTorch reference (SDPA over gathered contexts); a GPU backend slots in here.
+A backend asked for by name that cannot serve the configuration is a ValueError at start-up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kestrel.attention.backend import AttentionBackend
+from kestrel.attention.cpu import CpuKernelsBackend
+from kestrel.attention.torch_sdpa import TorchSDPABackend
+from kestrel.config import EngineConfig
+from kestrel.ops import amx_disabled, cpu_kernels, cpu_prefill
+from kestrel.ops.dispatch import select_rotary
+
+ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+
+
+def select_attention_backend(config: EngineConfig) -> AttentionBackend:
+    name = config.attention_backend
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {name!r} is not known; choose one of {', '.join(ATTENTION_BACKENDS)}")
+    device, dtype = config.device.device, config.model.dtype
+    if name in ("auto", "cpu"):
+        why_not = cpu_backend_unavailable(config)
+        if why_not is None:
+            return _cpu_backend(config)
+        if name == "cpu":
+            raise ValueError(f"attention backend 'cpu' cannot serve this configuration: {why_not}; "
+                             f"use --attention-backend torch or auto")
+    return TorchSDPABackend(dtype, select_rotary(device, dtype))
+
+
+def cpu_backend_unavailable(config: EngineConfig) -> str | None:
+    """Why the CPU kernels backend cannot serve this configuration, or None if it can."""
+    m = config.model
+    if config.device.device.type != "cpu":
+        return f"the device is {config.device.device.type}, not cpu"
+    if m.dtype not in (torch.float32, torch.bfloat16):
+        return f"the model's dtype is {m.dtype}; the kernels take float32 and bfloat16"
+    kernels = cpu_kernels()
+    if kernels is None:
+        return ("the compiled CPU kernels are unavailable (no AVX-512 or AVX2, no C++ compiler, or "
+                "KESTREL_DISABLE_CPU_KERNELS=1)")
+    if not kernels.supports(m.head_dim, m.num_heads // m.num_kv_heads):
+        return (f"the decode kernel has no variant for head_dim {m.head_dim} with "
+                f"{m.num_heads // m.num_kv_heads} query heads per KV head")
+    return None
+
+
+def _cpu_backend(config: EngineConfig) -> CpuKernelsBackend:
+    m = config.model
+    return CpuKernelsBackend(cpu_kernels(), _prefill_kernel(config), config.cache.kv_cache_dtype == "int8",
+                             select_rotary(config.device.device, m.dtype))
+
+
+def _prefill_kernel(config: EngineConfig):
+    """The AMX prefill-attention kernel where it serves the model (bf16, head_dim a multiple of 32 up
+    to 256, AMX usable and not disabled), else None."""
+    m = config.model
+    if m.dtype != torch.bfloat16 or m.head_dim % 32 != 0 or m.head_dim > 256 or amx_disabled():
+        return None
+    kernels = cpu_prefill()
+    if kernels is None or not kernels.usable():
+        return None
+    return kernels.prefill_attention

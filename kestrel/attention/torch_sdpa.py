@@ -1,0 +1,150 @@
+"""The PyTorch reference backend: any device, gather + SDPA over the paged cache.
+
+Decodes run in groups, one batched SDPA call per group over the members' gathered contexts (padded to
+the group's longest, masked). The batch's decodes come longest first and are cut into groups at a
+padded-size budget: on CPU one call over a large batch runs ~4x slower than the same work split into
+calls whose operands stay in cache, and the order keeps the padding small. Each prefill chunk gets
+its own call: causal on its own keys when it starts at position 0, else over its gathered context
+with a bottom-right causal mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from kestrel.attention.backend import AttentionBackend, CommonAttentionMetadata, PrefillSpan
+from kestrel.attention.kv_cache import KVCache, gather_kv, write_kv
+from kestrel.ops.dispatch import Rotary
+
+# Padded context slots per decode attention call.
+DECODE_GROUP_SLOTS = 2048
+
+
+@dataclass
+class PrefillChunk:
+    token_start: int                       # first row of the chunk in the flattened batch
+    token_end: int
+    context_blocks: torch.Tensor | None    # [num_blocks] block ids of the whole context; None: no prior context
+    mask: torch.Tensor | None              # [q_len, num_blocks * block_size] bool, True = may attend; None
+                                           # where a kernel serves the chunk, or without context
+    context_len: int = 0                   # keys the chunk's last token sees (its position + 1)
+
+
+@dataclass
+class DecodeGroup:
+    token_start: int                       # the group's decodes are rows [token_start, token_end)
+    token_end: int
+    block_table: torch.Tensor              # [n, max_blocks] block ids (0, the null block, pads)
+    seq_lens: torch.Tensor                 # [n] context length of each member, this token included
+    mask: torch.Tensor                     # [n, 1, 1, max_blocks * block_size] additive, -inf past a
+                                           # member's length
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor
+    block_size: int
+    decodes: list[DecodeGroup]
+    prefills: list[PrefillChunk]
+
+
+class TorchSDPABackend(AttentionBackend):
+    name: ClassVar[str] = "torch"
+
+    def __init__(self, dtype: torch.dtype, rotary: Rotary) -> None:
+        self.dtype = dtype          # the model's: the decode masks are additive in it
+        self.rotary = rotary        # the rotary op the model's device and dtype select
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        return TorchAttentionMetadata(common.slot_mapping, common.block_size, self.decode_groups(common),
+                                      [masked_prefill_chunk(span, common.block_size, common.slot_mapping.device)
+                                       for span in common.prefills])
+
+    def decode_groups(self, common: CommonAttentionMetadata) -> list[DecodeGroup]:
+        """The (longest-first) decodes cut into groups of at most DECODE_GROUP_SLOTS padded slots."""
+        groups: list[DecodeGroup] = []
+        lens, bs = common.decode_seq_lens_cpu, common.block_size
+        start = 0
+        while start < common.num_decodes:
+            max_len = int(lens[start])
+            size = max(1, min(common.num_decodes - start, DECODE_GROUP_SLOTS // max_len))
+            end = start + size
+            max_blocks = -(-max_len // bs)
+            groups.append(self._decode_group(common.decode_block_table[start:end, :max_blocks],
+                                             common.decode_seq_lens[start:end], start, end, bs))
+            start = end
+        return groups
+
+    def _decode_group(self, table: torch.Tensor, lens: torch.Tensor, start: int, end: int,
+                      block_size: int) -> DecodeGroup:
+        span = table.shape[1] * block_size
+        visible = torch.arange(span, device=lens.device)[None, :] < lens[:, None]
+        # An additive mask in the model's dtype: SDPA would convert a boolean one in every layer.
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=lens.device)
+        mask.masked_fill_(~visible, float("-inf")).unsqueeze_(1).unsqueeze_(1)
+        return DecodeGroup(start, end, table, lens, mask)
+
+    def write_kv(self, qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                 cache: KVCache | None, meta: TorchAttentionMetadata) -> None:
+        self.rotary(qkv, num_heads, cos, sin)
+        if cache is not None:
+            kv_heads = (qkv.shape[1] - num_heads) // 2
+            write_kv(cache, qkv[:, num_heads:num_heads + kv_heads], qkv[:, num_heads + kv_heads:],
+                     meta.slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
+                meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for group in meta.decodes:
+            s, e = group.token_start, group.token_end
+            out[s:e] = decode_attention(q[s:e], cache, group, meta.block_size, scale)
+        for chunk in meta.prefills:
+            s, e = chunk.token_start, chunk.token_end
+            out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], cache, chunk, meta.block_size, scale)
+        return out
+
+
+def context_blocks(span: PrefillSpan, block_size: int, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(span.block_ids[:-(-span.end_pos // block_size)]).to(device)
+
+
+def masked_prefill_chunk(span: PrefillSpan, block_size: int, device: torch.device) -> PrefillChunk:
+    """The chunk for `prefill_attention`: over its own keys when fresh, else over its gathered context
+    with query i (at position start + i) seeing keys 0 .. start + i (the padding after the chunk's
+    last position is never visible)."""
+    if span.start_pos == 0:
+        return PrefillChunk(span.token_start, span.token_end, None, None, span.end_pos)
+    blocks = context_blocks(span, block_size, device)
+    mask = (torch.arange(blocks.shape[0] * block_size, device=device)[None, :]
+            <= torch.arange(span.start_pos, span.end_pos, device=device)[:, None])
+    return PrefillChunk(span.token_start, span.token_end, blocks, mask, span.end_pos)
+
+
+def decode_attention(q: torch.Tensor, cache: KVCache, group: DecodeGroup, block_size: int,
+                     scale: float) -> torch.Tensor:
+    n, heads, head_dim = q.shape
+    k, v = gather_kv(cache, group.block_table, block_size, q.dtype)   # [n, kv_heads, len, head_dim]
+    kv_heads = k.shape[1]
+    # Grouped-query attention without repeating K/V: the query heads that share a KV head become
+    # that head's query rows (query head h reads KV head h // group).
+    qg = q.view(n, kv_heads, heads // kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=scale)
+    return o.reshape(n, heads, head_dim)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
+                      chunk: PrefillChunk, block_size: int, scale: float) -> torch.Tensor:
+    qh = q.transpose(0, 1).unsqueeze(0)                  # [1, heads, q_len, head_dim]
+    if chunk.context_blocks is None:
+        kh = k.transpose(0, 1).unsqueeze(0)
+        vh = v.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        kh, vh = gather_kv(cache, chunk.context_blocks, block_size, q.dtype)  # [kv_heads, len, head_dim]
+        o = F.scaled_dot_product_attention(qh, kh.unsqueeze(0), vh.unsqueeze(0), attn_mask=chunk.mask,
+                                           scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)

@@ -1,0 +1,329 @@
+"""Which implementation of each op family a model runs: decided once, from the device, the dtype and
+what the compiled kernels offer (vLLM's CustomOp idea: pick the forward when the op is built, not
+when it is called).
+
+Families: RMSNorm (alone and fused with the residual add), SiLU-and-mul, rotary embedding, the
+linear layer (and the output head's float logits), argmax over rows. `select_ops` returns one `Ops`
+for a (device, dtype); model code calls its members and never asks whether a kernel exists. The
+members may still check a call's data (a tensor's layout or row count) against what a kernel takes,
+and run the PyTorch reference for the rest. The references here follow Hugging Face's arithmetic
+(norms and activations in float32, rotary with `rotate_half`), so float32 runs match `transformers`.
+
+The int8 matmul of --quantization int8 is chosen the same way in kestrel/model/quantization.py, the
+rotary + KV-cache write and attention by the attention backend (kestrel/attention).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels
+
+RmsNorm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+AddRmsNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+Activation = Callable[[torch.Tensor], torch.Tensor]
+Rotary = Callable[[torch.Tensor, int, torch.Tensor, torch.Tensor], None]
+Linear = Callable[..., torch.Tensor]          # (x, weight, bias=None) -> y
+LinearToFloat = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Argmax = Callable[[torch.Tensor], torch.Tensor]
+
+# Up to this many rows a bf16 linear layer streams its weights through the AMX kernel (cpu_gemv.cpp),
+# 1.2-2x torch's GEMM at every size from 1 to 128 rows on this machine; prefill chunks above it go
+# to torch's GEMM, which reaches the AMX rate there.
+AMX_MAX_ROWS = 128
+# Without AMX (AVX512-BF16 only): the small-batch kernel up to this many rows, four only for layers
+# narrower than SMALL_BATCH_MAX_OUT_AT_4 (the output head's many rows favour the GEMM from two up).
+SMALL_BATCH_ROWS = 4
+SMALL_BATCH_MAX_OUT_AT_4 = 8192
+# Float32 (no bf16 on AVX2 machines): the small-batch kernel (linear_f32) up to this many rows. Over the
+# default model's weights as a decode step reads them (538 MB, from memory), torch's GEMM takes 1.6-3.6x
+# its time at 1-16 rows and 1.04-1.3x at 64-128 (BENCHMARKS.md); prefill chunks beyond it go to torch's
+# GEMM, which reaches ~140 GFLOP/s there.
+F32_MAX_ROWS = 128
+
+
+# ---- the PyTorch references -------------------------------------------------------------------
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise in float32, round to the input dtype, then scale (Hugging Face's order)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+
+
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = residual + x
+    return rms_norm_reference(residual, weight, eps), residual
+
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """x = gate | up along the last dim → silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [tokens, heads, head_dim] (Hugging Face's rotate_half layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rotary_reference(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate the q and k heads of qkv [tokens, num_heads + 2 kv_heads, head_dim] in place."""
+    num_kv_heads = (qkv.shape[1] - num_heads) // 2
+    qk = qkv[:, :num_heads + num_kv_heads]
+    qk.copy_(apply_rotary(qk, cos, sin))
+
+
+def argmax_reference(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
+def linear_to_float_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight).float()
+
+
+# ---- what the compiled kernels offer -----------------------------------------------------------
+
+def elementwise_kernels(device: torch.device, dtype: torch.dtype):
+    """cpu_kernels() where its norm, activation and rotary kernels serve this model (a CPU model in
+    float32 or bf16, a build of the kernels), else None."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return cpu_kernels()
+
+
+def amx_gemv():
+    """cpu_gemv() where its AMX kernels (bf16 and int8 matmuls) can run, else None."""
+    gemv = cpu_gemv()
+    if gemv is None or amx_disabled() or not gemv.amx_usable():
+        return None
+    return gemv
+
+
+@dataclass(frozen=True)
+class F32Kernels:
+    """The float32 matmul of a kernel build, and its C++ decode layer loop where the build has one."""
+    linear_f32: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    decode_layers: type | None
+
+
+def f32_kernels() -> F32Kernels | None:
+    """The float32 small-batch matmul (linear_f32) of the kernel build, if it exports one. The only
+    place that reads the build's surface: builds differ in what they export (the AVX2 build has had
+    linear_f32 and DecodeLayersF32 alone), and every caller takes the answer from here."""
+    kernels = cpu_kernels()
+    linear_f32 = getattr(kernels, "linear_f32", None)
+    if linear_f32 is None:
+        return None
+    return F32Kernels(linear_f32, getattr(kernels, "DecodeLayersF32", None))
+
+
+# ---- the families ------------------------------------------------------------------------------
+
+def _rows_for_kernel(x: torch.Tensor) -> bool:
+    """Whether the elementwise kernels take `x`: 2-D, contiguous, float32/bf16, rows a multiple of 32."""
+    return (x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] % 32 == 0
+            and x.is_contiguous())
+
+
+def select_norm(device: torch.device, dtype: torch.dtype) -> tuple[RmsNorm, AddRmsNorm]:
+    """(rms_norm(x, weight, eps), add_rms_norm(x, residual, weight, eps)). The kernel's add_rms_norm
+    updates `residual` in place: the caller owns the residual stream."""
+    kernels = elementwise_kernels(device, dtype)
+    if kernels is None:
+        return rms_norm_reference, add_rms_norm_reference
+    kernel = kernels.rms_norm
+
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if _rows_for_kernel(x):
+            return kernel(x, None, weight, eps)
+        return rms_norm_reference(x, weight, eps)
+
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if _rows_for_kernel(x) and residual.is_contiguous():
+            return kernel(x, residual, weight, eps), residual
+        return add_rms_norm_reference(x, residual, weight, eps)
+
+    return rms_norm, add_rms_norm
+
+
+def select_activation(device: torch.device, dtype: torch.dtype) -> Activation:
+    kernels = elementwise_kernels(device, dtype)
+    if kernels is None:
+        return silu_and_mul_reference
+    kernel = kernels.silu_and_mul
+
+    def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        return kernel(x) if _rows_for_kernel(x) else silu_and_mul_reference(x)
+
+    return silu_and_mul
+
+
+def select_rotary(device: torch.device, dtype: torch.dtype) -> Rotary:
+    """rotary(qkv, num_heads, cos, sin): the q and k heads rotated in place (the rotary half of the
+    fused rotary + KV-write kernel, its caches unused)."""
+    kernels = elementwise_kernels(device, dtype)
+    if kernels is None:
+        return rotary_reference
+    kernel = kernels.rotary_write_kv
+
+    def rotary(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        if rotary_kernel_takes(qkv, cos):
+            kernel(qkv, cos, sin, qkv, qkv, None, num_heads)
+        else:
+            rotary_reference(qkv, num_heads, cos, sin)
+
+    return rotary
+
+
+def rotary_kernel_takes(qkv: torch.Tensor, cos: torch.Tensor) -> bool:
+    return (qkv.dtype in (torch.float32, torch.bfloat16) and qkv.is_contiguous() and qkv.shape[-1] % 32 == 0
+            and cos.dtype == qkv.dtype)
+
+
+@dataclass(frozen=True)
+class PlanMatmul:
+    """A matmul kernel that a decode plan binds to weights and calls without checks, and the shapes it
+    takes: weights of `dtype` with N % n_multiple == 0 and K % k_multiple == 0, at most max_rows rows
+    (the same products `linear` gives it, so that plan and forward agree bit for bit)."""
+    kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    dtype: torch.dtype
+    max_rows: int
+    n_multiple: int
+    k_multiple: int
+    layer_loop: type | None = None   # the whole layer loop in C++ over this matmul (DecodeLayersF32)
+
+
+@dataclass(frozen=True)
+class LinearOps:
+    linear: Linear
+    linear_to_float: LinearToFloat    # linear(x, weight).float(), in one pass where a kernel can
+    plan_matmul: PlanMatmul | None    # what a decode plan binds; None: no decode plan for this model
+
+
+def select_linear(device: torch.device, dtype: torch.dtype) -> LinearOps:
+    """The linear layer: the AMX matmul (bf16, AMX), else the AVX512-BF16 small-batch kernel (bf16), or
+    linear_f32 (float32, where the build has it), each for decode-sized products; torch's GEMM for the rest."""
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        if (gemv := amx_gemv()) is not None:
+            return _amx_linear(gemv)
+        if (gemv := cpu_gemv()) is not None:
+            return _small_batch_linear(gemv)
+    if device.type == "cpu" and dtype == torch.float32 and (f32 := f32_kernels()) is not None:
+        return _f32_linear(f32)
+    return LinearOps(F.linear, linear_to_float_reference, None)
+
+
+def _bf16_kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a bf16 product is for the small-batch kernels (cpu_gemv.cpp): 1..AMX_MAX_ROWS rows,
+    K a multiple of 32, no bias."""
+    return (bias is None and x.dim() == 2 and 1 <= x.shape[0] <= AMX_MAX_ROWS and x.dtype == torch.bfloat16
+            and x.shape[1] % 32 == 0 and weight.dtype == torch.bfloat16 and weight.is_contiguous())
+
+
+def _small_batch_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.shape[0] <= SMALL_BATCH_ROWS and (x.shape[0] <= 2 or weight.shape[0] <= SMALL_BATCH_MAX_OUT_AT_4)
+
+
+def _amx_linear(gemv) -> LinearOps:
+    amx, small = gemv.linear_bf16_amx, gemv.linear_bf16_small
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if _bf16_kernel_takes(x, weight, bias):
+            if weight.shape[0] % 16 == 0:
+                return amx(x, weight)
+            if _small_batch_takes(x, weight):   # N off the AMX tiles
+                return small(x, weight)
+        return F.linear(x, weight, bias)
+
+    def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # The output head: the kernel writes the bf16-rounded logits as float32 instead of a bf16
+        # tensor to widen afterwards.
+        if weight.shape[0] % 16 == 0 and _bf16_kernel_takes(x, weight, None):
+            return amx(x, weight, float_out=True)
+        return linear(x, weight).float()
+
+    return LinearOps(linear, linear_to_float, PlanMatmul(amx, torch.bfloat16, AMX_MAX_ROWS, 16, 32))
+
+
+def _small_batch_linear(gemv) -> LinearOps:
+    small = gemv.linear_bf16_small
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if _bf16_kernel_takes(x, weight, bias) and _small_batch_takes(x, weight):
+            return small(x, weight)
+        return F.linear(x, weight, bias)
+
+    def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return linear(x, weight).float()
+
+    return LinearOps(linear, linear_to_float, None)
+
+
+def _f32_linear(f32: F32Kernels) -> LinearOps:
+    kernel = f32.linear_f32
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if (x.dtype == torch.float32 and x.dim() == 2 and weight.dtype == torch.float32
+                and 1 <= x.shape[0] <= F32_MAX_ROWS and x.shape[1] % 8 == 0 and weight.is_contiguous()):
+            y = kernel(x, weight)
+            return y if bias is None else y.add_(bias)
+        return F.linear(x, weight, bias)
+
+    def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return linear(x, weight).float()
+
+    return LinearOps(linear, linear_to_float, PlanMatmul(kernel, torch.float32, F32_MAX_ROWS, 1, 8, f32.decode_layers))
+
+
+def select_argmax(device: torch.device) -> Argmax:
+    """x.argmax(dim=-1) for float32 [B, V]: the CPU kernel where it builds (torch's argmax takes ~3 ms
+    over 48 rows of a 49k vocabulary, a few percent of a decode step), else torch."""
+    kernels = cpu_kernels() if device.type == "cpu" else None
+    if kernels is None:
+        return argmax_reference
+    kernel = kernels.argmax_rows
+
+    def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] > 0:
+            return kernel(x)
+        return x.argmax(dim=-1)
+
+    return argmax_rows
+
+
+@dataclass(frozen=True)
+class PlanKernels:
+    """The raw kernels a decode plan calls without checks (kestrel/model/decode_plan.py)."""
+    rms_norm: Callable     # rms_norm(x, residual or None, weight, eps); residual += x in place
+    silu_and_mul: Callable
+    matmul: PlanMatmul
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The implementation of each op family for one (device, dtype)."""
+    rms_norm: RmsNorm
+    add_rms_norm: AddRmsNorm
+    silu_and_mul: Activation
+    rotary: Rotary
+    linear: Linear
+    linear_to_float: LinearToFloat
+    plan_kernels: PlanKernels | None   # None: decode steps of this model run its forward
+
+
+def select_ops(device: torch.device, dtype: torch.dtype) -> Ops:
+    rms_norm, add_rms_norm = select_norm(device, dtype)
+    linear = select_linear(device, dtype)
+    elementwise = elementwise_kernels(device, dtype)
+    plan = None
+    if elementwise is not None and linear.plan_matmul is not None:
+        plan = PlanKernels(elementwise.rms_norm, elementwise.silu_and_mul, linear.plan_matmul)
+    return Ops(rms_norm, add_rms_norm, select_activation(device, dtype), select_rotary(device, dtype),
+               linear.linear, linear.linear_to_float, plan)
