@@ -17,11 +17,9 @@ import torch
 from kestrel.attention.backend import AttentionBackend
 from kestrel.attention.cpu import CpuKernelsBackend
 from kestrel.attention.torch_sdpa import TorchSDPABackend
-from kestrel.config import EngineConfig
+from kestrel.config import ATTENTION_BACKENDS, EngineConfig
 from kestrel.ops import amx_disabled, cpu_kernels, cpu_prefill
 from kestrel.ops.dispatch import select_rotary
-
-ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 
 
 def select_attention_backend(config: EngineConfig) -> AttentionBackend:
