@@ -90,7 +90,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--label", help="a name for the server under test in the report (e.g. 'llama.cpp')")
     parser.add_argument("--output-json", metavar="PATH", help="write the full report as JSON")
     parser.add_argument("--append-md", metavar="PATH", help="append a section to this Markdown file "
-                                                            "(e.g. BENCHMARKS.md)")
+                                                            "(e.g. benchmarks/history/runs.md)")
 
 
 def check_options(args: argparse.Namespace) -> None:

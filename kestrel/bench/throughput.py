@@ -92,7 +92,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "(default: torch's default, one per core)")
     parser.add_argument("--output-json", metavar="PATH", help="write the full report as JSON")
     parser.add_argument("--append-md", metavar="PATH", help="append a section to this Markdown file "
-                                                            "(e.g. BENCHMARKS.md)")
+                                                            "(e.g. benchmarks/history/runs.md)")
 
 
 def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
