@@ -16,9 +16,9 @@ mtime and the precision, and written atomically. `"q4_1"` / `"native"` return th
 Same-precision weights make the fairest pair of engines (WORKLOADS.md).
 
 `LlamaServer(gguf, parallel=..., ctx_per_slot=...)` runs
-`llama-server -m FILE --host 127.0.0.1 --port P -np N -c N*CTX -t T -tb T --cache-ram 0 --no-webui -fa on`
-(plus `--cont-batching` where the binary knows the flag; flash attention on, as its users run it), its output in a temp log file, and waits
-for `GET /health` to answer 200. `KestrelServer(engine_flags)` runs
+`llama-server -m FILE --host 127.0.0.1 --port P -np N -c N*CTX -t T -tb T --cache-ram 0 --no-webui
+-fa on` (plus `--cont-batching` where the binary knows the flag; flash attention on, as its users run
+it), its output in a temp log file, and waits for `GET /health` to answer 200. `KestrelServer(engine_flags)` runs
 `python -m kestrel.entrypoints.cli serve --port P ...` the same way. Both expose `.base_url`
 (the OpenAI API root, `http://127.0.0.1:P/v1`), `.pid` and `.label`, and on exit send SIGTERM,
 then SIGKILL to the process group after a grace period.
@@ -143,8 +143,9 @@ def _llama_build_name(binary: Path, version: str) -> str:
 
 def gguf_in_precision(src: Path, precision: str, cache_dir: Path | None = None) -> Path:
     """A GGUF file like `src` with every tensor dequantized to `precision` ("bf16" or "f32", or
-    requantized to "q8_0", llama.cpp's int8 with a scale per 32 values; 1-D tensors stay f32), written once into `cache_dir` (default ~/.cache/kestrel/peers). "native"
-    and "q4_1" return `src` unchanged ("q4_1" checks that `src` is a Q4_1 file)."""
+    requantized to "q8_0", llama.cpp's int8 with a scale per 32 values; 1-D tensors stay f32), written
+    once into `cache_dir` (default ~/.cache/kestrel/peers). "native" and "q4_1" return `src` unchanged
+    ("q4_1" checks that `src` is a Q4_1 file)."""
     import gguf
 
     from kestrel.model.gguf_loader import kestrel_cache_dir, read_gguf_header
@@ -385,7 +386,7 @@ class _ServerProcess:
             pass
         return proc.returncode
 
-    def __enter__(self) -> "_ServerProcess":
+    def __enter__(self) -> _ServerProcess:
         self.start()
         return self
 
@@ -443,7 +444,7 @@ class LlamaServer(_ServerProcess):
             cmd.append("--cont-batching")
         return cmd + flash_attention_args(help_text) + self.extra_args
 
-    def __enter__(self) -> "LlamaServer":
+    def __enter__(self) -> LlamaServer:
         self.start()
         return self
 
@@ -464,7 +465,7 @@ class KestrelServer(_ServerProcess):
         return [sys.executable, "-m", "kestrel.entrypoints.cli", "serve", "--port", str(self.port),
                 *self.engine_flags]
 
-    def __enter__(self) -> "KestrelServer":
+    def __enter__(self) -> KestrelServer:
         self.start()
         return self
 
@@ -525,7 +526,7 @@ class RssSampler:
             self.sample()
         return self.peak
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         self.start()
         return self
 
