@@ -7,11 +7,12 @@ import torch.nn.functional as F
 
 from kestrel.model.attention import DecodeGroup, _decode_attention
 from kestrel.model.layers import rms_norm_reference
-from kestrel.ops import cpu_kernels, cpu_kernels_source
+from kestrel.ops import cpu_kernels, cpu_kernels_isa, cpu_kernels_source
 
 # Without AVX-512 or AVX2 the kernels are not built and the PyTorch path (covered by the parity tests)
 # runs. With either, a kernel that fails to build is a failure here, not a silent fallback; the tests
-# run against whichever source this CPU builds (cpu_kernels.cpp or cpu_kernels_avx2.cpp).
+# run against whichever build of cpu_kernels.cpp this CPU takes (AVX-512, or AVX2 + FMA); every build
+# has every kernel.
 pytestmark = pytest.mark.skipif(cpu_kernels_source() is None, reason="this CPU has neither AVX-512 nor AVX2")
 kernels = cpu_kernels() if cpu_kernels_source() is not None else None
 
@@ -218,12 +219,19 @@ def test_argmax_rows_ties_infinities_and_nan_follow_torch():
         kernels.argmax_rows(x.bfloat16())
 
 
-linear_f32 = pytest.mark.skipif(not hasattr(kernels, "linear_f32"), reason="linear_f32 is in the AVX2 build only")
+def test_every_build_exports_the_same_functions():
+    """Callers never ask which build they got: both have every kernel, at their own vector width."""
+    for name in ("argmax_rows", "rms_norm", "silu_and_mul", "paged_decode_attention", "rotary_write_kv",
+                 "rotary_write_kv_int8", "paged_decode_attention_int8", "supports", "linear_f32", "DecodeLayersF32"):
+        assert hasattr(kernels, name), name
+    assert kernels.lanes == {"avx512": 16, "avx2": 8}[cpu_kernels_isa()]
+    assert kernels.supports(64, 3) and not kernels.supports(64, 6)
 
 
-@linear_f32
+# K of 8 mod 16 (8, 72, 584): a 16-lane build reads the last 8 values through a lane mask.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 64])
-@pytest.mark.parametrize("out_features, in_features", [(1, 8), (2, 576), (7, 64), (5, 72), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("out_features, in_features",
+                         [(1, 8), (2, 576), (7, 64), (5, 72), (960, 576), (576, 1536), (4, 584), (3, 24)])
 def test_linear_f32_matches_torch(rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=g)
@@ -231,7 +239,6 @@ def test_linear_f32_matches_torch(rows, out_features, in_features):
     torch.testing.assert_close(kernels.linear_f32(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
-@linear_f32
 def test_linear_takes_the_f32_kernel_for_decode_sized_batches():
     from kestrel.model import layers
     g = torch.Generator().manual_seed(0)
@@ -245,7 +252,6 @@ def test_linear_takes_the_f32_kernel_for_decode_sized_batches():
     assert torch.equal(layers.linear(many, w), F.linear(many, w))
 
 
-@linear_f32
 def test_linear_f32_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match="multiple of 8"):
         kernels.linear_f32(torch.randn(2, 12), torch.randn(3, 12))

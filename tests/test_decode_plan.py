@@ -1,7 +1,7 @@
 """The decode plan (kestrel/model/decode_plan.py): decode-only steps run as pre-bound kernel calls,
 and must give bit-identical hidden states to the model's own forward, hence the same tokens and
 logprobs, in bf16, with --quantization int8 and with --kv-cache-dtype int8 (on AMX), and in float32
-(on the AVX2 build)."""
+(on either build of the kernels, its projections on linear_f32)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels
 gemv = cpu_gemv()
 has_plan = cpu_kernels() is not None and gemv is not None and gemv.amx_usable() and not amx_disabled()
 needs_plan = pytest.mark.skipif(not has_plan, reason="the plan needs the compiled kernels and AMX")
-# On the AVX2 build a float32 model gets a plan of its own, its projections on linear_f32.
-has_f32_plan = hasattr(cpu_kernels(), "linear_f32")
-needs_f32_plan = pytest.mark.skipif(not has_f32_plan, reason="the float32 plan needs the AVX2 build of the kernels")
+# A float32 model gets a plan of its own, its projections on linear_f32 (in both builds of the kernels).
+has_f32_plan = cpu_kernels() is not None
+needs_f32_plan = pytest.mark.skipif(not has_f32_plan, reason="the float32 plan needs the compiled kernels")
 
 
 @pytest.fixture(scope="module")
