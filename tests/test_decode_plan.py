@@ -1,7 +1,7 @@
 """The decode plan (kestrel/model/decode_plan.py): decode-only steps run as pre-bound kernel calls,
 and must give bit-identical hidden states to the model's own forward, hence the same tokens and
 logprobs, in bf16, with --quantization int8 and with --kv-cache-dtype int8 (on AMX), and in float32
-(on either build of the kernels, its projections on linear_f32)."""
+(on the AVX2 build)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,15 @@ from kestrel import LLM, SamplingParams
 from kestrel.model.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kestrel.model.decode_plan import DecodePlan
 from kestrel.model.layers import F32_MAX_ROWS
-from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels
+from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels, linear_f32_preferred
 
 gemv = cpu_gemv()
 has_plan = cpu_kernels() is not None and gemv is not None and gemv.amx_usable() and not amx_disabled()
 needs_plan = pytest.mark.skipif(not has_plan, reason="the plan needs the compiled kernels and AMX")
-# A float32 model gets a plan of its own, its projections on linear_f32 (in both builds of the kernels).
-has_f32_plan = cpu_kernels() is not None
-needs_f32_plan = pytest.mark.skipif(not has_f32_plan, reason="the float32 plan needs the compiled kernels")
+# On the AVX2 build a float32 model gets a plan of its own, its projections on linear_f32 (which the
+# AVX-512 build has too, but there torch's GEMM keeps float32 products: linear_f32_preferred()).
+has_f32_plan = linear_f32_preferred()
+needs_f32_plan = pytest.mark.skipif(not has_f32_plan, reason="the float32 plan runs on the AVX2 build of the kernels")
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ import torch
 from kestrel.model.attention import AttentionMetadata, KVCache, is_int8
 from kestrel.model.layers import AMX_MAX_ROWS, F32_MAX_ROWS, Linear
 from kestrel.model.layers import rms_norm as head_rms_norm  # kernel or PyTorch, by the input's layout
-from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels
+from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels, linear_f32_preferred
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
@@ -114,7 +114,7 @@ class DecodePlan:
             if gemv is None or amx_disabled() or not gemv.amx_usable():
                 return None
             bind, max_rows = (lambda m: _projection(m, gemv.linear_bf16_amx, torch.bfloat16, 16, 32)), AMX_MAX_ROWS
-        elif cfg.dtype == torch.float32 and hasattr(kernels, "linear_f32"):
+        elif cfg.dtype == torch.float32 and linear_f32_preferred():
             bind, max_rows = (lambda m: _projection(m, kernels.linear_f32, torch.float32, 1, 8)), F32_MAX_ROWS
         else:
             return None

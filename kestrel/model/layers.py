@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.model.attention import is_int8
-from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels
+from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels, linear_f32_preferred
 
 
 class RMSNorm(nn.Module):
@@ -109,9 +109,8 @@ def _f32_kernels(x: torch.Tensor, weight: torch.Tensor):
     if (x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and weight.dtype == torch.float32
             and 1 <= x.shape[0] <= F32_MAX_ROWS
             and x.shape[1] % 8 == 0 and weight.is_contiguous()):
-        kernels = cpu_kernels()
-        if kernels is not None and hasattr(kernels, "linear_f32"):
-            return kernels
+        if linear_f32_preferred():
+            return cpu_kernels()
     return None
 
 

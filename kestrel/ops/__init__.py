@@ -163,6 +163,14 @@ def cpu_kernels():
     return _load_or_none("cpu_kernels.cpp", "CPU attention kernel", isa is not None, isa)
 
 
+def linear_f32_preferred() -> bool:
+    """Whether float32 decode-sized products (and so the float32 decode plan) take cpu_kernels()'s
+    linear_f32 over torch's GEMM: on the AVX2 build, where torch's GEMM runs at a fraction of its
+    rate. Both builds have linear_f32; on AVX-512 torch's GEMM (16 lanes) keeps float32 models,
+    and so the float32 parity tests, on the path they have always taken."""
+    return cpu_kernels_isa() == "avx2" and cpu_kernels() is not None
+
+
 @functools.cache
 def cpu_gemv():
     """The small-batch bf16 linear kernel (cpu_gemv.cpp), or None where unavailable (no
