@@ -7,12 +7,13 @@ import torch.nn.functional as F
 
 from kestrel.attention.torch_sdpa import DecodeGroup, decode_attention
 from kestrel.model.layers import rms_norm_reference
-from kestrel.ops import cpu_kernels, cpu_kernels_source
+from kestrel.ops import cpu_kernels, cpu_kernels_isa, cpu_kernels_source
 from kestrel.ops.dispatch import F32_MAX_ROWS, f32_kernels, select_linear
 
 # Without AVX-512 or AVX2 the kernels are not built and the PyTorch path (covered by the parity tests)
 # runs. With either, a kernel that fails to build is a failure here, not a silent fallback; the tests
-# run against whichever source this CPU builds (cpu_kernels.cpp or cpu_kernels_avx2.cpp).
+# run against whichever build of cpu_kernels.cpp this CPU takes (AVX-512, or AVX2 + FMA); every build
+# has every kernel.
 pytestmark = pytest.mark.skipif(cpu_kernels_source() is None, reason="this CPU has neither AVX-512 nor AVX2")
 kernels = cpu_kernels() if cpu_kernels_source() is not None else None
 
@@ -219,13 +220,19 @@ def test_argmax_rows_ties_infinities_and_nan_follow_torch():
         kernels.argmax_rows(x.bfloat16())
 
 
-linear_f32 = pytest.mark.skipif(kernels is None or f32_kernels() is None,
-                                reason="needs linear_f32 (the AVX2 build has it)")
+def test_every_build_exports_the_same_functions():
+    """Callers never ask which build they got: both have every kernel, at their own vector width."""
+    for name in ("argmax_rows", "rms_norm", "silu_and_mul", "paged_decode_attention", "rotary_write_kv",
+                 "rotary_write_kv_int8", "paged_decode_attention_int8", "supports", "linear_f32", "DecodeLayersF32"):
+        assert hasattr(kernels, name), name
+    assert kernels.lanes == {"avx512": 16, "avx2": 8}[cpu_kernels_isa()]
+    assert kernels.supports(64, 3) and not kernels.supports(64, 6)
 
 
-@linear_f32
+# K of 8 mod 16 (8, 72, 584): a 16-lane build reads the last 8 values through a lane mask.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 64])
-@pytest.mark.parametrize("out_features, in_features", [(1, 8), (2, 576), (7, 64), (5, 72), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("out_features, in_features",
+                         [(1, 8), (2, 576), (7, 64), (5, 72), (960, 576), (576, 1536), (4, 584), (3, 24)])
 def test_linear_f32_matches_torch(rows, out_features, in_features):
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=g)
@@ -233,24 +240,78 @@ def test_linear_f32_matches_torch(rows, out_features, in_features):
     torch.testing.assert_close(kernels.linear_f32(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
-@linear_f32
 def test_linear_takes_the_f32_kernel_for_decode_sized_batches():
+    """Where float32 products take linear_f32 (the AVX2 build: f32_kernels()); on AVX-512 torch's GEMM
+    keeps float32."""
     ops = select_linear(torch.device("cpu"), torch.float32)
-    assert ops.plan_matmul is not None and ops.plan_matmul.kernel is kernels.linear_f32
+    preferred = f32_kernels() is not None
+    assert (ops.plan_matmul is not None and ops.plan_matmul.kernel is kernels.linear_f32) == preferred
     g = torch.Generator().manual_seed(0)
     w, bias = torch.randn(960, 576, generator=g), torch.randn(960, generator=g)
     for rows in (1, F32_MAX_ROWS):
         x = torch.randn(rows, 576, generator=g)
-        assert torch.equal(ops.linear(x, w), kernels.linear_f32(x, w))
-        assert torch.equal(ops.linear(x, w, bias), kernels.linear_f32(x, w) + bias)
+        if preferred:
+            assert torch.equal(ops.linear(x, w), kernels.linear_f32(x, w))
+            assert torch.equal(ops.linear(x, w, bias), kernels.linear_f32(x, w) + bias)
+        else:
+            assert torch.equal(ops.linear(x, w, bias), F.linear(x, w, bias))
     # Prefill-sized batches take torch's GEMM.
     many = torch.randn(F32_MAX_ROWS + 1, 576, generator=g)
     assert torch.equal(ops.linear(many, w), F.linear(many, w))
 
 
-@linear_f32
 def test_linear_f32_rejects_bad_shapes():
     with pytest.raises(RuntimeError, match="multiple of 8"):
         kernels.linear_f32(torch.randn(2, 12), torch.randn(3, 12))
     with pytest.raises(RuntimeError, match="x \\[M, K\\], w \\[N, K\\]"):
         kernels.linear_f32(torch.randn(2, 16), torch.randn(3, 8))
+
+
+def _decode_layers_in_python(weights, caches, x, cos, sin, slots, table, seq_lens, heads, eps, scale):
+    """DecodeLayersF32's loop, kernel call by kernel call, in Python."""
+    residual = None
+    for layer in range(len(caches) // 2):
+        norm_in, qkv_w, o_w, norm_post, gate_up_w, down_w = weights[6 * layer:6 * layer + 6]
+        k_cache, v_cache = caches[2 * layer], caches[2 * layer + 1]
+        if residual is None:
+            residual, h = x, kernels.rms_norm(x, None, norm_in, eps)
+        else:
+            h = kernels.rms_norm(x, residual, norm_in, eps)
+        qkv = kernels.linear_f32(h, qkv_w).view(x.shape[0], heads + 2 * k_cache.shape[1], k_cache.shape[2])
+        kernels.rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads)
+        out = kernels.paged_decode_attention(qkv[:, :heads], k_cache, v_cache, table, seq_lens, 16, scale, True)
+        h = kernels.rms_norm(kernels.linear_f32(out.reshape(x.shape[0], -1), o_w), residual, norm_post, eps)
+        x = kernels.linear_f32(kernels.silu_and_mul(kernels.linear_f32(h, gate_up_w)), down_w)
+    return x + residual
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_decode_layers_f32_is_its_kernels_in_order(rows):
+    """DecodeLayersF32 (in every build) against the same kernels called from Python, bit for bit, and
+    within float32 rounding of the PyTorch references."""
+    g = torch.Generator().manual_seed(rows)
+    heads, kv_heads, head_dim, hidden, inter, layers_n, eps = 4, 2, 64, 256, 512, 2, 1e-5
+    scale = head_dim ** -0.5
+    weights = []
+    for _ in range(layers_n):
+        weights += [1 + 0.1 * torch.randn(hidden, generator=g),
+                    0.05 * torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=g),
+                    0.05 * torch.randn(hidden, heads * head_dim, generator=g),
+                    1 + 0.1 * torch.randn(hidden, generator=g),
+                    0.05 * torch.randn(2 * inter, hidden, generator=g),
+                    0.05 * torch.randn(hidden, inter, generator=g)]
+    lens = [5 + 7 * i for i in range(rows)]
+    table = torch.arange(rows * 4).view(rows, 4) + 1
+    slots = torch.tensor([table[i, (L - 1) // 16].item() * 16 + (L - 1) % 16 for i, L in enumerate(lens)])
+    caches = [0.5 * torch.randn(4 * rows * 16 + 16, kv_heads, head_dim, generator=g) for _ in range(2 * layers_n)]
+    x = torch.randn(rows, hidden, generator=g)
+    angle = torch.tensor(lens, dtype=torch.float32)[:, None] * torch.linspace(0.01, 1, head_dim)[None, :]
+    cos, sin = angle.cos(), angle.sin()
+    seq_lens = torch.tensor(lens)
+    native_caches = [c.clone() for c in caches]
+    native = kernels.DecodeLayersF32(weights, native_caches, heads, eps, scale)(
+        x.clone(), cos, sin, slots, table, seq_lens, 16)
+    python_loop = _decode_layers_in_python(weights, caches, x.clone(), cos, sin, slots, table, seq_lens,
+                                           heads, eps, scale)
+    assert torch.equal(native, python_loop)
+    assert all(torch.equal(a, b) for a, b in zip(native_caches, caches))  # the same K/V written

@@ -9,18 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from kestrel.ops import _build_key, _kernel_cache_root, cpu_kernels, cpu_kernels_source
+from kestrel.ops import _build_key, cpu_kernels, cpu_kernels_isa, cpu_kernels_source, extension_build_dir
 
 pytestmark = pytest.mark.skipif(cpu_kernels_source() is None or cpu_kernels() is None,
                                 reason="needs the compiled CPU kernels (AVX-512 or AVX2, and a compiler)")
 
-SOURCE = Path(__file__).parents[1] / "kestrel" / "ops" / (cpu_kernels_source() or "cpu_kernels.cpp")
 LOAD = ("import logging, sys; logging.basicConfig(); from kestrel.ops import cpu_kernels; "
         "sys.exit(0 if cpu_kernels() is not None else 3)")
 
 
 def _build_dir() -> Path:
-    return _kernel_cache_root() / f"kestrel_{SOURCE.stem}_{_build_key(SOURCE)}"
+    return extension_build_dir("cpu_kernels.cpp", cpu_kernels_isa())
 
 
 def test_a_stale_torch_lock_from_a_killed_build_does_not_block_loading():

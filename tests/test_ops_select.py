@@ -5,17 +5,34 @@ import pytest
 import kestrel.ops as ops
 
 
-@pytest.mark.parametrize("flags, source", [
-    ({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}, "cpu_kernels.cpp"),
-    ({"avx2", "fma", "avx512f"}, "cpu_kernels.cpp"),
-    ({"avx2", "fma"}, "cpu_kernels_avx2.cpp"),   # most laptops, AMD Zen 1-3
-    ({"avx2"}, None),                            # AVX2 without FMA: the PyTorch path
+@pytest.mark.parametrize("flags, isa", [
+    ({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}, "avx512"),
+    ({"avx2", "fma", "avx512f"}, "avx512"),
+    ({"avx2", "fma"}, "avx2"),   # most laptops, AMD Zen 1-3
+    ({"avx2"}, None),            # AVX2 without FMA: the PyTorch path
     ({"sse4_2", "avx"}, None),
-    (set(), None),                               # no /proc/cpuinfo (another OS)
+    (set(), None),               # no /proc/cpuinfo (another OS)
 ])
-def test_the_kernel_source_follows_the_cpu_flags(monkeypatch, flags, source):
+def test_the_kernel_build_follows_the_cpu_flags(monkeypatch, flags, isa):
+    monkeypatch.delenv("KESTREL_CPU_KERNELS", raising=False)
     monkeypatch.setattr(ops, "_cpu_flags", lambda: frozenset(flags))
-    assert ops.cpu_kernels_source() == source
+    assert ops.cpu_kernels_isa() == isa
+    assert ops.cpu_kernels_source() == ("cpu_kernels.cpp" if isa else None)  # one source for every build
+
+
+@pytest.mark.parametrize("flags, isa", [({"avx2", "fma", "avx512f"}, "avx2"), ({"avx2", "fma"}, "avx2"), ({"avx2"}, None)])
+def test_kestrel_cpu_kernels_avx2_takes_the_avx2_build(monkeypatch, flags, isa):
+    monkeypatch.setenv("KESTREL_CPU_KERNELS", "avx2")
+    monkeypatch.setattr(ops, "_cpu_flags", lambda: frozenset(flags))
+    assert ops.cpu_kernels_isa() == isa
+
+
+def test_the_two_builds_of_one_source_live_apart(monkeypatch):
+    """Their build keys differ (the flags select the vector header), so both stay in the cache."""
+    monkeypatch.setattr(ops, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    avx512, avx2 = (ops.extension_build_dir("cpu_kernels.cpp", isa) for isa in ("avx512", "avx2"))
+    assert avx512 != avx2 and avx512.parent == avx2.parent
+    assert "-DKESTREL_VEC_AVX2" in ops.ISA_CFLAGS["avx2"] and "-march=native" not in ops.ISA_CFLAGS["avx2"]
 
 
 @pytest.mark.parametrize("has_bf16, label", [(True, "llama-server:bf16"), (False, "llama-server:f32")])

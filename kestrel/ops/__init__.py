@@ -3,8 +3,10 @@ time on 2 cores), cached under ~/.cache/kestrel/kernels (KESTREL_KERNEL_CACHE ov
 
 Each has a pure-PyTorch reference that the tests compare it with, and that runs wherever the kernel
 cannot be built (no compiler, or a CPU without the instructions it needs) or when
-KESTREL_DISABLE_CPU_KERNELS=1. The attention, norm and rotary kernels come in two sources:
-cpu_kernels.cpp for AVX-512 (with AMX where present), cpu_kernels_avx2.cpp for AVX2 + FMA only.
+KESTREL_DISABLE_CPU_KERNELS=1. The attention, norm, rotary, argmax and float32 linear kernels
+(cpu_kernels.cpp) are one source written on a small vector interface, compiled once per instruction
+set: for AVX-512 on vec_avx512.h (16 lanes; AMX where present) and for AVX2 + FMA on vec_avx2.h
+(8 lanes). Both builds export the same functions.
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ logger = logging.getLogger(__name__)
 
 _CFLAGS = ("-O3", "-march=native", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
+# The instruction sets cpu_kernels.cpp is built for: the flags that select its vector header. The
+# AVX2 build targets x86-64-v3 (AVX2, FMA, no AVX-512) even on an AVX-512 CPU, so that what runs
+# here under KESTREL_CPU_KERNELS=avx2 is what a laptop runs; -mtune=native still tunes for this CPU.
+ISA_CFLAGS = {
+    "avx512": ("-O3", "-march=native", "-fopenmp", "-DKESTREL_VEC_AVX512"),
+    "avx2": ("-O3", "-march=x86-64-v3", "-mtune=native", "-fopenmp", "-DKESTREL_VEC_AVX2"),
+}
 # A first build takes ~100 s on 2 cores; a wait far past that means something is wrong.
 _BUILD_WAIT_S = float(os.environ.get("KESTREL_KERNEL_BUILD_WAIT_S", "900"))
 
@@ -59,15 +68,16 @@ def _kernel_cache_root() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "kestrel" / "kernels"
 
 
-def _build_key(source: Path) -> str:
-    """What the compiled module depends on: the source and the headers beside it, the flags, torch,
-    and (through -march=native) the CPU. Each key gets its own build directory, so two checkouts or
-    two versions of a kernel never rebuild each other's output."""
+def _build_key(source: Path, cflags: tuple[str, ...] = _CFLAGS) -> str:
+    """What the compiled module depends on: the source and the headers beside it, the flags (the
+    instruction set's included), torch, and (through -march=native) the CPU. Each key gets its own
+    build directory, so two checkouts, two versions of a kernel or two builds of one source never
+    rebuild each other's output."""
     import torch
     digest = hashlib.sha256(source.read_bytes())
     for header in sorted(source.parent.glob("*.h")):  # included by the kernels
         digest.update(header.read_bytes())
-    for part in (*_CFLAGS, *_LDFLAGS, torch.__version__, " ".join(sorted(_cpu_flags()))):
+    for part in (*cflags, *_LDFLAGS, torch.__version__, " ".join(sorted(_cpu_flags()))):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -84,8 +94,16 @@ def _acquire(lock_file, timeout_s: float) -> bool:
             time.sleep(0.2)
 
 
-def load_cpu_extension(source_name: str):
-    """Build (once per source version and machine) and import the kernel in ops/<source_name>.
+def extension_build_dir(source_name: str, isa: str | None = None) -> Path:
+    """Where ops/<source_name> built for `isa` lives: its module name, under the kernel cache."""
+    source = Path(__file__).with_name(source_name)
+    cflags = ISA_CFLAGS[isa] if isa is not None else _CFLAGS
+    return _kernel_cache_root() / f"kestrel_{source.stem}{'_' + isa if isa else ''}_{_build_key(source, cflags)}"
+
+
+def load_cpu_extension(source_name: str, isa: str | None = None):
+    """Build (once per source version, instruction set and machine) and import the kernel in
+    ops/<source_name>, for `isa` (a key of ISA_CFLAGS) where the source is compiled per instruction set.
 
     Concurrent loaders (the engine core and a test process, say) serialise on an flock, which the
     kernel releases if its holder dies; torch's own lock file, which a killed build leaves behind
@@ -94,8 +112,9 @@ def load_cpu_extension(source_name: str):
     from torch.utils.cpp_extension import load
 
     source = Path(__file__).with_name(source_name)
-    name = f"kestrel_{source.stem}_{_build_key(source)}"
-    build_dir = _kernel_cache_root() / name
+    cflags = ISA_CFLAGS[isa] if isa is not None else _CFLAGS
+    build_dir = extension_build_dir(source_name, isa)
+    name = build_dir.name
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir / "kestrel.flock", "w") as lock_file:
         if not _acquire(lock_file, _BUILD_WAIT_S):
@@ -103,43 +122,53 @@ def load_cpu_extension(source_name: str):
                                f"{_BUILD_WAIT_S:.0f} s")
         (build_dir / "lock").unlink(missing_ok=True)
         return load(name=name, sources=[str(source)], build_directory=str(build_dir),
-                    extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS), verbose=False)
+                    extra_cflags=list(cflags), extra_ldflags=list(_LDFLAGS), verbose=False)
 
 
-def _load_or_none(source_name: str, what: str, usable: bool):
+def _load_or_none(source_name: str, what: str, usable: bool, isa: str | None = None):
     if os.environ.get("KESTREL_DISABLE_CPU_KERNELS") == "1" or not usable:
         return None
     try:
-        return load_cpu_extension(source_name)
+        return load_cpu_extension(source_name, isa)
     except Exception as exc:  # no compiler or ninja, the build failed, or it never finished
         logger.warning("%s unavailable, using the PyTorch path: %s", what, exc)
         return None
 
 
-def cpu_kernels_source() -> str | None:
-    """The source of cpu_kernels() for this CPU: AVX-512 (cpu_kernels.cpp) before AVX2 + FMA
-    (cpu_kernels_avx2.cpp); None without either.
-    KESTREL_CPU_KERNELS=avx2 takes the AVX2 build on an AVX-512 CPU too: the path of most laptops,
-    run (and tested) on a server."""
+def cpu_kernels_isa() -> str | None:
+    """The build of cpu_kernels() for this CPU: "avx512" before "avx2" (AVX2 + FMA); None without
+    either. KESTREL_CPU_KERNELS=avx2 takes the AVX2 build on an AVX-512 CPU too: the path of most
+    laptops, run (and tested) on a server."""
     isa = os.environ.get("KESTREL_CPU_KERNELS", "auto")
     if isa not in ("auto", "avx2"):
         raise ValueError(f"KESTREL_CPU_KERNELS must be 'auto' or 'avx2', not {isa!r}")
-    if isa == "avx2":
-        return "cpu_kernels_avx2.cpp" if _cpu_has_avx2() else None
-    if _cpu_has_avx512():
-        return "cpu_kernels.cpp"
-    if _cpu_has_avx2():
-        return "cpu_kernels_avx2.cpp"
-    return None
+    if isa == "auto" and _cpu_has_avx512():
+        return "avx512"
+    return "avx2" if _cpu_has_avx2() else None
+
+
+def cpu_kernels_source() -> str | None:
+    """The source of cpu_kernels() (one for every instruction set, see cpu_kernels_isa()), or None
+    where this CPU takes neither build."""
+    return "cpu_kernels.cpp" if cpu_kernels_isa() is not None else None
 
 
 @functools.cache
 def cpu_kernels():
-    """Paged attention (over the model-dtype or the int8 KV cache), norm, activation, rotary + KV-write
-    and argmax kernels (cpu_kernels_source()), or None where unavailable. Only the AVX2 build has
-    linear_f32 and DecodeLayersF32: callers ask with hasattr."""
-    source = cpu_kernels_source()
-    return _load_or_none(source or "cpu_kernels.cpp", "CPU attention kernel", source is not None)
+    """Paged attention (over the model-dtype or the int8 KV cache), norm, activation, rotary + KV-write,
+    argmax and float32 linear kernels, and the float32 decode plan's layer loop (DecodeLayersF32), in
+    the build for this CPU (cpu_kernels_isa()), or None where unavailable. Every build has every
+    function; `lanes` says the vector width it was compiled for."""
+    isa = cpu_kernels_isa()
+    return _load_or_none("cpu_kernels.cpp", "CPU attention kernel", isa is not None, isa)
+
+
+def linear_f32_preferred() -> bool:
+    """Whether float32 decode-sized products (and so the float32 decode plan) take cpu_kernels()'s
+    linear_f32 over torch's GEMM: on the AVX2 build, where torch's GEMM runs at a fraction of its
+    rate. Both builds have linear_f32; on AVX-512 torch's GEMM (16 lanes) keeps float32 models,
+    and so the float32 parity tests, on the path they have always taken."""
+    return cpu_kernels_isa() == "avx2" and cpu_kernels() is not None
 
 
 @functools.cache

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace kestrel_amx {
 
@@ -27,5 +28,28 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+
+// The tile instructions on a register number given as a template argument (the intrinsics take a
+// literal one): tmm(R) loaded from / stored to rows `stride` bytes apart, zeroed; tmm(C) += tmm(A) .
+// tmm(B) in bf16 pairs (tdpbf16ps, as _tile_dpbf16ps(C, A, B)).
+template <int R>
+inline void tile_load(const void* base, int64_t stride) {
+  asm volatile("{tileloadd\t(%0,%1,1), %%tmm%c2|tileloadd\t%%tmm%c2, [%0+%1*1]}" : : "r"(base), "r"(stride), "i"(R));
+}
+template <int R>
+inline void tile_store(void* base, int64_t stride) {
+  asm volatile("{tilestored\t%%tmm%c2, (%0,%1,1)|tilestored\t[%0+%1*1], %%tmm%c2}"
+               : : "r"(base), "r"(stride), "i"(R) : "memory");
+}
+template <int R>
+inline void tile_zero() {
+  asm volatile("tilezero\t%%tmm%c0" : : "i"(R));
+}
+template <int C, int A, int B>
+inline void tile_dot_bf16() {
+  asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" : : "i"(C), "i"(A), "i"(B));
+}
+template <int R>
+constexpr std::integral_constant<int, R> kReg{};  // a tile register number, passed to a generic lambda
 
 }  // namespace kestrel_amx

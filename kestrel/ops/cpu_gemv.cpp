@@ -85,6 +85,8 @@ void run(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t N, int64_t K
 
 using kestrel_amx::amx_usable;
 using kestrel_amx::TileConfig;
+using kestrel_amx::kReg;
+using kestrel_amx::tile_load;
 using kestrel_simd::round_to_bf16_bits;
 using kestrel_simd::transpose16;
 
@@ -103,7 +105,7 @@ struct Bf16Tiles {
   using Elem = uint16_t;
   static constexpr int64_t kStep = 32;  // K per tile step
   template <int C, int A, int B> static void dot() {
-    asm volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" : : "i"(C), "i"(A), "i"(B));
+    kestrel_amx::tile_dot_bf16<C, A, B>();
   }
 };
 struct Int8Tiles {
@@ -303,22 +305,18 @@ inline void tile_block(const Operands<T>& op, int64_t nb, int64_t mb, const Sink
   const char* x0 = op.x_block(mb);
   const char* x1 = op.x_block(mb + 1);
   const int64_t stride = op.row_bytes();
-  auto even = [&](int64_t kt) {
+  // One K step with the weights in tmm(A) and x block m's tile in tmm(B + m).
+  auto step = [&](int64_t kt, auto a, auto b) {
+    constexpr int A = decltype(a)::value, B = decltype(b)::value;
     pf.step(kt);
-    _tile_loadd(2, wn + kt * T::kStep, stride);
-    _tile_loadd(4, x0 + kt * kTileBytes, 64);
-    if constexpr (MB == 2) _tile_loadd(5, x1 + kt * kTileBytes, 64);
-    T::template dot<0, 2, 4>();
-    if constexpr (MB == 2) T::template dot<1, 2, 5>();
+    tile_load<A>(wn + kt * T::kStep, stride);
+    tile_load<B>(x0 + kt * kTileBytes, 64);
+    if constexpr (MB == 2) tile_load<B + 1>(x1 + kt * kTileBytes, 64);
+    T::template dot<0, A, B>();
+    if constexpr (MB == 2) T::template dot<1, A, B + 1>();
   };
-  auto odd = [&](int64_t kt) {
-    pf.step(kt);
-    _tile_loadd(3, wn + kt * T::kStep, stride);
-    _tile_loadd(6, x0 + kt * kTileBytes, 64);
-    if constexpr (MB == 2) _tile_loadd(7, x1 + kt * kTileBytes, 64);
-    T::template dot<0, 3, 6>();
-    if constexpr (MB == 2) T::template dot<1, 3, 7>();
-  };
+  auto even = [&](int64_t kt) { step(kt, kReg<2>, kReg<4>); };
+  auto odd = [&](int64_t kt) { step(kt, kReg<3>, kReg<6>); };
   _tile_zero(0);
   if constexpr (MB == 2) _tile_zero(1);
   k_steps(op.steps(), even, odd);
@@ -334,22 +332,18 @@ inline void tile_block_wide(const Operands<T>& op, int64_t nb, int64_t mb, const
   const char* x0 = op.x_block(mb);
   const int64_t KT = op.steps(), stride = op.row_bytes();
   auto x_tile = [&](int m, int64_t kt) { return x0 + (m * KT + kt) * kTileBytes; };
-  auto even = [&](int64_t kt) {
+  // One K step with the weights in tmm(A), x tiles in tmm6 / tmm7 by turns.
+  auto step = [&](int64_t kt, auto a) {
+    constexpr int A = decltype(a)::value;
     pf.step(kt);
-    _tile_loadd(4, wn + kt * T::kStep, stride);
-    _tile_loadd(6, x_tile(0, kt), 64);  T::template dot<0, 4, 6>();
-    _tile_loadd(7, x_tile(1, kt), 64);  T::template dot<1, 4, 7>();
-    _tile_loadd(6, x_tile(2, kt), 64);  T::template dot<2, 4, 6>();
-    if constexpr (MB == 4) { _tile_loadd(7, x_tile(3, kt), 64); T::template dot<3, 4, 7>(); }
+    tile_load<A>(wn + kt * T::kStep, stride);
+    tile_load<6>(x_tile(0, kt), 64);  T::template dot<0, A, 6>();
+    tile_load<7>(x_tile(1, kt), 64);  T::template dot<1, A, 7>();
+    tile_load<6>(x_tile(2, kt), 64);  T::template dot<2, A, 6>();
+    if constexpr (MB == 4) { tile_load<7>(x_tile(3, kt), 64); T::template dot<3, A, 7>(); }
   };
-  auto odd = [&](int64_t kt) {
-    pf.step(kt);
-    _tile_loadd(5, wn + kt * T::kStep, stride);
-    _tile_loadd(6, x_tile(0, kt), 64);  T::template dot<0, 5, 6>();
-    _tile_loadd(7, x_tile(1, kt), 64);  T::template dot<1, 5, 7>();
-    _tile_loadd(6, x_tile(2, kt), 64);  T::template dot<2, 5, 6>();
-    if constexpr (MB == 4) { _tile_loadd(7, x_tile(3, kt), 64); T::template dot<3, 5, 7>(); }
-  };
+  auto even = [&](int64_t kt) { step(kt, kReg<4>); };
+  auto odd = [&](int64_t kt) { step(kt, kReg<5>); };
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);

@@ -1,754 +1,262 @@
-// Kestrel's CPU kernels (AVX-512; float32 or bf16 storage, float32 math). Their PyTorch references
-// live in kestrel/model/attention.py and kestrel/model/layers.py; tests/test_cpu_kernels.py compares.
+// Kestrel's CPU kernels, written once on the vector interface of vec_avx512.h / vec_avx2.h (a float
+// vector of kLanes lanes) and compiled once per instruction set: with KESTREL_VEC_AVX512 (16 lanes,
+// 32 registers, -march=native on an AVX-512 CPU) and with KESTREL_VEC_AVX2 (8 lanes, 16 registers,
+// an AVX2 + FMA target); kestrel/ops/__init__.py picks the build for the CPU. Both builds export the
+// same functions. float32 or bf16 storage, float32 math. Their PyTorch references live in
+// kestrel/attention/ (kv_cache.py, torch_sdpa.py) and kestrel/ops/dispatch.py; tests/test_cpu_kernels.py
+// compares (and tests/test_cpu_kernels_avx2_build.py runs those tests again on the AVX2 build).
 //
 // paged_decode_attention: one query token per sequence, grouped-query heads, read straight from the
-// paged KV cache with no gathered copy; each K and V row is read once, for all the GROUP query
-// heads that share it. bf16 cache: one pass (online softmax) over chunks of blocks, scores by AMX
-// where available (see "bf16 KV cache" below). float32 cache: one work item per (sequence, KV head),
-// scores of all its K rows, then the V rows (weighted sums kept in registers).
-// rms_norm (optionally fused with the residual add) and silu_and_mul: one pass over each row.
+// paged KV cache with no gathered copy (see "paged decode attention" below). The AVX-512 build reads
+// a bf16 cache through its own block-major kernel with AMX scores (decode_bf16_avx512.h, the one
+// part behind KESTREL_VEC_AVX512).
+// paged_decode_attention_int8 and rotary_write_kv_int8: the int8 KV cache (int8_kv.h).
+// rms_norm (optionally fused with the residual add), silu_and_mul, rotary_write_kv and argmax_rows:
+// one pass over each row. linear_f32 and DecodeLayersF32: float32 decode-sized products and the
+// float32 decode plan's layer loop.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
-#include <immintrin.h>
-
-#include "amx.h"
+#if defined(KESTREL_VEC_AVX512)
+#include "vec_avx512.h"
+#include "decode_bf16_avx512.h"
+#elif defined(KESTREL_VEC_AVX2)
+#include "vec_avx2.h"
+#else
+#error "build with -DKESTREL_VEC_AVX512 or -DKESTREL_VEC_AVX2 (kestrel/ops/__init__.py does)"
+#endif
 #include "int8_kv.h"
 #include "parallel.h"
-#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-using VecF = __m512;
-inline VecF load_bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline VecF load_f32(const float* p) { return _mm512_loadu_ps(p); }
-inline VecF fma(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
-inline VecF zero() { return _mm512_setzero_ps(); }
-inline VecF splat(float x) { return _mm512_set1_ps(x); }
-inline float hsum(VecF v) { return _mm512_reduce_add_ps(v); }
-inline void store(float* p, VecF v) { _mm512_storeu_ps(p, v); }
-
-using kestrel_simd::exp_clamped;
-#else
-#error "this kernel needs AVX-512; kestrel falls back to the PyTorch path elsewhere"
-#endif
-
+using namespace kestrel_vec;
 using kestrel_parallel::parallel_for_by_cost;
 
-template <bool BF16>
-inline VecF load_row_chunk(const void* base, int64_t offset) {
-  if constexpr (BF16) return load_bf16(static_cast<const uint16_t*>(base) + offset);
-  else return load_f32(static_cast<const float*>(base) + offset);
+// Rows of the model dtype (float32 or bf16) as float32 vectors, and back (bf16 rounded to nearest
+// even, as torch's .to(torch.bfloat16) rounds); round_to: a float32 result rounded as if stored.
+inline VecF load_chunk(const float* p) { return load_f32(p); }
+inline VecF load_chunk(const c10::BFloat16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
+inline void store_row_chunk(float* p, VecF v) { store(p, v); }
+inline void store_row_chunk(c10::BFloat16* p, VecF v) { store_bf16(reinterpret_cast<uint16_t*>(p), v); }
+inline VecF round_to(VecF v, float*) { return v; }
+inline VecF round_to(VecF v, c10::BFloat16*) { return bf16_round_trip(v); }
+
+// The (head_dim, query heads per KV head) pairs the attention kernels are built for: calls
+// f(integral_constant D, integral_constant G) for the pair asked; false where there is none.
+template <typename F>
+bool with_head_shape(int64_t d, int64_t g, const F& f) {
+#define KESTREL_CASE(D, G)                                                            \
+  if (d == D && g == G) {                                                             \
+    f(std::integral_constant<int, D>{}, std::integral_constant<int, G>{});            \
+    return true;                                                                      \
+  }
+  KESTREL_CASE(64, 1) KESTREL_CASE(64, 2) KESTREL_CASE(64, 3) KESTREL_CASE(64, 4)
+  KESTREL_CASE(64, 5) KESTREL_CASE(64, 8)
+  KESTREL_CASE(128, 1) KESTREL_CASE(128, 2) KESTREL_CASE(128, 4) KESTREL_CASE(128, 8)
+#undef KESTREL_CASE
+  return false;
 }
 
-template <bool BF16, int D, int G>
-void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-         const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
-         int64_t block_size, float scale) {
-  constexpr int C = D / kLanes;  // vector chunks per row
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), kv_heads = k_cache.size(1);
-  const int64_t max_blocks = block_tables.size(1), slot_stride = kv_heads * D;
-  const int64_t elem = BF16 ? 2 : 4;
-  const char* kp = static_cast<const char*>(k_cache.data_ptr());
-  const char* vp = static_cast<const char*>(v_cache.data_ptr());
-  const float* qf_all = q.data_ptr<float>();   // q arrives as float32
-  float* op = out.data_ptr<float>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-
-  const auto cost = [&](int64_t item) { return 1 + std::max<int64_t>(0, lens[item / kv_heads]) / block_size; };
-  parallel_for_by_cost(num_seqs * kv_heads, cost, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t s = item / kv_heads, h = item % kv_heads;
-      const int64_t len = lens[s];
-      const int64_t* table = tables + s * max_blocks;
-      VecF qv[G][C];
-      for (int j = 0; j < G; ++j)
-        for (int c = 0; c < C; ++c)
-          qv[j][c] = _mm512_mul_ps(load_f32(qf_all + (s * num_heads + h * G + j) * D + c * kLanes), splat(scale));
-      scores.resize(G * len);
-      float mx[G];
-      for (int j = 0; j < G; ++j) mx[j] = -std::numeric_limits<float>::infinity();
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const char* kb = kp + ((table[t0 / block_size] * block_size) * slot_stride + h * D) * elem;
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t o = 0; o < n; ++o) {
-          const void* row = kb + o * slot_stride * elem;
-          VecF kr[C];
-          for (int c = 0; c < C; ++c) kr[c] = load_row_chunk<BF16>(row, c * kLanes);
-          for (int j = 0; j < G; ++j) {
-            VecF acc = _mm512_mul_ps(qv[j][0], kr[0]);
-            for (int c = 1; c < C; ++c) acc = fma(qv[j][c], kr[c], acc);
-            const float sc = hsum(acc);
-            scores[j * len + t0 + o] = sc;
-            mx[j] = std::max(mx[j], sc);
-          }
-        }
-      }
-      float inv[G];
-      for (int j = 0; j < G; ++j) {
-        float* sj = scores.data() + j * len;
-        const VecF m = splat(mx[j]);
-        VecF sum = zero();
-        for (int64_t t = 0; t < len; t += kLanes) {
-          const __mmask16 lanes = len - t >= kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - t)) - 1);
-          const VecF e = exp_clamped(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, sj + t), m));
-          _mm512_mask_storeu_ps(sj + t, lanes, e);
-          sum = _mm512_mask_add_ps(sum, lanes, sum, e);
-        }
-        inv[j] = 1.f / hsum(sum);
-      }
-      VecF acc[G][C];
-      for (int j = 0; j < G; ++j)
-        for (int c = 0; c < C; ++c) acc[j][c] = zero();
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const char* vb = vp + ((table[t0 / block_size] * block_size) * slot_stride + h * D) * elem;
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t o = 0; o < n; ++o) {
-          const void* row = vb + o * slot_stride * elem;
-          VecF vr[C];
-          for (int c = 0; c < C; ++c) vr[c] = load_row_chunk<BF16>(row, c * kLanes);
-          for (int j = 0; j < G; ++j) {
-            const VecF p = splat(scores[j * len + t0 + o]);
-            for (int c = 0; c < C; ++c) acc[j][c] = fma(p, vr[c], acc[j][c]);
-          }
-        }
-      }
-      for (int j = 0; j < G; ++j) {
-        float* dst = op + (s * num_heads + h * G + j) * D;
-        for (int c = 0; c < C; ++c) store(dst + c * kLanes, _mm512_mul_ps(acc[j][c], splat(inv[j])));
-      }
-    }
-  });
-}
-
-
-// ---- bf16 KV cache: block-major walk, online softmax over chunks of up to 64 tokens ----
+// ---- paged decode attention ----
 //
-// Work is cut into units of one block of one sequence (all its KV heads), in (sequence, block)
-// order, and each thread takes an equal share of units, so a long sequence (or a batch of one) is
-// split across threads; a sequence cut by a share boundary leaves partial results per (sequence,
-// KV head) (running max, sum, unnormalised output) that are merged after the parallel loop.
-// A thread walks its share chunk by chunk (up to kChunkTiles tiles of 16 rows), and within a chunk
-// KV head by KV head, so that a block's K and V rows of all heads are read close together, and it
-// prefetches the next chunk's blocks whole (this pays when the cache is in DRAM).
-// Per (chunk, KV head): the scores of the G query heads, one online-softmax update, then the V
-// rows. Scores: with AMX (a bf16 q, as in a bf16 model) C[16 rows][G] = K · q^T by tdpbf16ps
-// (products of bf16 numbers are exact in float32, sums in float32), started one unit ahead so that
-// they overlap the previous unit's V work; otherwise in AVX-512 float32, the 16 rows' lane-wise
-// products reduced together by a transpose-and-add tree into one vector of 16 scores.
-// bf16 → float32 by the even/odd trick: a 32-bit lane of a 512-bit load of 32 bf16 holds two of
-// them, << 16 gives the even one as a float32, & 0xFFFF0000 the odd one; q is split into matching
-// even/odd vectors once, and the output is accumulated (in float32) in even/odd order, interleaved
-// back at the end. The running max is raised only when a chunk's max exceeds it by kMaxSlack, so
-// that the exponentials do not wait on it (exp(s - m) <= e^kMaxSlack, far from overflow).
+// Work is cut into (sequence, KV head, segment) items, a segment being up to kSegmentTokens keys, so
+// that a batch of one still spreads over the threads; each item reads its K and V rows once for all
+// the G query heads that share them (scores, softmax, then the V rows, in registers), and the items
+// of a sequence cut into segments are merged after the parallel loop (running max, sum of
+// exponentials, unnormalised output).
 
-constexpr int kChunkTiles = 4;
-constexpr float kMaxSlack = 8.f;
-
-inline VecF bf16_even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
-inline VecF bf16_odd(__m512i x) { return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(0xFFFF0000))); }
-
-constexpr int kPrefetchChunks = 1;  // how far ahead (in chunks) whole blocks are prefetched
-
-template <int D, int G>
-struct PairState {
-  static constexpr int C2 = D / 32;
-  VecF qe[G][C2], qo[G][C2];    // query heads of the pair, scaled: even and odd elements of each 32-chunk
-  float m[G];                   // running max (within kMaxSlack) of the scores
-  VecF l[G];                    // running sums of exp, lane-wise
-  alignas(64) float acc[G][D];  // chunk c: [32c, 32c+16) the even elements, [32c+16, 32c+32) the odd ones
-};
-
-struct TileRef {
-  const uint16_t* k;
-  const uint16_t* v;
-  int n;  // rows, 1..16
-};
-
-// Scores of one tile's rows (scaled q · k) for the G query heads; lanes >= n are left at 0.
-template <int D, int G, bool FULL>
-__attribute__((always_inline)) inline void tile_scores(const PairState<D, G>& st, const uint16_t* kb, int64_t stride,
-                                                       int n, VecF* s) {
-  constexpr int C2 = D / 32;
-  VecF c4[G][4];
-#pragma GCC unroll 4
-  for (int g4 = 0; g4 < 4; ++g4) {
-    VecF b2[G][2];
-#pragma GCC unroll 2
-    for (int pr = 0; pr < 2; ++pr) {
-      VecF a[G][2];
-#pragma GCC unroll 2
-      for (int rr = 0; rr < 2; ++rr) {
-        const int r = g4 * 4 + pr * 2 + rr;
-        for (int j = 0; j < G; ++j) a[j][rr] = zero();
-        if (!FULL && r >= n) continue;
-        const uint16_t* row = kb + r * stride;
-#pragma GCC unroll 4
-        for (int c = 0; c < C2; ++c) {
-          const __m512i x = _mm512_loadu_si512(row + 32 * c);
-          const VecF ke = bf16_even(x), ko = bf16_odd(x);
-#pragma GCC unroll 8
-          for (int j = 0; j < G; ++j) {
-            a[j][rr] = fma(st.qe[j][c], ke, a[j][rr]);
-            a[j][rr] = fma(st.qo[j][c], ko, a[j][rr]);
-          }
-        }
-      }
-#pragma GCC unroll 8
-      for (int j = 0; j < G; ++j)
-        b2[j][pr] = _mm512_add_ps(_mm512_unpacklo_ps(a[j][0], a[j][1]), _mm512_unpackhi_ps(a[j][0], a[j][1]));
-    }
-#pragma GCC unroll 8
-    for (int j = 0; j < G; ++j)
-      c4[j][g4] = _mm512_add_ps(_mm512_shuffle_ps(b2[j][0], b2[j][1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                _mm512_shuffle_ps(b2[j][0], b2[j][1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-#pragma GCC unroll 8
-  for (int j = 0; j < G; ++j) {
-    const VecF d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c4[j][0], c4[j][1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(c4[j][0], c4[j][1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const VecF d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c4[j][2], c4[j][3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(c4[j][2], c4[j][3], _MM_SHUFFLE(3, 1, 3, 1)));
-    s[j] = _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-}
-
-// out += p · V over the chunk's rows, in float32; p of row r of tile t for head j at
-// p[t * TS + r * RS + j * JS].
-template <int D, int G, int TS, int RS, int JS>
-__attribute__((always_inline)) inline void chunk_pv(PairState<D, G>& st, const TileRef* tiles, int nt, int64_t stride,
-                                                    const float* p) {
-  constexpr int C2 = D / 32;
-#pragma GCC unroll 4
-  for (int c = 0; c < C2; ++c) {
-    // With few heads, two accumulator sets (even and odd rows) halve the dependency chains.
-    constexpr int NS = G <= 4 ? 2 : 1;
-    VecF ae[NS][G], ao[NS][G];
-    for (int j = 0; j < G; ++j) {
-      ae[0][j] = load_f32(st.acc[j] + 32 * c);
-      ao[0][j] = load_f32(st.acc[j] + 32 * c + 16);
-      if constexpr (NS == 2) ae[1][j] = ao[1][j] = zero();
-    }
-    for (int t = 0; t < nt; ++t) {
-      const uint16_t* vb = tiles[t].v + 32 * c;
-      const float* pt = p + TS * t;
-      const int n = tiles[t].n;
-      auto row = [&](int r, int set) __attribute__((always_inline)) {
-        const __m512i x = _mm512_loadu_si512(vb + r * stride);
-        const VecF ve = bf16_even(x), vo = bf16_odd(x);
-#pragma GCC unroll 8
-        for (int j = 0; j < G; ++j) {
-          const VecF pj = splat(pt[j * JS + r * RS]);
-          ae[set][j] = fma(pj, ve, ae[set][j]);
-          ao[set][j] = fma(pj, vo, ao[set][j]);
-        }
-      };
-      if (n == 16) {
-#pragma GCC unroll 16
-        for (int r = 0; r < 16; r += 2) { row(r, 0); row(r + 1, NS - 1); }
-      } else {
-        for (int r = 0; r < n; ++r) row(r, 0);
-      }
-    }
-    for (int j = 0; j < G; ++j) {
-      if constexpr (NS == 2) {
-        ae[0][j] = _mm512_add_ps(ae[0][j], ae[1][j]);
-        ao[0][j] = _mm512_add_ps(ao[0][j], ao[1][j]);
-      }
-      store(st.acc[j] + 32 * c, ae[0][j]);
-      store(st.acc[j] + 32 * c + 16, ao[0][j]);
-    }
-  }
-}
-
-template <int D, int G>
-__attribute__((always_inline)) inline void chunk_avx(PairState<D, G>& st, const TileRef* tiles, int nt, int64_t stride) {
-  alignas(64) float p[G][kChunkTiles * 16];
-  const VecF ninf = splat(-std::numeric_limits<float>::infinity());
-  VecF mx[G];
-  for (int j = 0; j < G; ++j) mx[j] = ninf;
-  for (int t = 0; t < nt; ++t) {
-    VecF s[G];
-    const int n = tiles[t].n;
-    if (n == 16) {
-      tile_scores<D, G, true>(st, tiles[t].k, stride, 16, s);
-    } else {
-      tile_scores<D, G, false>(st, tiles[t].k, stride, n, s);
-      for (int j = 0; j < G; ++j) s[j] = _mm512_mask_mov_ps(ninf, (__mmask16)((1u << n) - 1), s[j]);
-    }
-    for (int j = 0; j < G; ++j) {
-      store(p[j] + 16 * t, s[j]);
-      mx[j] = _mm512_max_ps(mx[j], s[j]);
-    }
-  }
-  for (int j = 0; j < G; ++j) {
-    const float mt = _mm512_reduce_max_ps(mx[j]);
-    if (__builtin_expect(mt > st.m[j] + kMaxSlack, 0)) {  // always on the first chunk (m = -inf)
-      const VecF alpha = splat(std::exp(st.m[j] - mt));  // 0 on the first chunk
-      st.m[j] = mt;
-      st.l[j] = _mm512_mul_ps(st.l[j], alpha);
-      for (int c = 0; c < D / kLanes; ++c)
-        store(st.acc[j] + c * kLanes, _mm512_mul_ps(load_f32(st.acc[j] + c * kLanes), alpha));
-    }
-    const VecF m = splat(st.m[j]);
-    for (int t = 0; t < nt; ++t) {
-      // exp(-inf - m) is not 0 after the clamp: masked lanes are zeroed.
-      VecF e = exp_clamped(_mm512_sub_ps(load_f32(p[j] + 16 * t), m));
-      if (tiles[t].n != 16) e = _mm512_maskz_mov_ps((__mmask16)((1u << tiles[t].n) - 1), e);
-      store(p[j] + 16 * t, e);
-      st.l[j] = _mm512_add_ps(st.l[j], e);
-    }
-  }
-  chunk_pv<D, G, 16, 1, kChunkTiles * 16>(st, tiles, nt, stride, &p[0][0]);
-}
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define KESTREL_AMX 1
-// AMX scores need a bf16 q and whole 16-row tiles in memory (block_size % 16 == 0): K is loaded
-// straight from the cache as A tiles (16 rows of 32 bf16, row stride = the slot stride), q^T of
-// the G heads in the VNNI layout as B tiles (one per 32 elements of head_dim), C = 16 rows x G.
-// The scores stay in C's [row][head] order; the softmax works lane-wise in that order (lane i of
-// vector v is head (16 v + i) % G of row (16 v + i) / G).
-
-using kestrel_amx::amx_usable;
-using kestrel_amx::TileConfig;
-
-template <int D, int G>
-TileConfig amx_config() {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) cfg.rows[i] = 16;
-  cfg.colsb[0] = G * 4;                                           // C: 16 rows x G heads
-  for (int c = 0; c < D / 32; ++c) cfg.colsb[4 + c] = G * 4;      // B (q^T): 16 pairs x G heads
-  if (D == 64) {
-    cfg.colsb[1] = G * 4;                                         // C
-    cfg.colsb[2] = cfg.colsb[3] = cfg.colsb[6] = cfg.colsb[7] = 64;  // A: 16 rows of 32 bf16
-  } else {
-    cfg.colsb[1] = cfg.colsb[2] = cfg.colsb[3] = 64;              // A
-  }
-  return cfg;
-}
-
-// The scores of one tile into out[16 * G] ([row][head]). D = 64: C in tmm0 (even tiles, A in
-// tmm2/tmm3) or tmm1 (odd tiles, A in tmm6/tmm7), q^T in tmm4/tmm5. D = 128: C in tmm0, A rotating
-// through tmm1..tmm3 (RS: which rotation), q^T in tmm4..tmm7.
-template <int D, int G, int RS>
-__attribute__((always_inline)) inline void amx_tile_scores(const uint16_t* k, int64_t stride_bytes, float* out) {
-  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
-  if constexpr (D == 128) {
-    // Tiles rotate A through (1,2,3,1), (2,3,1,2), (3,1,2,3), so that a load need not wait for the
-    // previous product to have read its register.
-    _tile_zero(0);
-    if constexpr (RS == 0) {
-      _tile_loadd(1, k, stride_bytes);      _tile_dpbf16ps(0, 1, 4);
-      _tile_loadd(2, k + 32, stride_bytes); _tile_dpbf16ps(0, 2, 5);
-      _tile_loadd(3, k + 64, stride_bytes); _tile_dpbf16ps(0, 3, 6);
-      _tile_loadd(1, k + 96, stride_bytes); _tile_dpbf16ps(0, 1, 7);
-    } else if constexpr (RS == 1) {
-      _tile_loadd(2, k, stride_bytes);      _tile_dpbf16ps(0, 2, 4);
-      _tile_loadd(3, k + 32, stride_bytes); _tile_dpbf16ps(0, 3, 5);
-      _tile_loadd(1, k + 64, stride_bytes); _tile_dpbf16ps(0, 1, 6);
-      _tile_loadd(2, k + 96, stride_bytes); _tile_dpbf16ps(0, 2, 7);
-    } else {
-      _tile_loadd(3, k, stride_bytes);      _tile_dpbf16ps(0, 3, 4);
-      _tile_loadd(1, k + 32, stride_bytes); _tile_dpbf16ps(0, 1, 5);
-      _tile_loadd(2, k + 64, stride_bytes); _tile_dpbf16ps(0, 2, 6);
-      _tile_loadd(3, k + 96, stride_bytes); _tile_dpbf16ps(0, 3, 7);
-    }
-    _tile_stored(0, out, G * 4);
-  } else if constexpr (RS == 0) {
-    _tile_zero(0);
-    _tile_loadd(2, k, stride_bytes);
-    _tile_dpbf16ps(0, 2, 4);
-    _tile_loadd(3, k + 32, stride_bytes);
-    _tile_dpbf16ps(0, 3, 5);
-    _tile_stored(0, out, G * 4);
-  } else {
-    _tile_zero(1);
-    _tile_loadd(6, k, stride_bytes);
-    _tile_dpbf16ps(1, 6, 4);
-    _tile_loadd(7, k + 32, stride_bytes);
-    _tile_dpbf16ps(1, 7, 5);
-    _tile_stored(1, out, G * 4);
-  }
-}
-
-// The scores' [row][head] order in G vectors: lane i of vector v is head (16 v + i) % G of row
-// (16 v + i) / G. Index tables to move between that order and one vector per head.
-template <int G>
-struct HeadOrder {
-  static constexpr int P = (G + 1) / 2;  // vector pairs
-  alignas(64) int32_t lane_head[G][16];  // for permutexvar of a [head] vector into vector v
-  alignas(64) int32_t gather[G][P][16];  // head j from vectors (2k, 2k+1) by permutex2var ...
-  uint16_t gather_mask[G][P];            // ... into these lanes
-  constexpr HeadOrder() : lane_head{}, gather{}, gather_mask{} {
-    for (int v = 0; v < G; ++v)
-      for (int i = 0; i < 16; ++i) lane_head[v][i] = (16 * v + i) % G;
-    for (int j = 0; j < G; ++j)
-      for (int r = 0; r < 16; ++r) {
-        const int flat = r * G + j, v = flat / 16, lane = flat % 16;
-        gather[j][v / 2][r] = lane + 16 * (v % 2);
-        gather_mask[j][v / 2] |= static_cast<uint16_t>(1u << r);
-      }
-  }
-};
-
-// One vector per head (lane r: row r) from the [row][head] order.
-template <int G>
-__attribute__((always_inline)) inline void to_heads(const VecF* x, VecF* h) {
-  static constexpr HeadOrder<G> T{};
-  for (int j = 0; j < G; ++j) {
-    h[j] = zero();
-    for (int k = 0; k < T.P; ++k) {
-      const VecF hi = 2 * k + 1 < G ? x[2 * k + 1] : x[2 * k];
-      h[j] = _mm512_mask_mov_ps(h[j], T.gather_mask[j][k],
-                                _mm512_permutex2var_ps(x[2 * k], _mm512_load_si512(T.gather[j][k]), hi));
-    }
-  }
-}
-
-// Vector v of the [row][head] order from per-head values m[16] (lanes >= G unused).
-template <int G>
-__attribute__((always_inline)) inline VecF head_lanes(VecF m, int v) {
-  static constexpr HeadOrder<G> T{};
-  return _mm512_permutexvar_ps(_mm512_load_si512(T.lane_head[v]), m);
-}
-
-// Starts the AMX score tiles of a chunk (raw q · k, [tile][row][head]); the driver issues the
-// next chunk's before it finishes this one, so that they overlap.
-template <int D, int G>
-__attribute__((always_inline)) inline void amx_chunk_scores(const TileRef* tiles, int nt, int64_t stride, float* p) {
-  static_assert(kChunkTiles == 4, "unrolled for 4 tiles");
-  constexpr int R = D == 64 ? 2 : 3;  // tile register sets (see amx_tile_scores)
-  if (nt > 0) amx_tile_scores<D, G, 0 % R>(tiles[0].k, stride * 2, p);
-  if (nt > 1) amx_tile_scores<D, G, 1 % R>(tiles[1].k, stride * 2, p + 16 * G);
-  if (nt > 2) amx_tile_scores<D, G, 2 % R>(tiles[2].k, stride * 2, p + 32 * G);
-  if (nt > 3) amx_tile_scores<D, G, 3 % R>(tiles[3].k, stride * 2, p + 48 * G);
-}
-
-template <int D, int G>
-__attribute__((always_inline)) inline void chunk_amx(PairState<D, G>& st, VecF* lv, const TileRef* tiles, int nt,
-                                                     int64_t stride, float scale, float (*p)[16 * G]) {
-  const VecF ninf = splat(-std::numeric_limits<float>::infinity());
-  // Scale; rows past a tile's end to -inf; lane-wise max over the chunk.
-  VecF mx[G];
-  for (int v = 0; v < G; ++v) mx[v] = ninf;
-  for (int t = 0; t < nt; ++t) {
-    const int valid = tiles[t].n * G;
-    for (int v = 0; v < G; ++v) {
-      VecF s = _mm512_mul_ps(load_f32(p[t] + 16 * v), splat(scale));
-      if (valid < 16 * (v + 1)) {
-        const int cnt = std::max(0, valid - 16 * v);
-        s = _mm512_mask_mov_ps(ninf, (__mmask16)((1u << cnt) - 1), s);
-      }
-      store(p[t] + 16 * v, s);
-      mx[v] = _mm512_max_ps(mx[v], s);
-    }
-  }
-  VecF hm[G];
-  to_heads<G>(mx, hm);
-  bool raised = false;
-  alignas(64) float alpha[16], mcur[16];
-  for (int j = 0; j < G; ++j) {
-    const float mt = _mm512_reduce_max_ps(hm[j]);
-    alpha[j] = 1.f;
-    if (__builtin_expect(mt > st.m[j] + kMaxSlack, 0)) {  // always on the first chunk (m = -inf)
-      alpha[j] = std::exp(st.m[j] - mt);  // 0 on the first chunk
-      st.m[j] = mt;
-      raised = true;
-      for (int c = 0; c < D / kLanes; ++c)
-        store(st.acc[j] + c * kLanes, _mm512_mul_ps(load_f32(st.acc[j] + c * kLanes), splat(alpha[j])));
-    }
-    mcur[j] = st.m[j];
-  }
-  if (__builtin_expect(raised, 0)) {
-    const VecF al = _mm512_maskz_loadu_ps((__mmask16)((1u << G) - 1), alpha);
-    for (int v = 0; v < G; ++v) lv[v] = _mm512_mul_ps(lv[v], head_lanes<G>(al, v));
-  }
-  const VecF mvec = _mm512_maskz_loadu_ps((__mmask16)((1u << G) - 1), mcur);
-  VecF m[G];
-  for (int v = 0; v < G; ++v) m[v] = head_lanes<G>(mvec, v);
-  for (int t = 0; t < nt; ++t) {
-    const int valid = tiles[t].n * G;
-    for (int v = 0; v < G; ++v) {
-      VecF e = exp_clamped(_mm512_sub_ps(load_f32(p[t] + 16 * v), m[v]));
-      if (valid < 16 * (v + 1)) {
-        const int cnt = std::max(0, valid - 16 * v);
-        e = _mm512_maskz_mov_ps((__mmask16)((1u << cnt) - 1), e);  // exp(-inf - m) is not 0 after the clamp
-      }
-      store(p[t] + 16 * v, e);
-      lv[v] = _mm512_add_ps(lv[v], e);
-    }
-  }
-  chunk_pv<D, G, 16 * G, G, 1>(st, tiles, nt, stride, &p[0][0]);
-}
-#endif
-
-// Even/odd halves of a 32-float chunk back to natural order, times mul.
-inline void store_interleaved(float* dst, VecF e, VecF o, VecF mul) {
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  store(dst, _mm512_mul_ps(_mm512_permutex2var_ps(e, lo, o), mul));
-  store(dst + 16, _mm512_mul_ps(_mm512_permutex2var_ps(e, hi, o), mul));
-}
+constexpr int64_t kSegmentTokens = 256;  // keys per work item: a batch of one still fills the threads
 
 template <int D, int G>
 struct Partial {
-  int64_t pair = -1;
   float m[G], l[G];
-  float acc[G][D];  // natural order, unnormalised
+  float acc[G][D];  // unnormalised
 };
 
-// The state of one (sequence, KV head) while a thread walks a segment of the sequence.
-template <int D, int G>
-struct alignas(64) HeadState {
-  PairState<D, G> st;
-  VecF lv[G];                              // AMX: running sums of exp in the scores' [row][head] order
-  alignas(64) uint32_t qt[D / 32][16][G];  // AMX: q^T in the VNNI layout
-};
+// Query heads scored together: up to 3, so that their accumulators for 4 keys (12) and the 4 key
+// vectors fit 16 registers; G is split evenly into such chunks.
+template <int G>
+constexpr int kHeadChunk = G % 3 == 0 ? 3 : (G % 2 == 0 ? 2 : 1);
 
-// q [num_seqs, num_heads, D]: bf16 with AMX, else float32. See the comment at the top of this part.
-template <int D, int G, bool AMX>
-void run_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-              const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
-              int64_t block_size, float scale) {
-  constexpr int C2 = D / 32;
+// scores[j][i] = q_j . row_i for JC query heads and 4 keys. Summing 4 keys' products in one
+// reduction instead of one reduction per key is what keeps the score loop on the FMA units.
+template <typename T, int D, int JC>
+inline void score_4_keys(const float* q, const T* const rows[4], __m128 out[JC]) {
+  constexpr int C = D / kLanes;
+  VecF acc[JC][4];
+  for (int j = 0; j < JC; ++j)
+    for (int i = 0; i < 4; ++i) acc[j][i] = zero();
+  for (int c = 0; c < C; ++c) {
+    VecF kr[4];
+    for (int i = 0; i < 4; ++i) kr[i] = load_chunk(rows[i] + c * kLanes);
+    for (int j = 0; j < JC; ++j) {
+      const VecF qv = load_f32(q + j * D + c * kLanes);
+      for (int i = 0; i < 4; ++i) acc[j][i] = fma(qv, kr[i], acc[j][i]);
+    }
+  }
+  for (int j = 0; j < JC; ++j) out[j] = hsum4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+}
+
+// Keys run in blocks of 16 tokens scattered over the pool, so the hardware prefetcher, which follows
+// a stride, loses the stream at every block edge: measured (AVX2 build), 64 sequences' attention read
+// the cache at 11 GB/s against a 28 GB/s streaming read. The score loop therefore prefetches the K
+// and V rows kPrefetchKeys keys ahead (V is read by the P V pass right after, from L2).
+constexpr int64_t kPrefetchKeys = 16;
+
+template <typename T>
+inline void prefetch_rows(const T* kp, const T* vp, const std::vector<int64_t>& rows, int64_t from, int64_t to,
+                          size_t row_bytes) {
+  for (int64_t t = from; t < to; ++t)
+    for (size_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(kp + rows[t]) + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(vp + rows[t]) + b, _MM_HINT_T1);
+    }
+}
+
+// Item (s, h, segment [t0, t1)) → its partial result. q rows float32, pre-scaled by the caller;
+// `rows` holds the segment's cache row offsets (token slot × stride).
+template <typename T, int D, int G>
+void attend_segment(const float* q, const T* kp, const T* vp, const std::vector<int64_t>& rows, int64_t n,
+                    std::vector<float>& scores, Partial<D, G>& out) {
+  constexpr int C = D / kLanes, JC = kHeadChunk<G>, CC = C < 4 ? C : 4;
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  scores.resize(G * padded);
+  for (int j0 = 0; j0 < G; j0 += JC) {
+    __m128 mx4[JC];
+    for (int j = 0; j < JC; ++j) mx4[j] = _mm_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+      if (j0 == 0) prefetch_rows(kp, vp, rows, t + kPrefetchKeys, std::min(n, t + kPrefetchKeys + 4), D * sizeof(T));
+      const T* const keys[4] = {kp + rows[t], kp + rows[t + 1], kp + rows[t + 2], kp + rows[t + 3]};
+      __m128 sc[JC];
+      score_4_keys<T, D, JC>(q + j0 * D, keys, sc);
+      for (int j = 0; j < JC; ++j) {
+        _mm_storeu_ps(scores.data() + (j0 + j) * padded + t, sc[j]);
+        mx4[j] = _mm_max_ps(mx4[j], sc[j]);
+      }
+    }
+    for (int j = 0; j < JC; ++j) {
+      alignas(16) float m4[4];
+      _mm_store_ps(m4, mx4[j]);
+      float mx = std::max(std::max(m4[0], m4[1]), std::max(m4[2], m4[3]));
+      for (int64_t u = t; u < n; ++u) {  // the last 0-3 keys, one at a time
+        const T* row = kp + rows[u];
+        VecF acc = mul(load_f32(q + (j0 + j) * D), load_chunk(row));
+        for (int c = 1; c < C; ++c) acc = fma(load_f32(q + (j0 + j) * D + c * kLanes), load_chunk(row + c * kLanes), acc);
+        const float sc = hsum(acc);
+        scores[(j0 + j) * padded + u] = sc;
+        mx = std::max(mx, sc);
+      }
+      out.m[j0 + j] = mx;
+    }
+  }
+  for (int j = 0; j < G; ++j) {
+    float* sj = scores.data() + j * padded;
+    const VecF m = splat(out.m[j]);
+    VecF sum = zero();
+    for (int64_t i = 0; i < padded; i += kLanes) {
+      // Lanes past the segment's end are zeroed: they hold no score.
+      const VecF e = keep(lanes_below(n - i), exp_clamped(sub(load_f32(sj + i), m)));
+      store(sj + i, e);
+      sum = add(sum, e);
+    }
+    out.l[j] = hsum(sum);
+  }
+  // P V in register blocks of JC heads × CC vectors of the head dimension (at most 12 accumulators):
+  // each pass reads its own part of every V row, so V still comes from memory once.
+  for (int j0 = 0; j0 < G; j0 += JC)
+    for (int c0 = 0; c0 < C; c0 += CC) {
+      VecF acc[JC][CC];
+      for (int j = 0; j < JC; ++j)
+        for (int c = 0; c < CC; ++c) acc[j][c] = zero();
+      for (int64_t t = 0; t < n; ++t) {
+        const T* row = vp + rows[t] + c0 * kLanes;
+        VecF p[JC];
+        for (int j = 0; j < JC; ++j) p[j] = splat(scores[(j0 + j) * padded + t]);
+        for (int c = 0; c < CC; ++c) {
+          const VecF v = load_chunk(row + c * kLanes);
+          for (int j = 0; j < JC; ++j) acc[j][c] = fma(p[j], v, acc[j][c]);
+        }
+      }
+      for (int j = 0; j < JC; ++j)
+        for (int c = 0; c < CC; ++c) store(out.acc[j0 + j] + (c0 + c) * kLanes, acc[j][c]);
+    }
+}
+
+template <typename T, int D, int G>
+void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+         const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
+         int64_t block_size, float scale) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), kv_heads = k_cache.size(1);
-  const int64_t max_blocks = block_tables.size(1), stride = kv_heads * D;  // elements between rows
-  const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr());
-  const uint16_t* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr());
-  const void* qp = q.data_ptr();
+  const int64_t max_blocks = block_tables.size(1), stride = kv_heads * D;
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  std::vector<int64_t> cum(num_seqs + 1, 0);  // units (blocks) before each sequence
+  // Items in (sequence, segment, KV head) order; first_item[s] is sequence s's first.
+  std::vector<int64_t> first_item(num_seqs + 1, 0);
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t len = lens[s];
-    cum[s + 1] = cum[s] + (len > 0 ? (len + block_size - 1) / block_size : 0);
-    if (len <= 0) std::memset(op + s * num_heads * D, 0, sizeof(float) * num_heads * D);
+    const int64_t segments = lens[s] > 0 ? (lens[s] + kSegmentTokens - 1) / kSegmentTokens : 0;
+    first_item[s + 1] = first_item[s] + segments * kv_heads;
+    if (lens[s] <= 0) std::memset(op + s * num_heads * D, 0, sizeof(float) * num_heads * D);
   }
-  const int64_t total = cum[num_seqs];
-  if (total == 0) return;
-  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
-  // Two per thread (its first and last segment) per KV head.
-  std::vector<Partial<D, G>> partials(2 * nthreads * kv_heads);
-  const int64_t block_bytes = block_size * stride * 2;
-  std::vector<int64_t> pf_from(kv_heads + 1);  // the part of a block each head's unit prefetches
-  for (int64_t h = 0; h <= kv_heads; ++h) pf_from[h] = (block_bytes * h / kv_heads) & ~int64_t{63};
-
-  auto work = [&](int64_t t) {
-#ifdef KESTREL_AMX
-    if constexpr (AMX) {
-      static const TileConfig cfg = amx_config<D, G>();
-      _tile_loadconfig(&cfg);
-    }
-#endif
-    std::vector<HeadState<D, G>> hs(kv_heads);
-    const int64_t lo = total * t / nthreads, hi = total * (t + 1) / nthreads;
-    int64_t s = std::upper_bound(cum.begin(), cum.end(), lo) - cum.begin() - 1;
-    bool first = true;
-    for (; s < num_seqs && cum[s] < hi; ++s) {
-      const int64_t nb = cum[s + 1] - cum[s];
-      if (nb == 0) continue;
-      // This thread's segment of sequence s: blocks [b0, b1).
-      const int64_t b0 = std::max<int64_t>(lo - cum[s], 0), b1 = std::min<int64_t>(hi - cum[s], nb);
-      const int64_t len = lens[s];
+  const int64_t total = first_item[num_seqs];
+  std::vector<Partial<D, G>> parts(total);
+  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<int64_t> rows(kSegmentTokens);
+    alignas(64) float qs[G * D];
+    int64_t s = std::upper_bound(first_item.begin(), first_item.end(), begin) - first_item.begin() - 1;
+    for (int64_t item = begin; item < end; ++item) {
+      while (item >= first_item[s + 1]) ++s;
+      const int64_t local = item - first_item[s], seg = local / kv_heads, h = local % kv_heads;
+      const float* qrow = qp + (s * num_heads + h * G) * D;
+      for (int i = 0; i < G * D; i += kLanes) store(qs + i, mul(load_f32(qrow + i), splat(scale)));
+      const int64_t t0 = seg * kSegmentTokens, t1 = std::min(lens[s], t0 + kSegmentTokens);
       const int64_t* table = tables + s * max_blocks;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        PairState<D, G>& st = hs[h].st;
-        for (int j = 0; j < G; ++j) {
-          st.m[j] = -std::numeric_limits<float>::infinity();
-          st.l[j] = zero();
-          hs[h].lv[j] = zero();
-          for (int c = 0; c < D / kLanes; ++c) store(st.acc[j] + c * kLanes, zero());
-        }
-        if constexpr (AMX) {
-          const uint32_t* qd = static_cast<const uint32_t*>(qp) + (s * num_heads + h * G) * D / 2;
-          for (int j = 0; j < G; ++j)
-            for (int c = 0; c < C2; ++c)
-              for (int i = 0; i < 16; ++i) hs[h].qt[c][i][j] = qd[j * (D / 2) + 16 * c + i];
-        } else {
-          const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-          const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-          for (int j = 0; j < G; ++j) {
-            const float* qf = static_cast<const float*>(qp) + (s * num_heads + h * G + j) * D;
-            for (int c = 0; c < C2; ++c) {
-              const VecF lo16 = _mm512_mul_ps(load_f32(qf + 32 * c), splat(scale));
-              const VecF hi16 = _mm512_mul_ps(load_f32(qf + 32 * c + 16), splat(scale));
-              st.qe[j][c] = _mm512_permutex2var_ps(lo16, ev, hi16);
-              st.qo[j][c] = _mm512_permutex2var_ps(lo16, od, hi16);
-            }
-          }
-        }
+      // Row offsets walk the block table without a division per key (one costs ~10 ns here).
+      for (int64_t t = t0, b = t0 / block_size, off = t0 % block_size; t < t1; ++t) {
+        rows[t - t0] = (table[b] * block_size + off) * stride;
+        if (++off == block_size) off = 0, ++b;
       }
-      asm volatile("" ::: "memory");  // the AMX tile loads below read qt
-
-      // The next chunk of the segment (tiles for head 0) from cursor (block b, row o); the blocks
-      // it starts go to blocks[0, nblk).
-      auto next_chunk = [&](TileRef* tl, int64_t& b, int64_t& o, int64_t* blocks, int& nblk) {
-        int nt = 0;
-        nblk = 0;
-        while (nt < kChunkTiles && b < b1) {
-          const int64_t off = table[b] * block_size * stride + o * stride;
-          const int64_t ntok = std::min(block_size, len - b * block_size);
-          if (o == 0) blocks[nblk++] = table[b];
-          tl[nt++] = {kp + off, vp + off, static_cast<int>(std::min<int64_t>(16, ntok - o))};
-          o += 16;
-          if (o >= ntok) { ++b; o = 0; }
-        }
-        return nt;
-      };
-      // Prefetch cursor kPrefetchChunks chunks ahead: each (chunk, head) unit prefetches a
-      // kv_heads-th of the blocks of that chunk, all heads' rows (whole blocks, contiguous).
-      int64_t pf_b = b0, pf_o = 0, pf_blocks[kChunkTiles];
-      int pf_n = 0;
-      TileRef scratch[kChunkTiles];
-      for (int d = 0; d <= kPrefetchChunks; ++d) next_chunk(scratch, pf_b, pf_o, pf_blocks, pf_n);
-      auto prefetch_part = [&](int64_t h) {
-        for (int i = 0; i < pf_n; ++i) {
-          const char* kb = reinterpret_cast<const char*>(kp + pf_blocks[i] * block_size * stride);
-          const char* vb = reinterpret_cast<const char*>(vp + pf_blocks[i] * block_size * stride);
-          for (int64_t o = pf_from[h]; o < pf_from[h + 1]; o += 64) {
-            _mm_prefetch(kb + o, _MM_HINT_T0);
-            _mm_prefetch(vb + o, _MM_HINT_T0);
-          }
-        }
-        if (h == kv_heads - 1) next_chunk(scratch, pf_b, pf_o, pf_blocks, pf_n);
-      };
-
-      // Units (chunk, head) in order, two in flight: with AMX the next unit's scores are started
-      // before this one's softmax and V rows.
-      int64_t cb = b0, co = 0, unused_blocks[kChunkTiles];
-      int unused_n;
-      TileRef base[kChunkTiles], tl[2][kChunkTiles];
-      int nbase = next_chunk(base, cb, co, unused_blocks, unused_n);
-      auto head_tiles = [&](int64_t h, TileRef* dst) {
-        for (int i = 0; i < nbase; ++i) dst[i] = {base[i].k + h * D, base[i].v + h * D, base[i].n};
-        return nbase;
-      };
-      alignas(64) float pbuf[2][kChunkTiles][16 * G];
-#ifdef KESTREL_AMX
-      auto start_scores = [&](const TileRef* tiles, int nt, int64_t h, float* p) {
-        _tile_loadd(4, hs[h].qt[0], G * 4);
-        _tile_loadd(5, hs[h].qt[1], G * 4);
-        if constexpr (D == 128) {
-          _tile_loadd(6, hs[h].qt[2], G * 4);
-          _tile_loadd(7, hs[h].qt[3], G * 4);
-        }
-        amx_chunk_scores<D, G>(tiles, nt, stride, p);
-      };
-#endif
-      int cur = 0, ntl[2];
-      int64_t uh = 0;  // the current unit's head
-      ntl[0] = head_tiles(0, tl[0]);
-#ifdef KESTREL_AMX
-      if constexpr (AMX) start_scores(tl[0], ntl[0], 0, &pbuf[0][0][0]);
-#endif
-      while (ntl[cur] > 0) {
-        int64_t nh = uh + 1;  // the next unit: the next head, or head 0 of the next chunk
-        if (nh == kv_heads) {
-          nh = 0;
-          nbase = next_chunk(base, cb, co, unused_blocks, unused_n);
-        }
-        ntl[cur ^ 1] = head_tiles(nh, tl[cur ^ 1]);
-        prefetch_part(uh);
-#ifdef KESTREL_AMX
-        if constexpr (AMX) {
-          if (ntl[cur ^ 1] > 0) start_scores(tl[cur ^ 1], ntl[cur ^ 1], nh, &pbuf[cur ^ 1][0][0]);
-          chunk_amx<D, G>(hs[uh].st, hs[uh].lv, tl[cur], ntl[cur], stride, scale, pbuf[cur]);
-        }
-#endif
-        if constexpr (!AMX) chunk_avx<D, G>(hs[uh].st, tl[cur], ntl[cur], stride);
-        cur ^= 1;
-        uh = nh;
-      }
-
-      const bool whole = b0 == 0 && b1 == nb;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        PairState<D, G>& st = hs[h].st;
-        float lsum[G];
-        if constexpr (AMX) {
-          alignas(64) float lb[16 * G];
-          for (int v = 0; v < G; ++v) store(lb + 16 * v, hs[h].lv[v]);
-          for (int j = 0; j < G; ++j) {
-            lsum[j] = 0.f;
-            for (int r = 0; r < 16; ++r) lsum[j] += lb[r * G + j];
-          }
-        } else {
-          for (int j = 0; j < G; ++j) lsum[j] = hsum(st.l[j]);
-        }
-        if (whole) {
-          for (int j = 0; j < G; ++j) {
-            const VecF inv = splat(1.f / lsum[j]);
-            float* dst = op + (s * num_heads + h * G + j) * D;
-            for (int c = 0; c < C2; ++c)
-              store_interleaved(dst + 32 * c, load_f32(st.acc[j] + 32 * c), load_f32(st.acc[j] + 32 * c + 16), inv);
-          }
-        } else {
-          Partial<D, G>& part = partials[(2 * t + (first ? 0 : 1)) * kv_heads + h];
-          part.pair = s * kv_heads + h;
-          for (int j = 0; j < G; ++j) {
-            part.m[j] = st.m[j];
-            part.l[j] = lsum[j];
-            for (int c = 0; c < C2; ++c)
-              store_interleaved(part.acc[j] + 32 * c, load_f32(st.acc[j] + 32 * c), load_f32(st.acc[j] + 32 * c + 16),
-                                splat(1.f));
-          }
-        }
-      }
-      first = false;
+      attend_segment<T, D, G>(qs, kp + h * D, vp + h * D, rows, t1 - t0, scores, parts[item]);
     }
-#ifdef KESTREL_AMX
-    if constexpr (AMX) _tile_release();
-#endif
-  };
-  at::parallel_for(0, nthreads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) work(t);
   });
-  // Merge the partial results of the (sequence, KV head) pairs cut by share boundaries.
-  for (size_t a = 0; a < partials.size(); ++a) {
-    const int64_t pair = partials[a].pair;
-    if (pair < 0) continue;
-    bool seen = false;
-    for (size_t b = 0; b < a; ++b) seen |= partials[b].pair == pair;
-    if (seen) continue;
-    const int64_t s = pair / kv_heads, h = pair % kv_heads;
-    for (int j = 0; j < G; ++j) {
-      float mx = -std::numeric_limits<float>::infinity();
-      for (size_t b = a; b < partials.size(); ++b)
-        if (partials[b].pair == pair) mx = std::max(mx, partials[b].m[j]);
-      float sum = 0.f;
-      float acc[D] = {};
-      for (size_t b = a; b < partials.size(); ++b) {
-        if (partials[b].pair != pair) continue;
-        const float w = std::exp(partials[b].m[j] - mx);
-        sum += partials[b].l[j] * w;
-        for (int d = 0; d < D; ++d) acc[d] += partials[b].acc[j][d] * w;
+  // Merge each (sequence, KV head)'s segments: rescale to the largest running max, sum, normalise.
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t s = pair / kv_heads, h = pair % kv_heads;
+      const int64_t segments = (first_item[s + 1] - first_item[s]) / kv_heads;
+      if (segments == 0) continue;
+      for (int j = 0; j < G; ++j) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t g = 0; g < segments; ++g) mx = std::max(mx, parts[first_item[s] + g * kv_heads + h].m[j]);
+        float sum = 0.f;
+        VecF acc[D / kLanes];
+        for (int c = 0; c < D / kLanes; ++c) acc[c] = zero();
+        for (int64_t g = 0; g < segments; ++g) {
+          const Partial<D, G>& p = parts[first_item[s] + g * kv_heads + h];
+          const float w = std::exp(p.m[j] - mx);
+          sum += p.l[j] * w;
+          for (int c = 0; c < D / kLanes; ++c) acc[c] = fma(splat(w), load_f32(p.acc[j] + c * kLanes), acc[c]);
+        }
+        float* dst = op + (s * num_heads + h * G + j) * D;
+        for (int c = 0; c < D / kLanes; ++c) store(dst + c * kLanes, mul(acc[c], splat(1.f / sum)));
       }
-      float* dst = op + (s * num_heads + h * G + j) * D;
-      for (int d = 0; d < D; ++d) dst[d] = acc[d] / sum;
     }
-  }
+  });
 }
-
-}  // namespace
-
-torch::Tensor paged_decode_attention_f32(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                         torch::Tensor block_tables, torch::Tensor seq_lens,
-                                         int64_t block_size, double scale);
 
 // A decode kernel's float32 result, rounded once to `dtype` (bf16, round to nearest even, as .to()
 // rounds) or returned as is. Here, not through .to(): on so small a tensor .to() costs ~10 µs of
@@ -763,74 +271,66 @@ torch::Tensor in_dtype(const torch::Tensor& out, c10::ScalarType dtype) {
   return rounded;
 }
 
+// Where the bf16 cache goes to the AVX-512 build's own kernel: AMX scores need q exactly in bf16 (it
+// is, in a bf16 model) and whole 16-row tiles in memory; the AVX-512 scores take the rest.
+bool bf16_decode(torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                 const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
+                 int64_t block_size, float scale) {
+#if defined(KESTREL_VEC_AVX512)
+  namespace bd = kestrel_bf16_decode;
+  if (k_cache.scalar_type() != torch::kBFloat16) return false;
+  bool amx = false;
+#ifdef KESTREL_AMX
+  amx = q.scalar_type() == torch::kBFloat16 && block_size % 16 == 0 && bd::amx_usable();
+#endif
+  q = amx ? q.contiguous() : q.to(torch::kFloat32).contiguous();
+  return with_head_shape(q.size(2), q.size(1) / k_cache.size(1), [&](auto d, auto g) {
+    constexpr int D = decltype(d)::value, G = decltype(g)::value;
+    if (amx) bd::run_bf16<D, G, true>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, scale);
+    else bd::run_bf16<D, G, false>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, scale);
+  });
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
 // q [num_seqs, num_heads, head_dim] float32 or bfloat16; k_cache, v_cache [num_slots, kv_heads, head_dim] float32 or
 // bfloat16; block_tables [num_seqs, max_blocks] int64; seq_lens [num_seqs] int64 (keys 0..len-1 visible).
 // Returns [num_seqs, num_heads, head_dim]: float32, or with `in_q_dtype` q's dtype (see in_dtype).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens,
                                      int64_t block_size, double scale, bool in_q_dtype) {
-  torch::Tensor out = paged_decode_attention_f32(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale);
-  return in_q_dtype ? in_dtype(out, q.scalar_type()) : out;
-}
-
-torch::Tensor paged_decode_attention_f32(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                         torch::Tensor block_tables, torch::Tensor seq_lens,
-                                         int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V dtypes differ");
   const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(bf16 || k_cache.scalar_type() == torch::kFloat32, "the KV cache must be float32 or bfloat16");
-  // AMX scores need q exactly in bf16 (it is, in a bf16 model) and whole 16-row tiles in memory.
-  bool amx = false;
-#ifdef KESTREL_AMX
-  amx = bf16 && q.scalar_type() == torch::kBFloat16 && block_size % 16 == 0 && amx_usable();
-#endif
+  const auto q_dtype = q.scalar_type();
   auto out = torch::empty(q.sizes(), q.options().dtype(torch::kFloat32));
-  q = amx ? q.contiguous() : q.to(torch::kFloat32).contiguous();
   block_tables = block_tables.to(torch::kInt64).contiguous();
   seq_lens = seq_lens.to(torch::kInt64).contiguous();
-  const int64_t d = q.size(2), g = q.size(1) / k_cache.size(1);
   const float sc = static_cast<float>(scale);
-#define KESTREL_CASE(D, G)                                                                    \
-  if (d == D && g == G) {                                                                     \
-    if (amx) run_bf16<D, G, true>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, sc);   \
-    else if (bf16) run_bf16<D, G, false>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, sc); \
-    else run<false, D, G>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, sc);      \
-    return out;                                                                               \
-  }
-  KESTREL_CASE(64, 1) KESTREL_CASE(64, 2) KESTREL_CASE(64, 3) KESTREL_CASE(64, 4)
-  KESTREL_CASE(64, 5) KESTREL_CASE(64, 8)
-  KESTREL_CASE(128, 1) KESTREL_CASE(128, 2) KESTREL_CASE(128, 4) KESTREL_CASE(128, 8)
-#undef KESTREL_CASE
-  TORCH_CHECK(false, "no kernel for head_dim ", d, " with ", g, " query heads per KV head");
-  return out;
+  const int64_t d = q.size(2), g = q.size(1) / k_cache.size(1);
+  const bool done = bf16_decode(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, sc) ||
+                    with_head_shape(d, g, [&](auto dd, auto gg) {
+    constexpr int D = decltype(dd)::value, G = decltype(gg)::value;
+    q = q.to(torch::kFloat32).contiguous();
+    if (bf16) run<c10::BFloat16, D, G>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, sc);
+    else run<float, D, G>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, sc);
+  });
+  TORCH_CHECK(done, "no kernel for head_dim ", d, " with ", g, " query heads per KV head");
+  return in_q_dtype ? in_dtype(out, q_dtype) : out;
 }
 
 bool supports(int64_t head_dim, int64_t group) {
-  const int64_t ok[][2] = {{64, 1}, {64, 2}, {64, 3}, {64, 4}, {64, 5}, {64, 8}, {128, 1}, {128, 2}, {128, 4}, {128, 8}};
-  for (const auto& c : ok)
-    if (c[0] == head_dim && c[1] == group) return true;
-  return false;
+  return with_head_shape(head_dim, group, [](auto, auto) {});
 }
 
 // ---- elementwise kernels for the layer: RMSNorm (with the residual add fused) and SiLU-and-mul ----
 
 namespace {
-
-// float → bf16 with round-to-nearest-even, as torch's .to(torch.bfloat16) does: the bf16 value sits
-// in the upper 16 bits of each lane of the result.
-inline __m512i round_to_bf16_bits(VecF v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  return _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-}
-inline void store_row_chunk(float* p, VecF v) { _mm512_storeu_ps(p, v); }
-inline void store_row_chunk(c10::BFloat16* p, VecF v) {
-  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_to_bf16_bits(v), 16)));
-}
-inline VecF load_chunk(const float* p) { return _mm512_loadu_ps(p); }
-inline VecF load_chunk(const c10::BFloat16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
 
 template <typename T>
 void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& weight,
@@ -848,16 +348,15 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& residual, const 
         VecF v = load_chunk(xp + r * hidden + i);
         if (rp != nullptr) {
           // residual += x, rounded to the model dtype as an unfused add would be; normalise that.
-          store_row_chunk(rp + r * hidden + i, _mm512_add_ps(v, load_chunk(rp + r * hidden + i)));
+          store_row_chunk(rp + r * hidden + i, add(v, load_chunk(rp + r * hidden + i)));
           v = load_chunk(rp + r * hidden + i);
         }
-        _mm512_storeu_ps(row.data() + i, v);
+        store(row.data() + i, v);
         ss = fma(v, v, ss);
       }
       const VecF scale = splat(1.f / std::sqrt(hsum(ss) / hidden + static_cast<float>(eps)));
       for (int64_t i = 0; i < hidden; i += kLanes)
-        store_row_chunk(op + r * hidden + i,
-                        _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(row.data() + i), scale), load_chunk(wp + i)));
+        store_row_chunk(op + r * hidden + i, mul(mul(load_f32(row.data() + i), scale), load_chunk(wp + i)));
     }
   });
 }
@@ -873,56 +372,46 @@ void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
       const T* up = gate + d;
       for (int64_t i = 0; i < d; i += kLanes) {
         const VecF g = load_chunk(gate + i);
-        const VecF silu = _mm512_div_ps(g, _mm512_add_ps(splat(1.f), exp_clamped(_mm512_sub_ps(zero(), g))));
-        store_row_chunk(op + r * d + i, _mm512_mul_ps(silu, load_chunk(up + i)));
+        const VecF silu = div(g, add(splat(1.f), exp_clamped(sub(zero(), g))));
+        store_row_chunk(op + r * d + i, mul(silu, load_chunk(up + i)));
       }
     }
   });
 }
 
+// f<T>() for the dtype of a float32 or bfloat16 tensor; `what` names the kernel in the error.
+template <typename F>
+void with_float_dtype(c10::ScalarType dtype, const char* what, const F& f) {
+  if (dtype == torch::kBFloat16) f(c10::BFloat16{});
+  else if (dtype == torch::kFloat32) f(float{});
+  else TORCH_CHECK(false, what, ": float32 or bfloat16 only");
+}
+
 }  // namespace
 
 // out = rms_norm(x) * weight, or with `residual` given: residual += x, out = rms_norm(residual) * weight.
-// x, residual, out [rows, hidden] contiguous, hidden % 16 == 0; float32 or bfloat16, all one dtype.
+// x, residual, out [rows, hidden] contiguous, hidden % kLanes == 0; float32 or bfloat16, all one dtype.
 torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % kLanes == 0, "rms_norm: bad input");
   torch::Tensor res = residual.has_value() ? residual.value() : torch::Tensor();
   if (res.defined()) TORCH_CHECK(res.is_contiguous() && res.sizes() == x.sizes(), "rms_norm: bad residual");
   weight = weight.contiguous();
   auto out = torch::empty_like(x);
-  if (x.scalar_type() == torch::kBFloat16) rms_norm_impl<c10::BFloat16>(x, res, weight, out, eps);
-  else if (x.scalar_type() == torch::kFloat32) rms_norm_impl<float>(x, res, weight, out, eps);
-  else TORCH_CHECK(false, "rms_norm: float32 or bfloat16 only");
+  with_float_dtype(x.scalar_type(), "rms_norm", [&](auto t) { rms_norm_impl<decltype(t)>(x, res, weight, out, eps); });
   return out;
 }
 
-// x [rows, 2 d] = gate | up → silu(gate) * up [rows, d]; d % 16 == 0.
+// x [rows, 2 d] = gate | up → silu(gate) * up [rows, d]; d % kLanes == 0.
 torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % (2 * kLanes) == 0, "silu_and_mul: bad input");
   auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
-  if (x.scalar_type() == torch::kBFloat16) silu_and_mul_impl<c10::BFloat16>(x, out);
-  else if (x.scalar_type() == torch::kFloat32) silu_and_mul_impl<float>(x, out);
-  else TORCH_CHECK(false, "silu_and_mul: float32 or bfloat16 only");
+  with_float_dtype(x.scalar_type(), "silu_and_mul", [&](auto t) { silu_and_mul_impl<decltype(t)>(x, out); });
   return out;
 }
-
 
 // ---- rotary embedding fused with the KV-cache write ----
 
 namespace {
-
-inline VecF round_to(VecF v, float*) { return v; }
-inline VecF round_to(VecF v, c10::BFloat16*) {  // float → bf16 → float
-  return _mm512_castsi512_ps(_mm512_and_si512(round_to_bf16_bits(v), _mm512_set1_epi32(0xFFFF0000)));
-}
-// Rounded multiply and add: the _round_ forms are never contracted into an FMA, so the result
-// rounds exactly as torch's separate `x * cos + rotate_half(x) * sin` does.
-inline VecF mul_exact(VecF a, VecF b) { return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline VecF add_exact(VecF a, VecF b) { return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-
-inline VecF negate(VecF v) {  // exactly torch's neg, signed zeros included
-  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x80000000)));
-}
 
 template <typename T>
 void rotate_row(T* x, const T* cos, const T* sin, int64_t half) {
@@ -978,7 +467,7 @@ void rotary_write_kv_impl(torch::Tensor& qkv, const torch::Tensor& cos, const to
 // qkv [tokens, num_heads + 2 kv_heads, head_dim] contiguous: rotates the q and k heads in place
 // (Hugging Face's rotate_half layout; cos, sin [tokens, head_dim] in qkv's dtype) and, with
 // slot_mapping given, writes each token's k and v heads to slot_mapping[t] of the
-// [num_slots, kv_heads, head_dim] caches. head_dim % 32 == 0; float32 or bfloat16, one dtype.
+// [num_slots, kv_heads, head_dim] caches. head_dim % (2 kLanes) == 0; float32 or bfloat16, one dtype.
 void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                      torch::Tensor v_cache, c10::optional<torch::Tensor> slot_mapping, int64_t num_heads) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(2) % (2 * kLanes) == 0, "rotary_write_kv: bad qkv");
@@ -999,52 +488,43 @@ void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, to
     for (int64_t t = 0; t < slots.numel(); ++t)
       TORCH_CHECK(sp[t] >= 0 && sp[t] < k_cache.size(0), "rotary_write_kv: slot out of range");
   }
-  if (qkv.scalar_type() == torch::kBFloat16)
-    rotary_write_kv_impl<c10::BFloat16>(qkv, cos, sin, k_cache, v_cache, slots, num_heads);
-  else if (qkv.scalar_type() == torch::kFloat32)
-    rotary_write_kv_impl<float>(qkv, cos, sin, k_cache, v_cache, slots, num_heads);
-  else TORCH_CHECK(false, "rotary_write_kv: float32 or bfloat16 only");
+  with_float_dtype(qkv.scalar_type(), "rotary_write_kv", [&](auto t) {
+    rotary_write_kv_impl<decltype(t)>(qkv, cos, sin, k_cache, v_cache, slots, num_heads);
+  });
 }
-
-
 
 // ---- int8 KV cache (--kv-cache-dtype int8) ----
 //
 // Each (token, KV head) row of head_dim values is stored as int8 with one float32 scale:
 // x ≈ q * scale, scale = max|x| / 127, q = round-half-even(x / scale) (0 and scale 0 for a zero row).
-// K is transposed within each block of 16 tokens, so that a block's 16 scores come out of one
-// vector per dimension; the layout, the argument checks and a decode item's order of reading are in
-// int8_kv.h, shared with the AVX2 build. The PyTorch reference is in kestrel/model/attention.py
-// (write_kv, gather_kv).
+// K is transposed within each block of 16 tokens, so that a block's 16 scores come out of 16 / kLanes
+// vectors per dimension; the layout, the argument checks and a decode item's order of reading are in
+// int8_kv.h. The PyTorch reference is in kestrel/attention/kv_cache.py (write_kv, gather_kv).
 
 namespace {
 
 constexpr int64_t kInt8Block = kestrel_int8_kv::kBlock;
+constexpr int kHalves = kInt8Block / kLanes;  // vectors per block of 16 scores
+static_assert(kInt8Block % kLanes == 0, "whole vectors per block");
 
-// Quantize one row of d floats (d % 16 == 0); returns the scale.
+// Quantize one row of d floats (d % kLanes == 0); returns the scale. Bit for bit the same in both builds.
 inline float quantize_row(const float* x, int64_t d, int8_t* q, int64_t q_stride) {
-  __m512 amax = _mm512_setzero_ps();
-  for (int64_t i = 0; i < d; i += kLanes) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
-  const float m = _mm512_reduce_max_ps(amax);
+  VecF amax = zero();
+  for (int64_t i = 0; i < d; i += kLanes) amax = max(amax, abs(load_f32(x + i)));
+  const float m = hmax(amax);
   if (m == 0.f) {
     for (int64_t i = 0; i < d; ++i) q[i * q_stride] = 0;
     return 0.f;
   }
   const float scale = m / 127.f;
-  const __m512 sv = _mm512_set1_ps(scale);
-  alignas(64) int32_t qi[16];
+  const VecF sv = splat(scale);
+  alignas(64) int32_t qi[kLanes];
   for (int64_t i = 0; i < d; i += kLanes) {
     // true division, then round half to even (the default rounding mode), as torch.round(x / scale)
-    const __m512i r = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(x + i), sv));
-    _mm512_store_si512(qi, r);
+    store_rounded(qi, div(load_f32(x + i), sv));
     for (int j = 0; j < kLanes; ++j) q[(i + j) * q_stride] = static_cast<int8_t>(qi[j]);
   }
   return scale;
-}
-
-template <typename T>
-void to_float_row(const T* x, float* out, int64_t d) {
-  for (int64_t i = 0; i < d; i += kLanes) _mm512_storeu_ps(out + i, load_chunk(x + i));
 }
 
 template <typename T>
@@ -1059,36 +539,47 @@ void rotary_write_kv_int8_impl(torch::Tensor& qkv, const torch::Tensor& cos, con
   const int64_t* slot = slots.data_ptr<int64_t>();
   rotate_tokens<T>(qkv, cos, sin, num_heads, 16, [&](int64_t t, const T* row) {
     float row_f[256];  // head_dim <= 256
+    const auto to_float = [&](const T* x) {
+      for (int64_t i = 0; i < d; i += kLanes) store(row_f + i, load_chunk(x + i));
+    };
     const int64_t blk = slot[t] / kInt8Block, off = slot[t] % kInt8Block;
     for (int64_t h = 0; h < kv_heads; ++h) {
-      to_float_row(row + (num_heads + h) * d, row_f, d);
+      to_float(row + (num_heads + h) * d);
       ksp[(blk * kv_heads + h) * kInt8Block + off] =
           quantize_row(row_f, d, ktp + (blk * kv_heads + h) * d * kInt8Block + off, kInt8Block);
-      to_float_row(row + (num_heads + kv_heads + h) * d, row_f, d);
+      to_float(row + (num_heads + kv_heads + h) * d);
       vsp[slot[t] * kv_heads + h] = quantize_row(row_f, d, vp + (slot[t] * kv_heads + h) * d, 1);
     }
   });
 }
 
-// One (sequence, KV head) per work item: the scores of a block's 16 keys at once from the
-// transposed K, a softmax over them all (each exponential stored times its V row's scale), then the
-// V rows weighted by those. Items go to threads by cost (parallel_for_by_cost).
-// The K pass keeps kKPartials partial sums per head, so that G * kKPartials FMA chains are in flight
-// rather than G chains each waiting on the latency of the one before. Prefetch: while a block (K or
-// V) is computed, the one kPrefetchUnits ahead (in the item's order of reading, running on into the
-// next item) is prefetched a line at a time, spread over the computation rather than in a burst.
-// Measured on W1-like batches (52 sequences of 100-700 tokens, 2 cores with AMX, 2026-12-01): 1.5x
-// the kernel with one chain per head, equal-count threads and a burst one block ahead; 5 blocks ahead
-// was 1.06x over 2 and 1.01x over 3.
-constexpr int kKPartials = 4;
-constexpr int64_t kPrefetchUnits = 5;
+// Decode attention over the int8 cache: one (sequence, KV head) per work item, items to threads by
+// cost (parallel_for_by_cost); the scores of a block's 16 keys (kHalves vectors) from the transposed
+// K, kInt8HeadChunk<G> query heads at a time, each with kInt8Partials<G> partial sums, so that many
+// FMA chains are in flight rather than one per head waiting on the latency of the one before; a
+// softmax over each head's scores, each exponential stored times its V row's scale; then the V rows
+// weighted, kInt8VChunk<G, C> vectors of dimensions at a time (the item's V rows, read again for
+// each, are in L2 by then). While a block (K or V) is computed, the block kInt8PrefetchUnits ahead
+// in the item's order of reading (K blocks, then V blocks, then the next item's) is prefetched a
+// line at a time, spread over the computation rather than in a burst.
+// The chunks are sized by the registers: 32 (AVX-512) hold every head's 4 partial sums and a whole
+// V row per head; 16 (AVX2) take heads 3 or 4 at a time. Measured on W1-like batches (52 sequences
+// of 100-700 tokens, 2 cores with AMX, 2026-12-01, AVX-512): 1.5x the kernel with one chain per head,
+// equal-count threads and a burst one block ahead; 5 blocks ahead was 1.06x over 2 and 1.01x over 3.
+template <int G>
+constexpr int kInt8HeadChunk = kRegisters >= 32 ? G : (G % 3 == 0 ? 3 : (G % 4 == 0 ? 4 : (G % 2 == 0 ? 2 : 1)));
+template <int G>
+constexpr int kInt8Partials = kRegisters >= 32 ? 4 : (2 * kInt8HeadChunk<G> >= 8 ? 1 : 2);
+template <int G, int C>
+constexpr int kInt8VChunk = kRegisters >= 32 ? C : (G <= 2 ? 4 : (G <= 5 ? 2 : 1));
+constexpr int64_t kInt8PrefetchUnits = 5;
 
 template <int D, int G>
 void run_int8(const torch::Tensor& q, const torch::Tensor& k_t, const torch::Tensor& k_scale,
               const torch::Tensor& v, const torch::Tensor& v_scale, const torch::Tensor& block_tables,
               const torch::Tensor& seq_lens, torch::Tensor& out, float scale) {
-  constexpr int C = D / kLanes;
-  constexpr int P = kKPartials;
+  constexpr int C = D / kLanes, JC = kInt8HeadChunk<G>, P = kInt8Partials<G>, VC = kInt8VChunk<G, C>;
+  static_assert(C % VC == 0 && G % JC == 0 && 4 % P == 0, "whole chunks of heads and of dimensions");
   constexpr int64_t BS = kInt8Block;
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), kv_heads = v.size(1);
   const int64_t max_blocks = block_tables.size(1);
@@ -1101,7 +592,6 @@ void run_int8(const torch::Tensor& q, const torch::Tensor& k_t, const torch::Ten
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float neg_inf = -std::numeric_limits<float>::infinity();
-
   const int64_t items = num_seqs * kv_heads;
   const kestrel_int8_kv::ReadOrder<D> order{ktp, vp, tables, lens, kv_heads, max_blocks, items};
   using Rows = typename kestrel_int8_kv::ReadOrder<D>::Rows;
@@ -1114,83 +604,84 @@ void run_int8(const torch::Tensor& q, const torch::Tensor& k_t, const torch::Ten
       return;
     }
     const int64_t* table = tables + s * max_blocks;
-    const int64_t nb = (len + BS - 1) / BS;
+    const int64_t nb = (len + BS - 1) / BS, span = nb * BS;
     alignas(64) float qs[D][G];  // scaled q by dimension: a dimension's G broadcasts side by side
     for (int j = 0; j < G; ++j)
       for (int dd = 0; dd < D; ++dd) qs[dd][j] = qf[(s * num_heads + h * G + j) * D + dd] * scale;
-    scores.resize(G * nb * BS);
-    VecF mx[G];
-    for (int j = 0; j < G; ++j) mx[j] = splat(neg_inf);
+    scores.resize(G * span);
+    vscales.resize(span);
     for (int64_t b = 0; b < nb; ++b) {
       const int64_t blk = table[b];
       const int8_t* kb = ktp + (blk * kv_heads + h) * D * BS;
-      const Rows ahead = order.unit(item, b + kPrefetchUnits);
-      VecF acc[G][P];
-      for (int j = 0; j < G; ++j)
-        for (int p = 0; p < P; ++p) acc[j][p] = zero();
-      static_assert(P == 4, "one line of the unit ahead per step of 4 dimensions");
-      for (int dd = 0; dd < D; dd += P) {
-        ahead.prefetch(dd / P);
-        for (int p = 0; p < P; ++p) {
-          const VecF kd = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(kb + (dd + p) * BS))));
-          for (int j = 0; j < G; ++j) acc[j][p] = fma(splat(qs[dd + p][j]), kd, acc[j][p]);
-        }
-      }
-      const VecF sk = load_f32(ksp + (blk * kv_heads + h) * BS);
+      const Rows ahead = order.unit(item, b + kInt8PrefetchUnits);
       const int64_t n = std::min<int64_t>(BS, len - b * BS);
-      const __mmask16 valid = n == BS ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
-      for (int j = 0; j < G; ++j) {
-        VecF sum = acc[j][0];
-        for (int p = 1; p < P; ++p) sum = _mm512_add_ps(sum, acc[j][p]);
-        const VecF sc = _mm512_mask_blend_ps(valid, splat(neg_inf), _mm512_mul_ps(sum, sk));
-        store(scores.data() + (j * nb + b) * BS, sc);
-        mx[j] = _mm512_max_ps(mx[j], sc);
+      for (int j0 = 0; j0 < G; j0 += JC) {
+        VecF acc[JC][kHalves][P];
+        for (int j = 0; j < JC; ++j)
+          for (int half = 0; half < kHalves; ++half)
+            for (int p = 0; p < P; ++p) acc[j][half][p] = zero();
+        for (int dd = 0; dd < D; dd += 4) {
+          if (j0 == 0) ahead.prefetch(dd / 4);  // D / 4 lines: the unit's 16 * D / 64
+          for (int i = 0; i < 4; ++i) {
+            VecF kd[kHalves];
+            for (int half = 0; half < kHalves; ++half) kd[half] = load_int8(kb + (dd + i) * BS + half * kLanes);
+            for (int j = 0; j < JC; ++j) {
+              const VecF qv = splat(qs[dd + i][j0 + j]);
+              for (int half = 0; half < kHalves; ++half) acc[j][half][i % P] = fma(qv, kd[half], acc[j][half][i % P]);
+            }
+          }
+        }
+        for (int j = 0; j < JC; ++j)
+          for (int half = 0; half < kHalves; ++half) {
+            VecF sum = acc[j][half][0];
+            for (int p = 1; p < P; ++p) sum = add(sum, acc[j][half][p]);
+            const VecF sk = load_f32(ksp + (blk * kv_heads + h) * BS + half * kLanes);
+            store(scores.data() + (j0 + j) * span + b * BS + half * kLanes,
+                  select(lanes_below(n - half * kLanes), mul(sum, sk), splat(neg_inf)));
+          }
       }
+      // The block's V row scales, in the order of the scores (16 at a stride of kv_heads).
+      for (int half = 0; half < kHalves; ++half)
+        store(vscales.data() + b * BS + half * kLanes,
+              gather_strided(vsp + (blk * BS + half * kLanes) * kv_heads + h, kv_heads));
     }
-    // The V rows' scales in the order of the scores (16 at a stride of kv_heads per block).
-    vscales.resize(nb * BS);
-    const __m512i vs_index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                _mm512_set1_epi32(static_cast<int>(kv_heads)));
-    for (int64_t b = 0; b < nb; ++b)
-      store(vscales.data() + b * BS, _mm512_i32gather_ps(vs_index, vsp + table[b] * BS * kv_heads + h, 4));
     // Each score becomes its exponential times its V row's scale; the sum is of the exponentials.
     float inv[G];
     for (int j = 0; j < G; ++j) {
-      const VecF m = splat(_mm512_reduce_max_ps(mx[j]));
-      float* sj = scores.data() + j * nb * BS;
+      float* sj = scores.data() + j * span;
+      VecF mv = splat(neg_inf);
+      for (int64_t t = 0; t < span; t += kLanes) mv = max(mv, load_f32(sj + t));
+      const VecF m = splat(hmax(mv));
       VecF sum = zero();
-      for (int64_t t = 0; t < nb * BS; t += kLanes) {
-        const __mmask16 lanes = len - t >= kLanes ? (__mmask16)0xFFFF
-                              : len > t ? (__mmask16)((1u << (len - t)) - 1) : (__mmask16)0;
-        const VecF e = _mm512_maskz_mov_ps(lanes, exp_clamped(_mm512_sub_ps(load_f32(sj + t), m)));
-        store(sj + t, _mm512_mul_ps(e, load_f32(vscales.data() + t)));
-        sum = _mm512_add_ps(sum, e);
+      for (int64_t t = 0; t < span; t += kLanes) {
+        const VecF e = keep(lanes_below(len - t), exp_clamped(sub(load_f32(sj + t), m)));
+        store(sj + t, mul(e, load_f32(vscales.data() + t)));
+        sum = add(sum, e);
       }
       inv[j] = 1.f / hsum(sum);
     }
-    VecF acc[G][C];
-    for (int j = 0; j < G; ++j)
-      for (int c = 0; c < C; ++c) acc[j][c] = zero();
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t base = table[b] * BS, n = std::min<int64_t>(BS, len - b * BS);
-      const Rows ahead = order.unit(item, nb + b + kPrefetchUnits);
-      const float* pb = scores.data() + b * BS;
-      for (int64_t o = 0; o < n; ++o) {
-        for (int i = 0; i < D / 64; ++i) ahead.prefetch(o * (D / 64) + i);
-        const int64_t slot = base + o;
-        const int8_t* row = vp + (slot * kv_heads + h) * D;
-        VecF vr[C];
-        for (int c = 0; c < C; ++c)
-          vr[c] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + kLanes * c))));
-        for (int j = 0; j < G; ++j) {
-          const VecF p = splat(pb[j * nb * BS + o]);
-          for (int c = 0; c < C; ++c) acc[j][c] = fma(p, vr[c], acc[j][c]);
+    for (int c0 = 0; c0 < C; c0 += VC) {
+      VecF acc[G][VC];
+      for (int j = 0; j < G; ++j)
+        for (int c = 0; c < VC; ++c) acc[j][c] = zero();
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t base = table[b] * BS, n = std::min<int64_t>(BS, len - b * BS);
+        const Rows ahead = c0 == 0 ? order.unit(item, nb + b + kInt8PrefetchUnits) : Rows{};
+        const float* pb = scores.data() + b * BS;
+        for (int64_t o = 0; o < n; ++o) {
+          for (int i = 0; i < D / 64; ++i) ahead.prefetch(o * (D / 64) + i);
+          const int8_t* row = vp + ((base + o) * kv_heads + h) * D + c0 * kLanes;
+          VecF vr[VC];
+          for (int c = 0; c < VC; ++c) vr[c] = load_int8(row + c * kLanes);
+          for (int j = 0; j < G; ++j) {
+            const VecF p = splat(pb[j * span + o]);
+            for (int c = 0; c < VC; ++c) acc[j][c] = fma(p, vr[c], acc[j][c]);
+          }
         }
       }
+      for (int j = 0; j < G; ++j)
+        for (int c = 0; c < VC; ++c) store(dst + j * D + (c0 + c) * kLanes, mul(acc[j][c], splat(inv[j])));
     }
-    for (int j = 0; j < G; ++j)
-      for (int c = 0; c < C; ++c) store(dst + j * D + c * kLanes, _mm512_mul_ps(acc[j][c], splat(inv[j])));
   };
 
   parallel_for_by_cost(items, [&](int64_t item) { return 1 + order.blocks_of(item); }, [&](int64_t begin, int64_t end) {
@@ -1207,11 +698,9 @@ void rotary_write_kv_int8(torch::Tensor qkv, torch::Tensor cos, torch::Tensor si
                           int64_t num_heads) {
   const auto slots = kestrel_int8_kv::checked_write_args(qkv, cos, sin, k_t, k_scale, v, v_scale, slot_mapping,
                                                         num_heads, kLanes);
-  if (qkv.scalar_type() == torch::kBFloat16)
-    rotary_write_kv_int8_impl<c10::BFloat16>(qkv, cos, sin, k_t, k_scale, v, v_scale, slots, num_heads);
-  else if (qkv.scalar_type() == torch::kFloat32)
-    rotary_write_kv_int8_impl<float>(qkv, cos, sin, k_t, k_scale, v, v_scale, slots, num_heads);
-  else TORCH_CHECK(false, "rotary_write_kv_int8: float32 or bfloat16 only");
+  with_float_dtype(qkv.scalar_type(), "rotary_write_kv_int8", [&](auto t) {
+    rotary_write_kv_int8_impl<decltype(t)>(qkv, cos, sin, k_t, k_scale, v, v_scale, slots, num_heads);
+  });
 }
 
 // Decode attention over the int8 cache (layout above; block_size 16). Returns float32, or with
@@ -1227,13 +716,9 @@ torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_t, to
   seq_lens = seq_lens.to(torch::kInt64).contiguous();
   const int64_t d = q.size(2), g = q.size(1) / v.size(1);
   const float sc = static_cast<float>(scale);
-  bool done = false;
-#define KESTREL_CASE(D, G) \
-  if (!done && d == D && g == G) { run_int8<D, G>(qf, k_t, k_scale, v, v_scale, block_tables, seq_lens, out, sc); done = true; }
-  KESTREL_CASE(64, 1) KESTREL_CASE(64, 2) KESTREL_CASE(64, 3) KESTREL_CASE(64, 4)
-  KESTREL_CASE(64, 5) KESTREL_CASE(64, 8)
-  KESTREL_CASE(128, 1) KESTREL_CASE(128, 2) KESTREL_CASE(128, 4) KESTREL_CASE(128, 8)
-#undef KESTREL_CASE
+  const bool done = with_head_shape(d, g, [&](auto dd, auto gg) {
+    run_int8<decltype(dd)::value, decltype(gg)::value>(qf, k_t, k_scale, v, v_scale, block_tables, seq_lens, out, sc);
+  });
   TORCH_CHECK(done, "no kernel for head_dim ", d, " with ", g, " query heads per KV head");
   return in_q_dtype ? in_dtype(out, out_dtype) : out;
 }
@@ -1245,35 +730,35 @@ namespace {
 // The first index of the row's maximum, NaN counting as above everything (torch.argmax's rule).
 int64_t argmax_row(const float* x, int64_t n) {
   const int64_t full = n / kLanes * kLanes;
-  __m512i best_i = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  VecF best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512i idx = best_i;
-  const __m512i step = _mm512_set1_epi32(kLanes);
-  __mmask16 nan = 0;
+  VecI idx = iota(), best_i = idx;
+  VecF best = splat(-std::numeric_limits<float>::infinity());
+  Mask nan = lanes_below(0);
   for (int64_t i = 0; i < full; i += kLanes) {
-    const VecF v = _mm512_loadu_ps(x + i);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);  // strictly: each lane keeps its first
-    best = _mm512_mask_mov_ps(best, gt, v);
-    best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
-    idx = _mm512_add_epi32(idx, step);
+    const VecF v = load_f32(x + i);
+    nan = either(nan, is_nan(v));
+    const Mask gt = greater(v, best);  // strictly: each lane keeps its first
+    best = select(gt, v, best);
+    best_i = select_i(gt, idx, best_i);
+    idx = add_i(idx, kLanes);
   }
-  if (full < n) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n - full)) - 1);
-    const VecF v = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), tail, x + full);
-    nan |= _mm512_mask_cmp_ps_mask(tail, v, v, _CMP_UNORD_Q);
-    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-    best = _mm512_mask_mov_ps(best, gt, v);
-    best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
-  }
-  if (nan)
-    for (int64_t i = 0; i < n; ++i)
+  if (any(nan))
+    for (int64_t i = 0; i < full; ++i)
       if (std::isnan(x[i])) return i;
-  const float m = _mm512_reduce_max_ps(best);
+  alignas(64) float bv[kLanes];
+  alignas(64) int32_t bi[kLanes];
+  store(bv, best);
+  store_i(bi, best_i);
   // Among the lanes holding the maximum, the smallest index (lanes only ever hold -inf or values
-  // seen, and an all -inf row has index 0 in lane 0).
-  const __mmask16 at_max = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
-  return _mm512_mask_reduce_min_epi32(at_max, best_i);
+  // seen; an all -inf row, or a row shorter than a vector, has index 0 in lane 0).
+  float m = bv[0];
+  int64_t at = bi[0];
+  for (int l = 1; l < kLanes; ++l)
+    if (bv[l] > m || (bv[l] == m && bi[l] < at)) m = bv[l], at = bi[l];
+  for (int64_t i = full; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > m) m = x[i], at = i;
+  }
+  return at;
 }
 
 }  // namespace
@@ -1292,7 +777,189 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+// ---- float32 linear layers for decode-sized batches ----
+//
+// linear_f32(x [M, K], w [N, K]) -> y [M, N] = x w^T, float32, K % 8 == 0 (a last part of K shorter
+// than a vector is read through a lane mask). The library GEMM reaches 15-110 GFLOP/s on an AVX2
+// machine at 1-64 rows (and under 50 on the output head at 1-32), against ~130-170 at prefill
+// sizes. Here a tile of 4 rows of x by 3 rows of w keeps 12 accumulators in registers (with the 3 w
+// vectors and one x vector, all 16 AVX2 registers), each summed across its lanes at the end. Threads
+// take tiles of 3 weight rows; each keeps its 3 rows in L1 while it walks every 4-row block of x,
+// and K is cut into pieces of at most kMaxKPiece so that the block of x being walked stays in L2
+// (512 KB) at 64-128 rows.
+
+namespace {
+
+constexpr int64_t kMaxKPiece = 768;
+constexpr int64_t kMaxStreamRows = 4;  // up to here, gemv_rows; beyond, the register tiles
+
+// Lanes [k, k + kLanes) of a row, or its last k1 - k < kLanes values and zeros.
+inline VecF load_part(const float* row, int64_t k, int64_t k1) {
+  return k + kLanes <= k1 ? load_f32(row + k) : load_first(row + k, k1 - k);
+}
+
+// y[m, n] (+)= x[m, k0:k1] . w[n, k0:k1] for MR rows of x from `x` and NR rows of w from `w`; with
+// `next` given, the same part of the next NR rows of w is prefetched along the way (the weights
+// stream from memory, and the hardware prefetcher alone leaves much of its latency exposed).
+template <int MR, int NR>
+inline void linear_tile(const float* x, const float* w, int64_t K, int64_t k0, int64_t k1, float* y, int64_t N,
+                        bool accumulate, const float* next) {
+  VecF acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = zero();
+  const auto step = [&](int64_t k, const auto& load) {
+    if (next != nullptr && k % 16 < kLanes)  // a line of each next row per 16 floats
+      for (int n = 0; n < NR; ++n) _mm_prefetch(reinterpret_cast<const char*>(next + n * K + k), _MM_HINT_T0);
+    VecF wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = load(w + n * K + k);
+    for (int m = 0; m < MR; ++m) {
+      const VecF xv = load(x + m * K + k);
+      for (int n = 0; n < NR; ++n) acc[m][n] = fma(xv, wv[n], acc[m][n]);
+    }
+  };
+  int64_t k = k0;
+  for (; k + kLanes <= k1; k += kLanes) step(k, [](const float* p) { return in_register(load_f32(p)); });
+  if (k < k1) step(k, [n = k1 - k](const float* p) { return load_first(p, n); });
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) y[m * N + n] = (accumulate ? y[m * N + n] : 0.f) + hsum(acc[m][n]);
+}
+
+// The first row block of x prefetches the next tile's weights (`next`, nullptr at the end).
+template <int NR>
+void linear_rows(const float* x, const float* w, int64_t M, int64_t K, int64_t k0, int64_t k1, int64_t n0,
+                 float* y, int64_t N, const float* next) {
+  const bool acc = k0 > 0;
+  const float* wn = w + n0 * K;
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4, next = nullptr) linear_tile<4, NR>(x + m * K, wn, K, k0, k1, y + m * N + n0, N, acc, next);
+  switch (M - m) {
+    case 3: linear_tile<3, NR>(x + m * K, wn, K, k0, k1, y + m * N + n0, N, acc, next); break;
+    case 2: linear_tile<2, NR>(x + m * K, wn, K, k0, k1, y + m * N + n0, N, acc, next); break;
+    case 1: linear_tile<1, NR>(x + m * K, wn, K, k0, k1, y + m * N + n0, N, acc, next); break;
+    default: break;
+  }
+}
+
+// y[m, n] = x[m] . w[n] for MR (1-4) rows of x, n in [n0, n1): each weight row is read start to
+// end, so that a thread's weights are one sequential stream, the hardware prefetcher's best case
+// (interleaving 3 rows as the tiles do measured 10-15% slower at one row). Two accumulators per
+// row of x hide the FMA latency.
+template <int MR>
+void gemv_rows(const float* x, const float* w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* wr = w + n * K;
+    VecF a[MR][2];
+    for (int m = 0; m < MR; ++m) a[m][0] = a[m][1] = zero();
+    int64_t k = 0;
+    for (; k + 2 * kLanes <= K; k += 2 * kLanes) {
+      const VecF w0 = in_register(load_f32(wr + k)), w1 = in_register(load_f32(wr + k + kLanes));
+      for (int m = 0; m < MR; ++m) {
+        a[m][0] = fma(load_f32(x + m * K + k), w0, a[m][0]);
+        a[m][1] = fma(load_f32(x + m * K + k + kLanes), w1, a[m][1]);
+      }
+    }
+    for (; k < K; k += kLanes) {
+      const VecF w0 = load_part(wr, k, K);
+      for (int m = 0; m < MR; ++m) a[m][0] = fma(load_part(x + m * K, k, K), w0, a[m][0]);
+    }
+    for (int m = 0; m < MR; ++m) y[m * N + n] = hsum(add(a[m][0], a[m][1]));
+  }
+}
+
+}  // namespace
+
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_f32: x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32, "linear_f32: float32 only");
+  TORCH_CHECK(x.size(1) % 8 == 0, "linear_f32: K must be a multiple of 8");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  if (M <= kMaxStreamRows) {
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      switch (M) {
+        case 1: gemv_rows<1>(xp, wp, K, begin, end, yp, N); break;
+        case 2: gemv_rows<2>(xp, wp, K, begin, end, yp, N); break;
+        case 3: gemv_rows<3>(xp, wp, K, begin, end, yp, N); break;
+        default: gemv_rows<4>(xp, wp, K, begin, end, yp, N); break;
+      }
+    });
+    return y;
+  }
+  const int64_t pieces = (K + kMaxKPiece - 1) / kMaxKPiece;
+  const int64_t piece = ((K + pieces - 1) / pieces + kLanes - 1) / kLanes * kLanes;
+  constexpr int NR = 3;
+  const int64_t tiles = N / NR, rest = N - tiles * NR;
+  at::parallel_for(0, tiles + (rest > 0), 8, [&](int64_t begin, int64_t end) {
+    for (int64_t k0 = 0; k0 < K; k0 += piece) {
+      const int64_t k1 = std::min(K, k0 + piece);
+      for (int64_t t = begin; t < end; ++t) {
+        const float* next = t + 1 < tiles ? wp + (t + 1) * NR * K : nullptr;
+        if (t < tiles) linear_rows<NR>(xp, wp, M, K, k0, k1, t * NR, yp, N, next);
+        else if (rest == 2) linear_rows<2>(xp, wp, M, K, k0, k1, t * NR, yp, N, nullptr);
+        else linear_rows<1>(xp, wp, M, K, k0, k1, t * NR, yp, N, nullptr);
+      }
+    }
+  });
+  return y;
+}
+
+// ---- the float32 decode plan's layer loop ----
+
+// The layer loop of kestrel/model/decode_plan.py for a float32 Llama-family model without q/k norms
+// or biases, in C++: the same kernels in the same order on the same tensors, so its hidden states
+// are bit-identical to the Python loop's (and so to the model's forward). What it saves is the
+// Python between the ~300 kernel calls of a step: ~1.5-2 ms of a ~27 ms batch-1 step (AVX2 machine).
+class DecodeLayersF32 {
+ public:
+  // weights: 6 per layer (input norm, qkv, o, post-attention norm, gate_up, down); caches: k, v per
+  // layer, each [num_slots, kv_heads, head_dim].
+  DecodeLayersF32(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches, int64_t heads,
+                  double eps, double scale)
+      : weights_(std::move(weights)), caches_(std::move(caches)), heads_(heads), eps_(eps), scale_(scale) {
+    TORCH_CHECK(weights_.size() % 6 == 0 && caches_.size() * 3 == weights_.size(),
+                "DecodeLayersF32: 6 weights and 2 caches per layer");
+    for (const auto& w : weights_)
+      TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous(), "DecodeLayersF32: float32 contiguous weights");
+  }
+
+  // x [n, hidden]: the embedded tokens. Returns the hidden states before the final norm.
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                        torch::Tensor table, torch::Tensor seq_lens, int64_t block_size) const {
+    const int64_t n = x.size(0), layers = static_cast<int64_t>(caches_.size() / 2);
+    torch::Tensor residual, h;
+    for (int64_t l = 0; l < layers; ++l) {
+      const torch::Tensor* w = weights_.data() + 6 * l;
+      const torch::Tensor &k_cache = caches_[2 * l], &v_cache = caches_[2 * l + 1];
+      if (!residual.defined()) {
+        residual = x;
+        h = rms_norm(x, c10::nullopt, w[0], eps_);
+      } else {
+        h = rms_norm(x, residual, w[0], eps_);  // residual += x, in place
+      }
+      const int64_t head_dim = k_cache.size(2), kv_heads = k_cache.size(1);
+      torch::Tensor qkv = linear_f32(h, w[1]).view({n, heads_ + 2 * kv_heads, head_dim});
+      rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads_);
+      torch::Tensor out = paged_decode_attention(qkv.slice(1, 0, heads_), k_cache, v_cache, table, seq_lens,
+                                                 block_size, scale_, true);
+      h = rms_norm(linear_f32(out.view({n, heads_ * head_dim}), w[2]), residual, w[3], eps_);
+      x = linear_f32(silu_and_mul(linear_f32(h, w[4])), w[5]);
+    }
+    return x + residual;
+  }
+
+ private:
+  std::vector<torch::Tensor> weights_, caches_;
+  int64_t heads_;
+  double eps_, scale_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("lanes") = kLanes;  // the vector width this build was compiled for (16: AVX-512, 8: AVX2)
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) for float32 [rows, n] (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (CPU)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
@@ -1310,4 +977,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_t"), py::arg("k_scale"), py::arg("v"), py::arg("v_scale"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"), py::arg("in_q_dtype") = false);
   m.def("supports", &supports, "whether a (head_dim, group) pair has a kernel");
+  m.def("linear_f32", &linear_f32, "x w^T in float32 for decode-sized batches (CPU)");
+  py::class_<DecodeLayersF32>(m, "DecodeLayersF32")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, double, double>(),
+           py::arg("weights"), py::arg("caches"), py::arg("heads"), py::arg("eps"), py::arg("scale"))
+      .def("__call__", &DecodeLayersF32::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
+           py::arg("table"), py::arg("seq_lens"), py::arg("block_size"));
 }

@@ -1,6 +1,6 @@
 // Prefill attention on AMX tiles (bf16 in, bf16 out, float32 softmax and sums): causal attention of
 // a chunk of queries over its keys, both products (Q K^T and P V) on AMX. Its PyTorch reference is
-// the SDPA call in kestrel/model/attention.py; tests/test_cpu_prefill.py compares.
+// the SDPA call in kestrel/attention/torch_sdpa.py; tests/test_cpu_prefill.py compares.
 //
 // q [Lq, H, D], k and v [Lk, KV, D] (any row and head strides, the last dim contiguous), Lk >= Lq:
 // query i sits at position Lk - Lq + i and sees keys 0..Lk - Lq + i (bottom-right causal: a chunk

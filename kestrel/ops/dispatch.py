@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels
+from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels, linear_f32_preferred
 
 RmsNorm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 AddRmsNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
@@ -107,20 +107,19 @@ def amx_gemv():
 
 @dataclass(frozen=True)
 class F32Kernels:
-    """The float32 matmul of a kernel build, and its C++ decode layer loop where the build has one."""
+    """The float32 matmul of a kernel build, and its C++ decode layer loop (DecodeLayersF32)."""
     linear_f32: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    decode_layers: type | None
+    decode_layers: type
 
 
 def f32_kernels() -> F32Kernels | None:
-    """The float32 small-batch matmul (linear_f32) of the kernel build, if it exports one. The only
-    place that reads the build's surface: builds differ in what they export (the AVX2 build has had
-    linear_f32 and DecodeLayersF32 alone), and every caller takes the answer from here."""
-    kernels = cpu_kernels()
-    linear_f32 = getattr(kernels, "linear_f32", None)
-    if linear_f32 is None:
+    """The float32 small-batch matmul (linear_f32) and its C++ decode layer loop, where float32 products
+    should take them (ops.linear_f32_preferred: the AVX2 build; on AVX-512 torch's GEMM stays faster at
+    most shapes); None elsewhere. Every caller takes the answer from here."""
+    if not linear_f32_preferred():
         return None
-    return F32Kernels(linear_f32, getattr(kernels, "DecodeLayersF32", None))
+    kernels = cpu_kernels()
+    return F32Kernels(kernels.linear_f32, kernels.DecodeLayersF32)
 
 
 # ---- the families ------------------------------------------------------------------------------

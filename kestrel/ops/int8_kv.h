@@ -1,9 +1,9 @@
-// The int8 KV cache (--kv-cache-dtype int8) as both kernel builds (cpu_kernels.cpp, cpu_kernels_avx2.cpp)
-// see it, free of any vector width: argument checks, and the order in which a decode work item reads
+// The int8 KV cache (--kv-cache-dtype int8) as both builds of cpu_kernels.cpp see it, free of any
+// vector width: argument checks, and the order in which a decode work item reads
 // the cache. Layout: each (token, KV head) row of head_dim values as int8 with one float32 scale
 // (max|x| / 127); K transposed within blocks of 16 tokens, k_t [num_blocks, kv_heads, head_dim, 16],
 // k_scale [num_blocks, kv_heads, 16]; V by rows, v [num_slots, kv_heads, head_dim], v_scale
-// [num_slots, kv_heads]. The PyTorch reference is kestrel/model/attention.py (write_kv, gather_kv).
+// [num_slots, kv_heads]. The PyTorch reference is kestrel/attention/kv_cache.py (write_kv, gather_kv).
 // Part of each kernel's build key (kestrel/ops/__init__.py hashes the headers).
 #pragma once
 

@@ -1,5 +1,5 @@
-// Work sharing for Kestrel's CPU kernels, free of any instruction set (cpu_kernels.cpp and
-// cpu_kernels_avx2.cpp). Part of each kernel's build key (kestrel/ops/__init__.py hashes the headers).
+// Work sharing for Kestrel's CPU kernels, free of any instruction set (both builds of
+// cpu_kernels.cpp). Part of each kernel's build key (kestrel/ops/__init__.py hashes the headers).
 #pragma once
 
 #include <ATen/Parallel.h>

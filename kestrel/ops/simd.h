@@ -1,27 +1,15 @@
-// AVX-512 helpers shared by Kestrel's CPU kernels (cpu_kernels.cpp, cpu_gemv.cpp,
-// cpu_prefill.cpp). Part of each kernel's build key (kestrel/ops/__init__.py hashes the headers).
+// AVX-512 helpers of Kestrel's AMX kernels (cpu_gemv.cpp, cpu_prefill.cpp), beside the vector
+// interface of vec_avx512.h. Part of each kernel's build key (kestrel/ops/__init__.py hashes the headers).
 #pragma once
 
 #include <immintrin.h>
 
+#include "vec_avx512.h"
+
 namespace kestrel_simd {
 
-// exp(x), x clamped to [-87, 88]: 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5], 2^f by a degree-6
-// polynomial (relative error ~2e-7, float's own rounding).
-inline __m512 exp_clamped(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));  // f ln 2
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+// exp(x), x clamped to [-87, 88] (vec_common.h).
+using kestrel_vec::exp_clamped;
 
 // float32 → bf16 bits (in the low half of each lane), to nearest even; NaN stays a quiet NaN.
 inline __m512i round_to_bf16_bits(__m512 v) {

@@ -1,0 +1,97 @@
+// The vector interface of Kestrel's CPU kernels (cpu_kernels.cpp) for AVX2 + FMA machines without
+// AVX-512 (most laptops and desktops, AMD Zen 1-3): the names of vec_avx512.h on 8 lanes, 16
+// registers (with vec_common.h, the ones whose intrinsics differ only in width). Part of each
+// kernel's build key.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "the AVX2 build needs AVX2 and FMA"
+#endif
+
+namespace kestrel_vec {
+
+constexpr int kLanes = 8;
+constexpr int kRegisters = 16;
+using VecF = __m256;
+using VecI = __m256i;
+using Mask = __m256;  // all ones in a lane that is in
+
+inline VecI iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+inline __m128i load_16bit_lanes(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+inline __m128i load_8bit_lanes(const void* p) { return _mm_loadl_epi64(static_cast<const __m128i*>(p)); }
+inline VecF round_nearest(VecF v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// n in [-126, 127]: 2^n built straight in the exponent field.
+inline VecF times_pow2(VecF v, VecF n) {
+  return _mm256_mul_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23)));
+}
+#define KESTREL_VEC_PS(op) _mm256_##op##_ps
+#define KESTREL_VEC_EPI32(op) _mm256_##op##_epi32
+#define KESTREL_VEC_SI(op) _mm256_##op##_si256
+#define KESTREL_VEC_TO_PS _mm256_castsi256_ps
+#include "vec_common.h"
+#undef KESTREL_VEC_PS
+#undef KESTREL_VEC_EPI32
+#undef KESTREL_VEC_SI
+#undef KESTREL_VEC_TO_PS
+
+inline void store_bf16(uint16_t* p, VecF v) {
+  const __m256i h = _mm256_srli_epi32(round_to_bf16_upper(v), 16);  // each lane < 2^16: packus is exact
+  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+inline VecF abs(VecF v) { return _mm256_andnot_ps(splat(-0.f), v); }
+inline float hsum(VecF v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float hmax(VecF v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// [sum(a0), sum(a1), sum(a2), sum(a3)]: four horizontal sums in 3 hadds and one add.
+inline __m128 hsum4(VecF a0, VecF a1, VecF a2, VecF a3) {
+  const VecF t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// Lanes i < n (n may be <= 0 or >= kLanes).
+inline Mask lanes_below(int64_t n) {
+  const int32_t m = static_cast<int32_t>(std::max<int64_t>(-1, std::min<int64_t>(n, kLanes)));
+  return from_bits(_mm256_cmpgt_epi32(splat_i(m), iota()));
+}
+inline VecF load_first(const float* p, int64_t n) { return _mm256_maskload_ps(p, bits(lanes_below(n))); }  // others 0
+inline VecF keep(Mask m, VecF v) { return _mm256_and_ps(m, v); }  // 0 outside m
+inline VecF select(Mask m, VecF yes, VecF no) { return _mm256_blendv_ps(no, yes, m); }
+inline VecI select_i(Mask m, VecI yes, VecI no) { return _mm256_blendv_epi8(no, yes, bits(m)); }
+inline Mask greater(VecF a, VecF b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+inline Mask is_nan(VecF v) { return _mm256_cmp_ps(v, v, _CMP_UNORD_Q); }
+inline Mask either(Mask a, Mask b) { return _mm256_or_ps(a, b); }
+inline bool any(Mask m) { return _mm256_movemask_ps(m) != 0; }
+inline VecF gather_strided(const float* p, int64_t stride) { return _mm256_i32gather_ps(p, strided(stride), 4); }
+
+// Keeps a loaded vector in a register. Without it, GCC tuning for Zen 3 folds the loads into the
+// FMAs as memory operands: 16 loads per 12 FMAs instead of 7 in linear_f32's tile, which leaves it
+// bound by the load ports at ~60% of the register-operand speed (measured).
+inline VecF in_register(VecF v) {
+  asm("" : "+x"(v));
+  return v;
+}
+
+// A rounded product: the empty asm makes the compiler materialise it, so that it is never contracted
+// with the following add into an FMA, and the result rounds exactly as torch's separate
+// `x * cos + rotate_half(x) * sin` does.
+inline VecF mul_exact(VecF a, VecF b) {
+  VecF p = mul(a, b);
+  asm("" : "+x"(p));
+  return p;
+}
+inline VecF add_exact(VecF a, VecF b) { return add(a, b); }
+
+}  // namespace kestrel_vec

@@ -1,0 +1,79 @@
+// The vector interface of Kestrel's CPU kernels (cpu_kernels.cpp) for AVX-512: a float vector of
+// kLanes = 16 lanes and the few operations the kernels are written on (with vec_common.h, the ones
+// whose intrinsics differ only in width). vec_avx2.h defines the same names for 8 lanes;
+// cpu_kernels.cpp is compiled once with each (KESTREL_VEC_AVX512 or KESTREL_VEC_AVX2, see
+// kestrel/ops/__init__.py). Part of each kernel's build key.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#if !defined(__AVX512F__)
+#error "the AVX-512 build needs AVX-512 (-march=native on an AVX-512 CPU)"
+#endif
+
+namespace kestrel_vec {
+
+constexpr int kLanes = 16;
+constexpr int kRegisters = 32;  // vector registers: what the kernels' register tiles may hold
+using VecF = __m512;
+using VecI = __m512i;
+using Mask = __mmask16;  // one bit a lane
+
+inline VecI iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+inline __m256i load_16bit_lanes(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline __m128i load_8bit_lanes(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+inline VecF round_nearest(VecF v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline VecF times_pow2(VecF v, VecF n) { return _mm512_scalef_ps(v, n); }
+#define KESTREL_VEC_PS(op) _mm512_##op##_ps
+#define KESTREL_VEC_EPI32(op) _mm512_##op##_epi32
+#define KESTREL_VEC_SI(op) _mm512_##op##_si512
+#define KESTREL_VEC_TO_PS _mm512_castsi512_ps
+#include "vec_common.h"
+#undef KESTREL_VEC_PS
+#undef KESTREL_VEC_EPI32
+#undef KESTREL_VEC_SI
+#undef KESTREL_VEC_TO_PS
+
+inline void store_bf16(uint16_t* p, VecF v) {
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_to_bf16_upper(v), 16)));
+}
+inline VecF abs(VecF v) { return _mm512_abs_ps(v); }
+inline float hsum(VecF v) { return _mm512_reduce_add_ps(v); }
+inline float hmax(VecF v) { return _mm512_reduce_max_ps(v); }
+
+// [sum(a0), sum(a1), sum(a2), sum(a3)]: the two halves of each added, then as in vec_avx2.h.
+inline __m128 hsum4(VecF a0, VecF a1, VecF a2, VecF a3) {
+  const auto half = [](VecF v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  };
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)), _mm256_hadd_ps(half(a2), half(a3)));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// Lanes i < n (n may be <= 0 or >= kLanes).
+inline Mask lanes_below(int64_t n) { return n >= kLanes ? Mask(0xFFFF) : n <= 0 ? Mask(0) : Mask((1u << n) - 1); }
+inline VecF load_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(lanes_below(n), p); }  // others 0
+inline VecF keep(Mask m, VecF v) { return _mm512_maskz_mov_ps(m, v); }  // 0 outside m
+inline VecF select(Mask m, VecF yes, VecF no) { return _mm512_mask_blend_ps(m, no, yes); }
+inline VecI select_i(Mask m, VecI yes, VecI no) { return _mm512_mask_mov_epi32(no, m, yes); }
+inline Mask greater(VecF a, VecF b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+inline Mask is_nan(VecF v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
+inline Mask either(Mask a, Mask b) { return a | b; }
+inline bool any(Mask m) { return m != 0; }
+inline VecF gather_strided(const float* p, int64_t stride) { return _mm512_i32gather_ps(strided(stride), p, 4); }
+
+// Keeps a loaded vector in a register (the compiler would otherwise fold the load into each FMA
+// that reads it, as a memory operand).
+inline VecF in_register(VecF v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
+// Rounded multiply and add: the _round_ forms are never contracted into an FMA, so the result
+// rounds exactly as torch's separate `x * cos + rotate_half(x) * sin` does.
+inline VecF mul_exact(VecF a, VecF b) { return _mm512_mul_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline VecF add_exact(VecF a, VecF b) { return _mm512_add_round_ps(a, b, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
+}  // namespace kestrel_vec
