@@ -20,7 +20,8 @@ def test_the_kernel_build_follows_the_cpu_flags(monkeypatch, flags, isa):
     assert ops.cpu_kernels_source() == ("cpu_kernels.cpp" if isa else None)  # one source for every build
 
 
-@pytest.mark.parametrize("flags, isa", [({"avx2", "fma", "avx512f"}, "avx2"), ({"avx2", "fma"}, "avx2"), ({"avx2"}, None)])
+@pytest.mark.parametrize("flags, isa",
+                         [({"avx2", "fma", "avx512f"}, "avx2"), ({"avx2", "fma"}, "avx2"), ({"avx2"}, None)])
 def test_kestrel_cpu_kernels_avx2_takes_the_avx2_build(monkeypatch, flags, isa):
     monkeypatch.setenv("KESTREL_CPU_KERNELS", "avx2")
     monkeypatch.setattr(ops, "_cpu_flags", lambda: frozenset(flags))
