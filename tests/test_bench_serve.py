@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_openai_server import SERVER_FLAGS, Server, free_port
+from server_process import Server, free_port
+from test_openai_server import SERVER_FLAGS
 
 from kestrel.bench import serve as bench_serve
 from kestrel.bench.workloads import random_requests
