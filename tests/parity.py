@@ -100,5 +100,4 @@ def save_tiny_model(folder, config):
 
 def worker_of(llm):
     """The worker behind an in-process `LLM` (its model and model runner)."""
-    core = llm.llm_engine.engine_core
-    return next(v for k, v in vars(core).items() if "exec" in k).worker
+    return llm.llm_engine.engine_core.executor.driver_worker

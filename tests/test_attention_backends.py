@@ -21,7 +21,7 @@ from kestrel.attention import (
 )
 from kestrel.attention.torch_sdpa import DECODE_GROUP_SLOTS, decode_attention
 from kestrel.config import DeviceConfig, EngineArgs
-from kestrel.engine.llm_engine import create_engine_config
+from kestrel.engine.arg_utils import create_engine_config
 from kestrel.ops import cpu_kernels
 from kestrel.ops.dispatch import rotary_reference
 
@@ -65,8 +65,8 @@ def test_torch_forces_the_reference(tiny):
 
 
 def test_a_bad_name_is_refused(tiny):
-    with pytest.raises(ValueError, match="attention backend 'flash' is not known; choose one of auto, torch, cpu"):
-        select_attention_backend(_config(tiny, attention_backend="flash"))
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, cpu, got 'flash'"):
+        _config(tiny, attention_backend="flash")
 
 
 def test_cpu_by_name_errors_where_it_cannot_serve(tiny, no_kernels):

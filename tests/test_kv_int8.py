@@ -217,7 +217,7 @@ def test_default_model_agrees_with_the_bf16_cache():
 
 
 def test_benchmark_reports_name_the_cache():
-    from kestrel.bench.throughput import _precision
+    from kestrel.bench.throughput_report import _precision
     assert _precision({"dtype": "bfloat16"}) == "bfloat16"
     assert _precision({"dtype": "bfloat16", "kv_cache_dtype": "auto", "quantization": None}) == "bfloat16"
     assert _precision({"dtype": "bfloat16", "kv_cache_dtype": "int8", "quantization": "int8"}) == \
