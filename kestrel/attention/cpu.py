@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 
 from kestrel.attention.backend import AttentionBackend, CommonAttentionMetadata, DecodeStepKernels, PrefillSpan
-from kestrel.attention.kv_cache import KVCache, gather_kv, write_kv
+from kestrel.attention.kv_cache import KVCache, gather_kv, write_qkv
 from kestrel.attention.torch_sdpa import PrefillChunk, context_blocks, masked_prefill_chunk, prefill_attention
 from kestrel.ops.dispatch import Rotary, rotary_kernel_takes
 
@@ -71,9 +71,7 @@ class CpuKernelsBackend(AttentionBackend):
             return
         self.rotary(qkv, num_heads, cos, sin)
         if cache is not None:
-            kv_heads = (qkv.shape[1] - num_heads) // 2
-            write_kv(cache, qkv[:, num_heads:num_heads + kv_heads], qkv[:, num_heads + kv_heads:],
-                     meta.slot_mapping)
+            write_qkv(cache, qkv, num_heads, meta.slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
                 meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:

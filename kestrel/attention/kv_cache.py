@@ -58,6 +58,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def write_qkv(cache: KVCache, qkv: torch.Tensor, num_heads: int, slot_mapping: torch.Tensor) -> None:
+    """The K and V parts of a fused qkv [tokens, heads + 2 * kv_heads, head_dim] into their slots."""
+    kv_heads = (qkv.shape[1] - num_heads) // 2
+    write_kv(cache, qkv[:, num_heads:num_heads + kv_heads], qkv[:, num_heads + kv_heads:], slot_mapping)
+
+
 def write_kv(cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """k and v [tokens, kv_heads, head_dim] into their slots (quantized for the int8 cache)."""
     if is_int8(cache):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.attention.backend import AttentionBackend, CommonAttentionMetadata, PrefillSpan
-from kestrel.attention.kv_cache import KVCache, gather_kv, write_kv
+from kestrel.attention.kv_cache import KVCache, gather_kv, write_qkv
 from kestrel.ops.dispatch import Rotary
 
 # Padded context slots per decode attention call.
@@ -92,9 +92,7 @@ class TorchSDPABackend(AttentionBackend):
                  cache: KVCache | None, meta: TorchAttentionMetadata) -> None:
         self.rotary(qkv, num_heads, cos, sin)
         if cache is not None:
-            kv_heads = (qkv.shape[1] - num_heads) // 2
-            write_kv(cache, qkv[:, num_heads:num_heads + kv_heads], qkv[:, num_heads + kv_heads:],
-                     meta.slot_mapping)
+            write_qkv(cache, qkv, num_heads, meta.slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
                 meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
