@@ -88,6 +88,7 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
+    data_parallel_rank: int = 0   # which engine core this is, 0 .. data_parallel_size - 1
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -97,11 +98,19 @@ class ParallelConfig:
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of "
                              f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {self.distributed_executor_backend!r}")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank {self.data_parallel_rank} is outside "
+                             f"data_parallel_size {self.data_parallel_size}")
 
     @property
     def world_size(self) -> int:
         """Workers under one engine core: every (pipeline stage, tensor rank) pair."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def num_local_workers(self) -> int:
+        """Workers of every engine core together (all on this machine unless Ray places them)."""
+        return self.world_size * self.data_parallel_size
 
 
 @dataclass(frozen=True)
@@ -142,7 +151,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"  # uni | mp | ray
+    distributed_executor_backend: str | None = None  # uni | mp | ray; None: uni for one worker, else mp
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -83,15 +83,17 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                help="run decode steps through the model's forward: no captured graph, no CPU decode plan"),
     EngineFlag("--disable-log-stats", "disable_log_stats", action="store_true",
                help="do not log the engine's throughput, queue and KV-cache stats every few seconds"),
-    EngineFlag("--tensor-parallel-size", "tensor_parallel_size", int, "tensor-parallel ranks (only 1 for now)",
-               aliases=("-tp",)),
-    EngineFlag("--pipeline-parallel-size", "pipeline_parallel_size", int, "pipeline stages (only 1 for now)",
-               aliases=("-pp",)),
-    EngineFlag("--data-parallel-size", "data_parallel_size", int, "engine cores (only 1 for now)",
+    EngineFlag("--tensor-parallel-size", "tensor_parallel_size", int,
+               "tensor-parallel ranks: each holds a share of every layer's heads and weights", aliases=("-tp",)),
+    EngineFlag("--pipeline-parallel-size", "pipeline_parallel_size", int,
+               "pipeline stages: each holds a consecutive share of the layers", aliases=("-pp",)),
+    EngineFlag("--data-parallel-size", "data_parallel_size", int,
+               "engine cores, each with its own scheduler, KV cache and workers, behind one front end",
                aliases=("-dp",)),
     EngineFlag("--distributed-executor-backend", "distributed_executor_backend", str,
                f"how the engine core reaches its workers: {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)} "
-               "(only uni, one worker in the engine core's process, for now)"),
+               "(uni: one worker in the engine core's process; mp: a process per rank; ray: Ray actors); "
+               "default uni for one worker, mp for more"),
 )
 
 
@@ -125,8 +127,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, A
     """Resolve the model, read its config and tokenizer, and fix every setting: (config, source,
     tokenizer). Settings that need no model are checked first, so a bad flag fails fast."""
     check_settings(args)
-    parallel = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size,
-                              args.distributed_executor_backend)
+    parallel = parallel_config(args)
     check_parallel_supported(parallel)
     source = resolve_model(args.model)
     hf_config = load_config(source)
@@ -169,6 +170,15 @@ def check_settings(args: EngineArgs) -> None:
     if args.attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                          f"got {args.attention_backend!r}")
+
+
+def parallel_config(args: EngineArgs) -> ParallelConfig:
+    """The sizes as given; the executor backend, when not given, is uni for one worker and mp for more
+    (as vLLM chooses on one machine)."""
+    backend = args.distributed_executor_backend
+    if backend is None:
+        backend = "uni" if args.tensor_parallel_size == args.pipeline_parallel_size == 1 else "mp"
+    return ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size, backend)
 
 
 def check_parallel_supported(parallel: ParallelConfig) -> None:
