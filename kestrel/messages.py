@@ -125,6 +125,10 @@ class CachedRequestData(msgspec.Struct, array_like=True):
     req_ids: list[str] = msgspec.field(default_factory=list)
     new_block_ids: list[list[int]] = msgspec.field(default_factory=list)
     num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+    # The sampled tokens among the ones this step computes (positions num_computed_tokens onward that
+    # are past the prompt): a decode's input token. The rank that sampled it has it already; the
+    # others (the other tensor ranks, earlier pipeline stages) learn it here.
+    new_token_ids: list[list[int]] = msgspec.field(default_factory=list)
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True):

@@ -71,13 +71,11 @@ def test_the_one_device_executor_is_the_default():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size 2 x pipeline_parallel_size 1 is not supported yet"),
-    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size 2 is not supported yet"),
-    ({"data_parallel_size": 2}, "data_parallel_size 2 is not supported yet"),
-    ({"distributed_executor_backend": "mp"}, "'mp' is not supported yet; supported: 'uni'"),
-    ({"distributed_executor_backend": "ray"}, "'ray' is not supported yet; supported: 'uni'"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "'uni' runs one worker, but"),
+    ({"pipeline_parallel_size": 2, "distributed_executor_backend": "uni"}, "needs 2; use 'mp'"),
     ({"distributed_executor_backend": "nccl"}, "must be one of uni, mp, ray"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a whole number >= 1"),
+    ({"data_parallel_size": -1}, "data_parallel_size must be a whole number >= 1"),
     ({"attention_backend": "flash"}, "attention_backend must be one of auto, torch, cpu"),
 ])
 def test_unsupported_settings_fail_before_the_model_loads(kwargs, message, tmp_path):
@@ -86,11 +84,19 @@ def test_unsupported_settings_fail_before_the_model_loads(kwargs, message, tmp_p
         create_engine_config(EngineArgs(model=str(tmp_path / "missing.gguf"), **kwargs))
 
 
+def test_the_executor_backend_defaults_to_a_process_per_rank_for_several_workers(tmp_path):
+    from kestrel.engine.arg_utils import parallel_config
+    assert parallel_config(EngineArgs()).distributed_executor_backend == "uni"
+    assert parallel_config(EngineArgs(tensor_parallel_size=2)).distributed_executor_backend == "mp"
+    assert parallel_config(EngineArgs(pipeline_parallel_size=2)).distributed_executor_backend == "mp"
+    assert parallel_config(EngineArgs(data_parallel_size=2)).distributed_executor_backend == "uni"
+    assert parallel_config(EngineArgs(tensor_parallel_size=2, distributed_executor_backend="ray")
+                           ).distributed_executor_backend == "ray"
+
+
 def test_parallel_flags_reach_the_config_check(capsys):
-    assert main(["generate", "hi", "-tp", "2"]) == 1
-    assert capsys.readouterr().err.startswith("error: tensor_parallel_size 2")
-    assert main(["generate", "hi", "--distributed-executor-backend", "ray"]) == 1
-    assert "'ray' is not supported yet" in capsys.readouterr().err
+    assert main(["generate", "hi", "-tp", "2", "--distributed-executor-backend", "uni"]) == 1
+    assert "'uni' runs one worker" in capsys.readouterr().err
 
 
 def test_an_engine_runs_through_the_executor_and_reaches_its_worker():

@@ -10,8 +10,6 @@ Socket I/O lives on its own threads so the step loop never blocks on it. Frames 
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
 import queue
 import signal
@@ -25,6 +23,7 @@ import zmq
 
 from kestrel.config import EngineConfig
 from kestrel.core.engine_core import EngineCore
+from kestrel.distributed.lifecycle import exit_with_parent
 from kestrel.messages import EngineCoreFailure, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from kestrel.model.loader import ModelSource
 from kestrel.worker.executor import Executor
@@ -35,6 +34,7 @@ logger = logging.getLogger(__name__)
 ADD = b"A"
 ABORT = b"X"
 SHUTDOWN = b"S"
+WORKER_FAILED = b"W"   # put on the input queue by the executor's failure callback, never sent
 # Frame kinds, engine core → front end.
 READY = b"R"
 OUTPUTS = b"O"
@@ -63,6 +63,8 @@ class EngineCoreProc:
         self.num_steps = 0
         self.fault_at_step = int(os.environ.get(FAULT_AT_STEP_ENV) or 0)
         self.hold_file = os.environ.get(HOLD_FILE_ENV) or None
+        # A worker that dies while the loop waits for input must still stop the engine core.
+        core.executor.register_failure_callback(lambda error: self.inputs.put((WORKER_FAILED, str(error).encode())))
         threading.Thread(target=self._read_inputs, args=(input_addr,), daemon=True).start()
         self.output_thread = threading.Thread(target=self._write_outputs, args=(output_addr,), daemon=True)
         self.output_thread.start()
@@ -119,8 +121,10 @@ class EngineCoreProc:
                     return
                 stats_sent = False
             if stepping:
-                self.send(OUTPUTS, self._step())
-                stats_sent = False
+                outputs = self._step()
+                if outputs is not None:
+                    self.send(OUTPUTS, outputs)
+                    stats_sent = False
 
     def _wait_for_input(self) -> tuple[bytes, bytes] | None:
         """The next input; blocks until one arrives, or, while held with requests to run, only for a
@@ -135,7 +139,7 @@ class EngineCoreProc:
     def _held(self) -> bool:
         return self.hold_file is not None and os.path.exists(self.hold_file)
 
-    def _step(self) -> EngineCoreOutputs:
+    def _step(self) -> EngineCoreOutputs | None:
         self.num_steps += 1
         if self.num_steps == self.fault_at_step:
             # The wall-clock time lets a test measure how soon the failure reached each client.
@@ -151,6 +155,8 @@ class EngineCoreProc:
             self.core.abort_requests(self.ids_decoder.decode(payload))
         elif kind == SHUTDOWN:
             return False
+        elif kind == WORKER_FAILED:
+            raise RuntimeError(payload.decode())
         return True
 
     def _report_failure(self, exc: Exception) -> None:
@@ -164,19 +170,6 @@ class EngineCoreProc:
         self.output_thread.join(timeout=5)
         if shutdown_core:
             self.core.shutdown()
-
-
-def exit_with_parent() -> None:
-    """End this process when the front end that started it dies, even by SIGKILL: no orphans."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True).start()
 
 
 def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, output_addr: str) -> None:

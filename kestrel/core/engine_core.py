@@ -2,17 +2,23 @@
 
 It owns the scheduler and the KV-cache manager, and reaches the model only through an executor.
 The offline `LLM` drives it in-process; the server runs it in its own process (busy loop).
+
+With pipeline stages (`executor.max_concurrent_batches` > 1) a step is vLLM's batch queue: schedule and
+submit another batch while there is room in the pipe and something to schedule, else wait for the
+oldest batch and apply its results; so every stage works on a different batch at the same time.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
+from concurrent.futures import Future
 
 from kestrel.config import EngineConfig
 from kestrel.core.kv_cache_manager import KVCacheManager
 from kestrel.core.request import Request, RequestStatus
 from kestrel.core.scheduler import Scheduler
-from kestrel.messages import EngineCoreOutputs, EngineCoreRequest
+from kestrel.messages import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 from kestrel.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
@@ -29,6 +35,8 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, cache.block_size)
         self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.batch_queue_size = executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_core_request(request))
@@ -37,15 +45,37 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.batch_queue)
 
-    def step(self) -> EngineCoreOutputs:
+    def step(self) -> EngineCoreOutputs | None:
+        """One step's outputs; with a batch queue, None when this call only submitted a batch."""
+        if self.batch_queue_size > 1:
+            return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
+        return self._update(scheduler_output, runner_output)
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs | None:
+        if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
+            scheduler_output = self.scheduler.schedule()
+            # An output that schedules nothing still goes out when it carries news for the workers
+            # (finished or preempted requests to drop); the scheduler does not repeat them.
+            if (scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
+                    or scheduler_output.preempted_req_ids):
+                future = self.executor.execute_model(scheduler_output, non_block=True)
+                self.batch_queue.append((future, scheduler_output))
+                if scheduler_output.total_num_scheduled_tokens and len(self.batch_queue) < self.batch_queue_size:
+                    return None  # room for another batch: schedule it before waiting
+        if not self.batch_queue:
+            return None
+        future, scheduler_output = self.batch_queue.popleft()
+        return self._update(scheduler_output, future.result())
+
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if not self.scheduler.has_unfinished_requests():
+        if not self.has_unfinished_requests():
             self.check_invariants()  # cheap, and only when the engine goes idle
         return outputs
 

@@ -10,6 +10,10 @@ blocks last. When blocks run out for a running request, the last request in that
 (recompute: its blocks are freed, its progress reset, and it goes back to the head of the waiting
 queue); no waiting request is admitted in a step that preempted.
 
+With pipeline stages the engine core keeps several steps in flight: a request in a step whose
+results have not come back (`in_flight`) is not scheduled again until they have, since its next
+step needs them.
+
 Prompt logprobs computed by the worker travel in the request's output of the same step, even for a
 partial prefill chunk (an output with no new tokens); positions already sent before a preemption
 are not sent again.
@@ -46,6 +50,9 @@ class Scheduler:
         self.running: list[Request] = []
         # Requests the worker still holds state for but must drop at the next step.
         self.finished_req_ids: set[str] = set()
+        # Requests in a step whose results have not come back yet (only under pipeline parallelism
+        # does the engine core schedule before they have).
+        self.in_flight: set[str] = set()
         self.num_preemptions_total = 0
         self._step_preemptions = 0
         self._step_prompt_tokens = 0
@@ -90,8 +97,9 @@ class Scheduler:
         preempted: list[Request] = []
 
         # Decodes first, then prefill chunks; preemption victims come from the end of this order.
-        order = ([r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-                 + [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1])
+        ready = [r for r in self.running if r.request_id not in self.in_flight]
+        order = ([r for r in ready if r.num_tokens - r.num_computed_tokens == 1]
+                 + [r for r in ready if r.num_tokens - r.num_computed_tokens > 1])
         i = 0
         while i < len(order) and budget > 0:
             request = order[i]
@@ -109,6 +117,9 @@ class Scheduler:
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append([b.block_id for b in new_blocks])
             cached.num_computed_tokens.append(request.num_computed_tokens)
+            cached.new_token_ids.append(
+                request.all_token_ids[max(request.num_computed_tokens, request.num_prompt_tokens):
+                                      request.num_computed_tokens + num_new])
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             i += 1
@@ -121,6 +132,7 @@ class Scheduler:
             self._step_prompt_tokens += max(0, min(request.num_computed_tokens + n, request.num_prompt_tokens)
                                             - request.num_computed_tokens)
             request.num_computed_tokens += n
+        self.in_flight.update(num_scheduled)
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -182,6 +194,7 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         outputs: list[EngineCoreOutput] = []
         num_generated = 0
+        self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         prompt_logprobs = self._take_prompt_logprobs(runner_output)
         for request_id, token_ids, logprobs in zip(runner_output.req_ids,
                                                    runner_output.sampled_token_ids,

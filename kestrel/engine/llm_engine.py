@@ -70,6 +70,8 @@ class LLMEngine:
         except Exception as e:
             self.error = EngineDeadError(f"the engine failed in a step: {type(e).__name__}: {e}")
             raise self.error from e
+        if outputs is None:  # a pipeline's batch was only submitted
+            return []
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats
             self.stat_logger.record(outputs.scheduler_stats)

@@ -6,14 +6,19 @@ core's needs are written on top of it: the KV pool is the smallest any worker ca
 tokens come from the output rank (the first tensor rank of the last pipeline stage, which samples).
 
 Kinds, chosen in one place (`Executor.get_class`) from `ParallelConfig.distributed_executor_backend`:
-uni (`UniProcExecutor`: one worker in the engine core's own process, the default). mp (a process per
-rank) and ray (actors) are the next step.
+uni (`UniProcExecutor`: one worker in the engine core's own process, the default for one worker), mp
+(`MultiprocExecutor`: a process per rank on this machine, the default for more) and ray
+(`RayExecutor`: Ray actors in a placement group, on one machine or a cluster).
+
+With pipeline stages, several steps are in flight at once (`max_concurrent_batches`, one per stage):
+`execute_model(..., non_block=True)` returns a future, and the engine core keeps a queue of them.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from kestrel.config import EngineConfig, ParallelConfig
@@ -36,14 +41,20 @@ class Executor(ABC):
     def get_class(parallel_config: ParallelConfig) -> type[Executor]:
         """The executor for these settings, or a ValueError naming what is supported."""
         backend = parallel_config.distributed_executor_backend
-        if parallel_config.world_size != 1:
-            raise ValueError(f"tensor_parallel_size {parallel_config.tensor_parallel_size} x "
-                             f"pipeline_parallel_size {parallel_config.pipeline_parallel_size} is not supported yet: "
-                             "Kestrel runs one worker per engine core (both sizes 1)")
-        if backend != "uni":
-            raise ValueError(f"distributed_executor_backend {backend!r} is not supported yet; supported: "
-                             "'uni' (one worker in the engine core's process)")
-        return UniProcExecutor
+        if backend == "uni":
+            if parallel_config.world_size != 1:
+                raise ValueError(f"distributed_executor_backend 'uni' runs one worker, but tensor_parallel_size "
+                                 f"{parallel_config.tensor_parallel_size} x pipeline_parallel_size "
+                                 f"{parallel_config.pipeline_parallel_size} needs {parallel_config.world_size}; "
+                                 "use 'mp' (a process per rank) or 'ray'")
+            return UniProcExecutor
+        if backend == "mp":
+            from kestrel.worker.multiproc_executor import MultiprocExecutor
+            return MultiprocExecutor
+        if backend == "ray":
+            from kestrel.worker.ray_executor import RayExecutor
+            return RayExecutor
+        raise ValueError(f"distributed_executor_backend {backend!r} is not one of uni, mp, ray")
 
     @abstractmethod
     def _init_executor(self) -> None:
@@ -68,12 +79,31 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", (scheduler_output,))[self.output_rank]
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps the engine core may have in flight at once: one per pipeline stage."""
+        return self.parallel_config.pipeline_parallel_size
+
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """The step's sampled tokens; with `non_block`, a future of them."""
+        output = self.collective_rpc("execute_model", (scheduler_output,))[self.output_rank]
+        return _done(output) if non_block else output
+
+    def register_failure_callback(self, callback: Callable[[Exception], None]) -> None:
+        """`callback(error)` is called (from another thread) if a worker dies or fails outside a call
+        the engine core is waiting on; executors whose workers live in this process have none."""
+        del callback
 
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the workers and free what they hold."""
+
+
+def _done(value: Any) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 def call_worker(worker: Worker, method: WorkerMethod, args: tuple[Any, ...],

@@ -1,9 +1,10 @@
 """How many KV blocks fit: measured after a profile forward pass, never guessed.
 
-CPU: the budget is `kv_cache_memory` bytes when given, else the smaller of 4 GiB (vLLM's CPU
-default) and 90% of the RAM still available once weights are loaded and the profile's peak
-activations are set aside. CUDA: `gpu_memory_utilization` × device memory, minus the peak that torch
-saw during the profile and what other allocations hold.
+CPU: the budget is `kv_cache_memory` bytes per worker when given (as vLLM's CPU backend counts it),
+else the smaller of 4 GiB (vLLM's CPU default) and this worker's share of 90% of the RAM still
+available once weights are loaded and the profile's peak activations are set aside. CUDA:
+`gpu_memory_utilization` × device memory, minus the peak that torch saw during the profile and what
+other allocations hold.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def profile_cpu(config: EngineConfig, run_profile: Callable[[], None]) -> Memory
             raise ValueError(f"--kv-cache-memory asks for {budget / GiB:.2f} GiB but only {free / GiB:.2f} GiB "
                              f"of RAM is free after loading the model; lower --kv-cache-memory")
     else:
-        budget = min(DEFAULT_CPU_KV_CACHE_BYTES, int(0.9 * free))
+        # Every worker on this machine sees the same free RAM: each takes its share of it.
+        budget = min(DEFAULT_CPU_KV_CACHE_BYTES, int(0.9 * free) // config.parallel.num_local_workers)
     return MemoryProfile(budget, activation, free)
 
 
@@ -85,10 +87,11 @@ def profile_cuda(config: EngineConfig, run_profile: Callable[[], None]) -> Memor
     return MemoryProfile(max(0, budget), activation, free_after)
 
 
-def num_blocks_for(config: EngineConfig, profile: MemoryProfile) -> int:
-    """Blocks in the pool, block 0 (the null block) included; errors name the knob to turn."""
-    cache, model = config.cache, config.model
-    bytes_per_block = cache.block_size * model.kv_bytes_per_token(cache.kv_cache_dtype)
+def num_blocks_for(config: EngineConfig, profile: MemoryProfile, kv_bytes_per_token: int) -> int:
+    """Blocks in the pool, block 0 (the null block) included; errors name the knob to turn.
+    `kv_bytes_per_token`: what this worker holds of one token's K and V (its layers, its KV heads)."""
+    cache = config.cache
+    bytes_per_block = cache.block_size * kv_bytes_per_token
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
     else:

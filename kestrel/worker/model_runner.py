@@ -10,6 +10,12 @@ Attention: the runner describes each step's batch without reference to any backe
 Decode-only steps run through the decode plan where the model and backend have one (the CPU's stand-in
 for graph replay), except under --enforce-eager, where every step runs the model's forward.
 
+Parallel ranks: every rank of the world runs every step on the same batch (built from the same
+`SchedulerOutput`). A pipeline stage other than the first receives the previous stage's hidden states
+and residual instead of embedding tokens, and one other than the last sends its own on; the last
+stage's tensor ranks turn rows into logits together, and only its first tensor rank (the output rank)
+samples and answers. The others learn the sampled tokens from the next step's `new_token_ids`.
+
 Prompt logprobs: for a request that asks (`prompt_logprobs`), the rows of its scheduled prompt
 positions are turned into logits too (the row at position p scores prompt token p + 1), chunk by
 chunk as the scheduler splits the prefill. Nothing extra runs when no request in the step asks.
@@ -25,7 +31,9 @@ from torch import nn
 
 from kestrel.attention import AttentionBackend, CommonAttentionMetadata, KVCache, PrefillSpan, new_kv_caches
 from kestrel.config import EngineConfig
+from kestrel.distributed import get_pp_group, get_tp_group
 from kestrel.messages import EMPTY_MODEL_RUNNER_OUTPUT, Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from kestrel.model import IntermediateTensors
 from kestrel.model.decode_plan import DecodePlan
 from kestrel.sample import Sampler, SamplerOutput, SamplingMetadata
 from kestrel.sample.sampler import gather_logprobs
@@ -86,6 +94,11 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
         self.sampler = Sampler(self.device)
+        self.shard = model.shard
+        self.pp = get_pp_group()
+        self.is_first_stage, self.is_last_stage = self.pp.is_first_rank, self.pp.is_last_rank
+        # The output rank: the last stage's first tensor rank gets the logits and samples.
+        self.samples = self.is_last_stage and get_tp_group().is_first_rank
         self.requests: dict[str, CachedRequestState] = {}
         self.kv_caches: list[KVCache] = []
         # Decode-only steps run as a plan of pre-bound kernel calls where the model and backend have
@@ -94,10 +107,17 @@ class ModelRunner:
 
     # ---- KV memory ---------------------------------------------------------------------------
 
+    def kv_bytes_per_token(self) -> int:
+        """What this worker holds of one token's K and V: its layers, its KV heads."""
+        m, shard = self.config.model, self.shard
+        if self.config.cache.kv_cache_dtype == "int8":
+            return 2 * shard.num_layers * shard.num_kv_heads * (m.head_dim + 4)
+        return 2 * shard.num_layers * shard.num_kv_heads * m.head_dim * torch.empty((), dtype=m.dtype).element_size()
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        m = self.config.model
-        self.kv_caches = new_kv_caches(m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_dim,
-                                       m.dtype, self.config.cache.kv_cache_dtype == "int8", self.device)
+        m, shard = self.config.model, self.shard
+        self.kv_caches = new_kv_caches(shard.num_layers, num_blocks, self.block_size, shard.num_kv_heads,
+                                       m.head_dim, m.dtype, self.config.cache.kv_cache_dtype == "int8", self.device)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -113,32 +133,45 @@ class ModelRunner:
         common = self._describe(torch.zeros(num_tokens, dtype=torch.long, device=self.device), [], spans)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(s.token_end - s.token_start, device=self.device) for s in spans])
-        hidden = self.model(ids, positions, None, self.attn.build_metadata(common))
+        intermediate = None if self.is_first_stage else self._empty_intermediate(num_tokens)
+        hidden = self.model(ids, positions, None, self.attn.build_metadata(common), intermediate)
+        if not self.is_last_stage:
+            return  # no collective here: each rank profiles alone
         num_rows = min(sched.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:num_rows])
-        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)] * num_rows
-        metadata = SamplingMetadata.build(params, [[0]] * num_rows, [[]] * num_rows, [None] * num_rows,
-                                          self.vocab_size, self.device)
-        self.sampler(logits, metadata)
+        if logits is not None:
+            params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)] * num_rows
+            metadata = SamplingMetadata.build(params, [[0]] * num_rows, [[]] * num_rows, [None] * num_rows,
+                                              self.vocab_size, self.device)
+            self.sampler(logits, metadata)
         del hidden, logits
 
     # ---- one step ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's sampled tokens on the output rank; None on the other ranks."""
         self._update_states(so)
         if so.is_empty:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            return EMPTY_MODEL_RUNNER_OUTPUT if self.samples else None
         batch = self._prepare_inputs(so)
-        hidden = self._forward(batch)
+        intermediate = None if self.is_first_stage else self._receive_intermediate(len(batch.input_ids))
+        hidden = self._forward(batch, intermediate)
+        if not self.is_last_stage:
+            self._send_intermediate(hidden)
+            return None
         prompt_logprobs = (self._compute_prompt_logprobs(hidden, batch.prompt_logprob_spans)
                            if batch.prompt_logprob_spans else None)
         if not batch.sample_req_ids:
+            if not self.samples:
+                return None
             if prompt_logprobs:
                 return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[],
                                          prompt_logprobs=prompt_logprobs)
             return EMPTY_MODEL_RUNNER_OUTPUT
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+        if logits is None:  # another tensor rank samples
+            return None
         states = [self.requests[r] for r in batch.sample_req_ids]
         metadata = SamplingMetadata.build(
             [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
@@ -150,12 +183,31 @@ class ModelRunner:
             output.prompt_logprobs = prompt_logprobs
         return output
 
-    def _forward(self, batch: BatchInputs) -> torch.Tensor:
+    def _forward(self, batch: BatchInputs,
+                 intermediate: IntermediateTensors | None) -> torch.Tensor | IntermediateTensors:
         plan = self.decode_plan
         if plan is not None and plan.covers(batch.attn):
             return plan(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         meta = self.attn.build_metadata(batch.attn)
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, meta)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, meta, intermediate)
+
+    # ---- between pipeline stages ---------------------------------------------------------------
+
+    def _empty_intermediate(self, num_tokens: int) -> IntermediateTensors:
+        m = self.config.model
+        both = torch.empty(2, num_tokens, m.hidden_size, dtype=m.dtype, device=self.device)
+        return IntermediateTensors(both[0], both[1])
+
+    def _receive_intermediate(self, num_tokens: int) -> IntermediateTensors:
+        """The previous stage's hidden states and residual for this step's tokens (one message: both
+        stages built the same batch, so the shape is known on both sides)."""
+        m = self.config.model
+        both = torch.empty(2, num_tokens, m.hidden_size, dtype=m.dtype, device=self.device)
+        self.pp.recv(both, self.pp.prev_rank)
+        return IntermediateTensors(both[0], both[1])
+
+    def _send_intermediate(self, out: IntermediateTensors) -> None:
+        self.pp.send(torch.stack((out.hidden, out.residual)), self.pp.next_rank)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
@@ -163,11 +215,14 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = CachedRequestState.from_new(new)
         cached = so.scheduled_cached_reqs
-        for req_id, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
-                                                    cached.num_computed_tokens):
+        for req_id, new_blocks, num_computed, new_tokens in zip(cached.req_ids, cached.new_block_ids,
+                                                                cached.num_computed_tokens, cached.new_token_ids):
             state = self.requests[req_id]
             state.block_ids.extend(new_blocks)
             state.num_computed_tokens = num_computed
+            if new_tokens:  # a rank that did not sample them (the one that did has them already)
+                first = max(num_computed, state.num_prompt_tokens)
+                state.token_ids[first:first + len(new_tokens)] = new_tokens
 
     def _batch_order(self, so: SchedulerOutput) -> tuple[list[str], list[str]]:
         """(decodes, longest context first; prefill chunks in scheduler order)."""
@@ -251,6 +306,8 @@ class ModelRunner:
         ranks: list[int] = []
         for i in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
             logits = self.model.compute_logits(hidden.index_select(0, rows_t[i:i + PROMPT_LOGPROBS_ROWS]))
+            if logits is None:  # another tensor rank samples; this one only took part in the gather
+                continue
             t_ids, t_lps, t_ranks = gather_logprobs(logits.log_softmax(dim=-1),
                                                     targets_t[i:i + PROMPT_LOGPROBS_ROWS], num_top)
             ids.extend(t_ids.tolist())

@@ -12,6 +12,7 @@ import torch
 
 from kestrel.attention import select_attention_backend
 from kestrel.config import EngineConfig
+from kestrel.distributed import init_distributed_environment
 from kestrel.messages import ModelRunnerOutput, SchedulerOutput
 from kestrel.model import build_model
 from kestrel.model.loader import ModelSource, iter_weights
@@ -23,16 +24,28 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, source: ModelSource, rank: int = 0, local_rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, rank: int = 0, local_rank: int = 0,
+                 distributed_init_method: str | None = None) -> None:
+        """`distributed_init_method`: the world's rendezvous (tcp://host:port), needed when the world
+        has more than one rank; the world is joined before the model is built (its shard depends on
+        the rank)."""
         self.config = config
         self.rank = rank
         self.local_rank = local_rank
-        self.world_size = config.parallel.world_size
+        parallel = config.parallel
+        self.world_size = parallel.world_size
         if not 0 <= rank < self.world_size:
             raise ValueError(f"worker rank {rank} is outside a world of {self.world_size}")
         self.device = config.device.device
         if self.device.type == "cuda":
+            if self.world_size > 1:
+                self.device = torch.device("cuda", local_rank)
             torch.cuda.set_device(self.device)
+        if self.world_size > 1:
+            if distributed_init_method is None:
+                raise ValueError("a world of several ranks needs distributed_init_method")
+            init_distributed_environment(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+                                         distributed_init_method, "nccl" if self.device.type == "cuda" else "gloo")
         torch.manual_seed(config.seed)
         self.attn_backend = select_attention_backend(config)   # once: the model and runner use it
         start = time.perf_counter()
@@ -47,7 +60,7 @@ class Worker:
     def determine_num_kv_blocks(self) -> int:
         profile = profile_cuda if self.device.type == "cuda" else profile_cpu
         self.memory_profile = profile(self.config, self.runner.profile_run)
-        return num_blocks_for(self.config, self.memory_profile)
+        return num_blocks_for(self.config, self.memory_profile, self.runner.kv_bytes_per_token())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)

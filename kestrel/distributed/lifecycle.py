@@ -1,0 +1,39 @@
+"""Process lifecycle shared by the engine core and worker processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import threading
+
+
+def exit_with_parent() -> None:
+    """End this process when the process that started it dies, even by SIGKILL: no orphans."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def allow_child_processes() -> None:
+    """Let this process start worker processes even though it runs as a daemonic child (the engine
+    core does, so that it dies with its front end). `multiprocessing` refuses children to daemonic
+    processes only so that they are not orphaned when it is terminated; workers watch their parent
+    (`exit_with_parent`) and end with it, so the rule's reason is covered."""
+    process = multiprocessing.current_process()
+    if multiprocessing.parent_process() is not None and process.daemon:
+        process.daemon = False
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A port free at the time of asking (for a rendezvous address)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
