@@ -7,9 +7,20 @@ from torch import nn
 
 from kestrel.attention import AttentionBackend
 from kestrel.config import ModelConfig
-from kestrel.model.llama import LlamaForCausalLM
+from kestrel.model.llama import IntermediateTensors, LlamaForCausalLM
 from kestrel.model.quantization import check_quantization
+from kestrel.model.sharding import (
+    ModelShard,
+    check_shardable,
+    local_attention_config,
+    shard_for,
+    shard_of_this_rank,
+)
 from kestrel.ops.dispatch import select_ops
+
+__all__ = ["ARCHITECTURES", "IntermediateTensors", "LlamaForCausalLM", "ModelShard", "build_model",
+           "check_shardable", "local_attention_config", "model_config_from_hf", "rope_settings", "shard_for",
+           "shard_of_this_rank"]
 
 # model_type in the checkpoint's config → our module, and whether q/k are normalised per head.
 ARCHITECTURES: dict[str, tuple[type[nn.Module], bool]] = {

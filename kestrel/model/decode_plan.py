@@ -102,7 +102,12 @@ class DecodePlan:
 
     @classmethod
     def build(cls, model: torch.nn.Module, attn: AttentionBackend) -> DecodePlan | None:
-        """A plan for `model` on `attn`, or None where its decode steps need the general forward."""
+        """A plan for `model` on `attn`, or None where its decode steps need the general forward. A
+        sharded model (tensor or pipeline parallel) has no plan: the plan has no collectives and runs
+        every layer from the embedding to the final hidden states."""
+        shard = getattr(model, "shard", None)
+        if shard is not None and shard.is_sharded:
+            return None
         cfg = getattr(model, "cfg", None)
         ops = getattr(model, "ops", None)
         # The elementwise kernels take rows of a multiple of 32 values (the model's forward falls

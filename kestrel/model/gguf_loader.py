@@ -357,33 +357,104 @@ def _rotary_head_counts(header: GGUFHeader) -> dict[str, int]:
     return {"attn_q.weight": n_head, "attn_k.weight": n_kv}
 
 
-def _dequantize_tensor(file_bytes: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
-    raw = file_bytes[info.offset : info.offset + info.n_bytes]
+def _dequantize(raw: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
     try:
-        values = dequantize(raw, info.qtype)
+        return dequantize(raw, info.qtype)
     except NotImplementedError:
         raise ValueError(f"tensor {info.name}: GGUF type {info.qtype.name} cannot be dequantized") from None
-    return values.reshape(info.shape)
+
+
+def _dequantize_tensor(file_bytes: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
+    return _dequantize(file_bytes[info.offset : info.offset + info.n_bytes], info).reshape(info.shape)
+
+
+def _row_view(file_bytes: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
+    """The tensor's bytes as [rows, bytes per row] (a 1-D tensor is one row); nothing is read yet."""
+    rows = int(np.prod(info.shape[:-1], dtype=np.int64)) if len(info.shape) > 1 else 1
+    return file_bytes[info.offset : info.offset + info.n_bytes].reshape(rows, info.n_bytes // rows)
+
+
+def _dequantize_rows(file_bytes: np.ndarray, info: GGUFTensorInfo, start: int, count: int) -> np.ndarray:
+    """Rows [start, start + count) of a 2-D tensor: each row is a contiguous byte range, so only
+    those bytes are read and dequantized."""
+    raw = _row_view(file_bytes, info)[start : start + count]
+    return _dequantize(raw.reshape(-1), info).reshape(count, *info.shape[1:])
+
+
+def _dequantize_columns(file_bytes: np.ndarray, info: GGUFTensorInfo, start: int, count: int) -> np.ndarray:
+    """Columns [start, start + count) of every row (the last dim)."""
+    block_size, type_size = GGML_QUANT_SIZES[info.qtype]
+    if start % block_size == 0 and count % block_size == 0:
+        # Both ends on quant-block boundaries: each row's slice is whole blocks, read from its bytes.
+        first, end = start // block_size * type_size, (start + count) // block_size * type_size
+        raw = _row_view(file_bytes, info)[:, first:end]
+        return _dequantize(np.ascontiguousarray(raw).reshape(-1), info).reshape(*info.shape[:-1], count)
+    # An end inside a quant block: the block must be decoded whole, so the whole rows (here, the whole
+    # tensor) are dequantized and the columns cut from them.
+    return _dequantize_tensor(file_bytes, info)[..., start : start + count]
+
+
+class GGUFWeightReader:
+    """A GGUF file's tensors by Hugging Face name, whole or one slice at a time, dequantized to float32
+    (kestrel/model/loader.py `WeightReader`). A slice reads only its rows' bytes (its columns' bytes
+    where they are whole quant blocks). Llama's q/k rows come back in Hugging Face's rotary layout:
+    llama.cpp permuted rows within each head, so a row slice of them must be whole heads."""
+
+    def __init__(self, path: str) -> None:
+        header = read_gguf_header(path)
+        _check_architecture(header)
+        self._permuted = _rotary_head_counts(header)
+        self._bytes = np.memmap(header.path, dtype=np.uint8, mode="r")
+        self._infos: dict[str, GGUFTensorInfo] = {}
+        for info in header.tensors.values():
+            name = hf_tensor_name(info.name)
+            if name is None:
+                logger.warning("%s: ignoring GGUF tensor %s", header.path, info.name)
+                continue
+            self._infos[name] = info
+
+    def names(self) -> list[str]:
+        return list(self._infos)
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, size: int | None = None) -> torch.Tensor:
+        info = self._infos[name]
+        n_head = self._permuted.get(info.name.split(".", 2)[-1])
+        if dim is None:
+            array = _dequantize_tensor(self._bytes, info)
+        else:
+            dim = dim % len(info.shape)
+            size = info.shape[dim] - start if size is None else size
+            if not (0 <= start and size > 0 and start + size <= info.shape[dim]):
+                raise ValueError(f"{name}: slice [{start}, {start + size}) of dim {dim} is outside {info.shape}")
+            if dim == len(info.shape) - 1:
+                array = _dequantize_columns(self._bytes, info, start, size)
+            elif dim == 0:
+                n_head = self._rows_heads(name, info, n_head, start, size)
+                array = _dequantize_rows(self._bytes, info, start, size)
+            else:
+                raise ValueError(f"{name}: slices of dim {dim} of a {len(info.shape)}-D tensor are not supported")
+        if n_head is not None:
+            array = unpermute_rotary(array, n_head)
+        if np.may_share_memory(array, self._bytes):  # F32 data is a view of the read-only mmap
+            array = array.copy()
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+
+    @staticmethod
+    def _rows_heads(name: str, info: GGUFTensorInfo, n_head: int | None, start: int, size: int) -> int | None:
+        """The heads a row slice of a permuted q/k covers (None: not permuted)."""
+        if n_head is None:
+            return None
+        head_dim = info.shape[0] // n_head
+        if start % head_dim or size % head_dim:
+            raise ValueError(f"{name}: rows [{start}, {start + size}) are not whole heads of {head_dim} rows")
+        return size // head_dim
 
 
 def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 CPU tensor) for each GGUF tensor, one at a time."""
-    header = read_gguf_header(path)
-    _check_architecture(header)
-    permuted = _rotary_head_counts(header)
-    file_bytes = np.memmap(header.path, dtype=np.uint8, mode="r")
-    for info in header.tensors.values():
-        name = hf_tensor_name(info.name)
-        if name is None:
-            logger.warning("%s: ignoring GGUF tensor %s", header.path, info.name)
-            continue
-        array = _dequantize_tensor(file_bytes, info)
-        n_head = permuted.get(info.name.split(".", 2)[-1])
-        if n_head is not None:
-            array = unpermute_rotary(array, n_head)
-        if np.may_share_memory(array, file_bytes):  # F32 data is a view of the read-only mmap
-            array = array.copy()
-        yield name, torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+    reader = GGUFWeightReader(path)
+    for name in reader.names():
+        yield name, reader.read(name)
 
 
 # --------------------------------------------------------------------------- tokenizer

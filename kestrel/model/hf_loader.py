@@ -44,12 +44,38 @@ def hf_config(folder: str) -> PretrainedConfig:
     return config
 
 
+class SafetensorsReader:
+    """A folder's safetensors tensors by name, whole or one slice at a time, in their stored dtype
+    (kestrel/model/loader.py `WeightReader`); a slice reads only its own bytes."""
+
+    def __init__(self, folder: str) -> None:
+        self._file_of: dict[str, object] = {}
+        for file in safetensors_files(folder):
+            handle = safe_open(file, framework="pt", device="cpu")
+            for name in handle.keys():
+                self._file_of[name] = handle
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, size: int | None = None) -> torch.Tensor:
+        handle = self._file_of[name]
+        if dim is None:
+            return handle.get_tensor(name)
+        tensor = handle.get_slice(name)
+        shape = tensor.get_shape()
+        dim = dim % len(shape)
+        end = shape[dim] if size is None else start + size
+        if not 0 <= start < end <= shape[dim]:
+            raise ValueError(f"{name}: slice [{start}, {end}) of dim {dim} is outside {tuple(shape)}")
+        return tensor[tuple(slice(start, end) if d == dim else slice(None) for d in range(len(shape)))]
+
+
 def iter_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) in stored dtype, one tensor at a time."""
-    for file in safetensors_files(folder):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    reader = SafetensorsReader(folder)
+    for name in reader.names():
+        yield name, reader.read(name)
 
 
 def hf_tokenizer(folder: str) -> PreTrainedTokenizerBase:

@@ -3,38 +3,66 @@
 Tokens arrive flattened ([num_tokens] ids and positions, no padding); projections are fused
 (q|k|v in one matrix, gate|up in one) so that a layer is few large ops. Weights load from Hugging
 Face state-dict names.
+
+Under tensor and pipeline parallelism the model holds one rank's shard (kestrel/model/sharding.py),
+chosen at construction from the process groups (kestrel/distributed): q|k|v and gate|up are split by
+output rows (this rank's heads, KV heads and intermediate rows), o_proj and down_proj by input
+columns, and their partial sums are all-reduced over the tensor-parallel group in the decoder layer
+itself, so that the reduction survives --quantization replacing the projections. The embedding and the
+output head are split by vocabulary rows. A pipeline stage builds only its layers; the embedding lives
+on the first stage, the final norm and output head on the last.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kestrel.attention import AttentionBackend, KVCache, TorchSDPABackend
 from kestrel.config import ModelConfig
+from kestrel.distributed import GroupCoordinator, get_tp_group
 from kestrel.model.layers import Linear, RMSNorm, RotaryEmbedding
+from kestrel.model.sharding import ModelShard, shard_of_this_rank, split_sizes
 from kestrel.ops.dispatch import Ops, select_ops
+
+if TYPE_CHECKING:
+    from kestrel.model.loader import WeightReader
+
+
+@dataclass
+class IntermediateTensors:
+    """What a pipeline stage hands the next: the last layer's output and the residual stream before
+    adding it, both [num_tokens, hidden_size] in the model's dtype."""
+    hidden: torch.Tensor
+    residual: torch.Tensor
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops, attn: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Ops, attn: AttentionBackend, shard: ModelShard,
+                 tp: GroupCoordinator) -> None:
+        """`shard`: the heads and intermediate rows this rank computes; `tp`: the tensor-parallel group
+        over which o_proj's and down_proj's partial sums are all-reduced."""
         super().__init__()
         dt = cfg.dtype
-        self.ops, self.attn = ops, attn
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.ops, self.attn, self.tp = ops, attn, tp
+        self.tp_sharded = shard.tp_size > 1
+        self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
+        self.q_size = shard.num_heads * cfg.head_dim
+        self.kv_size = shard.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
+        inter = shard.intermediate_size
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, ops.rms_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, ops.rms_norm)
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, dtype=dt,
                                linear=ops.linear)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, dtype=dt, linear=ops.linear)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=dt, linear=ops.linear)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dt, linear=ops.linear)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False, dtype=dt, linear=ops.linear)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=False, dtype=dt, linear=ops.linear)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, ops.rms_norm)
@@ -51,8 +79,13 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.eps)
         h = self._attention(h, rope, cache, meta)
+        if self.tp_sharded:
+            h = self.tp.all_reduce(h)
         h, residual = self.ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight, self.eps)
-        return self._mlp(h), residual
+        h = self._mlp(h)
+        if self.tp_sharded:
+            h = self.tp.all_reduce(h)
+        return h, residual
 
     def _attention(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    cache: KVCache | None, meta: object) -> torch.Tensor:
@@ -73,88 +106,163 @@ class DecoderLayer(nn.Module):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(h)))
 
 
+@dataclass(frozen=True)
+class _Placement:
+    """Where one checkpoint tensor goes on this rank: `rows` rows of parameter `param` from row `row`
+    (None: the whole parameter), read as the slice [start, start + size) of its dim `dim` (None: whole)."""
+    param: str
+    row: int = 0
+    rows: int | None = None
+    dim: int | None = None
+    start: int = 0
+    size: int | None = None
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops | None = None, attn: AttentionBackend | None = None) -> None:
         """`ops` and `attn`: the op implementations and the attention backend the worker selected for
         the model's device; by default those for the current default device, with the PyTorch
-        reference attention."""
+        reference attention. The model holds this process's shard (`self.shard`) of the tensor- and
+        pipeline-parallel world set up by kestrel.distributed (all of it in a world of one)."""
         super().__init__()
         if ops is None:
             ops = select_ops(torch.get_default_device(), cfg.dtype)
         if attn is None:
             attn = TorchSDPABackend(cfg.dtype, ops.rotary)
         self.cfg, self.ops, self.attn = cfg, ops, attn
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, attn) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops.rms_norm)
+        self.tp = get_tp_group()
+        self.shard = shard = shard_of_this_rank(cfg)
+        if shard.is_first_stage:
+            self.embed_tokens = nn.Embedding(shard.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, attn, shard, self.tp) for _ in range(shard.num_layers))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling, cfg.dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head = self.embed_tokens
-        else:
-            self.lm_head = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+        if shard.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops.rms_norm)
+            if cfg.tie_word_embeddings and shard.is_first_stage:
+                self.lm_head = self.embed_tokens
+            else:
+                self.lm_head = nn.Embedding(shard.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
         for p in self.parameters():
             p.requires_grad_(False)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache] | None,
-                meta: object) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] (before the final norm). `meta`: the attention backend's
-        metadata for the step."""
-        x = self.embed_tokens(input_ids)
+                meta: object, intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """Hidden states [num_tokens, hidden] (before the final norm) on the last pipeline stage, the
+        stage's IntermediateTensors on the others. `meta`: the attention backend's metadata for the
+        step; `kv_caches`: one per layer of this stage; `intermediate`: the previous stage's output
+        (stages after the first, which take it instead of `input_ids`)."""
+        if self.shard.is_first_stage:
+            x, residual = self._embed(input_ids), None
+        else:
+            if intermediate is None:
+                raise ValueError(f"pipeline stage {self.shard.pp_rank} needs the previous stage's tensors")
+            x, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary.lookup(positions)
-        residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rope, kv_caches[i] if kv_caches is not None else None, meta)
+        if not self.shard.is_last_stage:
+            return IntermediateTensors(x, residual)
         return x + residual
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.tp_size == 1:
+            return self.embed_tokens(input_ids)
+        # Vocabulary-parallel: ids of other ranks' rows give zero rows here; the sum over ranks is the lookup.
+        local = input_ids - self.shard.vocab_start
+        outside = (local < 0) | (local >= self.shard.vocab_size)
+        x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens.weight)
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [rows, vocab] for the rows of `hidden` that sample."""
-        return self.ops.linear_to_float(self.norm(hidden), self.lm_head.weight)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [rows, vocab] for the rows of `hidden` that sample, on the tensor-parallel
+        group's first rank; None on the others. Collective: every tensor rank of the last stage calls it."""
+        logits = self.ops.linear_to_float(self.norm(hidden), self.lm_head.weight)
+        if self.shard.tp_size == 1:
+            return logits
+        shard = self.shard
+        padded = F.pad(logits, (0, shard.vocab_shard_rows - shard.vocab_size))
+        gathered = self.tp.gather(padded, dst=0, dim=-1)
+        if gathered is None:
+            return None
+        sizes = split_sizes(self.cfg.vocab_size, shard.tp_size)
+        if all(size == shard.vocab_shard_rows for size in sizes):
+            return gathered
+        parts = gathered.split(shard.vocab_shard_rows, dim=-1)
+        return torch.cat([part[:, :size] for part, size in zip(parts, sizes)], dim=-1)
 
     # ---- weights -----------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the fused parameters; every parameter must be set."""
-        cfg = self.cfg
-        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-        shards = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv),
-                  "v_proj": ("qkv_proj", q + kv, kv), "gate_proj": ("gate_up_proj", 0, inter),
-                  "up_proj": ("gate_up_proj", inter, inter)}
+    def load_weights(self, reader: WeightReader) -> None:
+        """Read this rank's share of every Hugging Face-named checkpoint tensor (and no more) into the
+        fused, sharded parameters; every parameter must be filled."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        rows_filled = dict.fromkeys(params, 0)
+        for name in reader.names():
+            placement = self._placement(name)
+            if placement is None:
                 continue
-            target, start, size = self._target_of(name, shards)
-            if target not in params:
-                raise ValueError(f"weight {name!r} has no place in the {cfg.architecture} model")
-            param = params[target]
-            dst = param.data if size is None else param.data.narrow(0, start, size)
+            if placement.param not in params:
+                raise ValueError(f"weight {name!r} has no place in the {self.cfg.architecture} model")
+            param = params[placement.param]
+            dst = param.data if placement.rows is None else param.data.narrow(0, placement.row, placement.rows)
+            tensor = reader.read(name, placement.dim, placement.start, placement.size)
             if dst.shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)} on this rank, "
+                                 f"expected {tuple(dst.shape)}")
             dst.copy_(tensor)
-            loaded.add(target if size is None else f"{target}[{start}]")
-        expected = {n for n in params if not any(n.endswith(f"{s[0]}.weight") or n.endswith(f"{s[0]}.bias")
-                                                for s in shards.values())}
-        expected |= {f"{n}[{s[1]}]" for n in params for s in shards.values()
-                     if n.endswith(f"{s[0]}.weight") or n.endswith(f"{s[0]}.bias")}
-        missing = sorted(expected - loaded)
+            rows_filled[placement.param] += dst.shape[0]
+        missing = sorted(n for n, p in params.items() if rows_filled[n] < p.shape[0])
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
 
-    @staticmethod
-    def _target_of(name: str, shards: dict[str, tuple[str, int, int]]) -> tuple[str, int, int | None]:
+    def _placement(self, name: str) -> _Placement | None:
+        """Where checkpoint tensor `name` goes on this rank; None where it has no part here (another
+        stage's layers, the untied copy of a tied output head)."""
+        cfg, shard = self.cfg, self.shard
         name = name.removeprefix("model.")
+        vocab_rows = dict(dim=0, start=shard.vocab_start, size=shard.vocab_size)
+        if name == "embed_tokens.weight":
+            if shard.is_first_stage:
+                return _Placement("embed_tokens.weight", **vocab_rows)
+            if cfg.tie_word_embeddings and shard.is_last_stage:
+                return _Placement("lm_head.weight", **vocab_rows)
+            return None
         if name.startswith("lm_head."):
-            return name, 0, None
+            if cfg.tie_word_embeddings:
+                return None
+            return _Placement(name, **vocab_rows) if shard.is_last_stage else None
+        if name.startswith("norm."):
+            return _Placement(name) if shard.is_last_stage else None
         parts = name.split(".")
-        # layers.N.self_attn.q_proj.weight → layers.N.qkv_proj.weight (+ row offset)
-        if parts[0] == "layers" and parts[2] in ("self_attn", "mlp"):
-            proj = parts[3]
-            rest = ".".join(parts[4:])
-            if proj in shards:
-                fused, start, size = shards[proj]
-                return f"layers.{parts[1]}.{fused}.{rest}", start, size
-            return f"layers.{parts[1]}.{proj}.{rest}", 0, None
-        return name, 0, None
+        if parts[0] != "layers":
+            return _Placement(name)
+        layer = int(parts[1])
+        if not shard.layer_start <= layer < shard.layer_end:
+            return None
+        prefix = f"layers.{layer - shard.layer_start}"
+        if parts[2] in ("self_attn", "mlp"):
+            return self._projection_placement(prefix, parts[3], ".".join(parts[4:]))
+        return _Placement(f"{prefix}.{'.'.join(parts[2:])}")
+
+    def _projection_placement(self, prefix: str, proj: str, rest: str) -> _Placement:
+        """q/k/v and gate/up: this rank's rows into the fused matrix; o/down: this rank's input columns."""
+        shard, hd = self.shard, self.cfg.head_dim
+        q, kv, inter = shard.num_heads * hd, shard.num_kv_heads * hd, shard.intermediate_size
+        heads = dict(dim=0, start=shard.head_start * hd, size=q)
+        kv_heads = dict(dim=0, start=shard.kv_head_start * hd, size=kv)
+        inter_rows = dict(dim=0, start=shard.intermediate_start, size=inter)
+        fused = {
+            "q_proj": ("qkv_proj", 0, heads), "k_proj": ("qkv_proj", q, kv_heads),
+            "v_proj": ("qkv_proj", q + kv, kv_heads),
+            "gate_proj": ("gate_up_proj", 0, inter_rows), "up_proj": ("gate_up_proj", inter, inter_rows),
+        }
+        if proj in fused:
+            target, row, read = fused[proj]
+            return _Placement(f"{prefix}.{target}.{rest}", row, read["size"], **read)
+        if proj == "o_proj":
+            return _Placement(f"{prefix}.o_proj.{rest}", dim=1, start=shard.head_start * hd, size=q)
+        if proj == "down_proj":
+            return _Placement(f"{prefix}.down_proj.{rest}", dim=1, start=shard.intermediate_start, size=inter)
+        return _Placement(f"{prefix}.{proj}.{rest}")   # q_norm, k_norm: replicated

@@ -1,7 +1,7 @@
 """Locate and load model files: Hugging Face folders (safetensors) or GGUF files.
 
-Public interface used by the model runner: ModelSource, resolve_model,
-load_config, iter_weights, load_tokenizer.
+Public interface used by the worker: ModelSource, resolve_model, load_config, weight_reader (each rank
+reads its own share of the weights), iter_weights, load_tokenizer.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -90,6 +91,26 @@ def load_config(src: ModelSource) -> PretrainedConfig:
     if src.gguf_file is None:
         return hf_loader.hf_config(src.path)
     return gguf_loader.gguf_config(gguf_loader.read_gguf_header(src.gguf_path))
+
+
+class WeightReader(Protocol):
+    """A checkpoint's tensors by Hugging Face state-dict name, read whole or as one slice, so that a
+    tensor- or pipeline-parallel rank reads only its share."""
+
+    def names(self) -> list[str]:
+        """Every tensor's name."""
+        ...
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, size: int | None = None) -> torch.Tensor:
+        """Tensor `name` (dim None), or its slice [start, start + size) along `dim` (size None: to the end),
+        as a CPU tensor: safetensors in their stored dtype, GGUF dequantized to float32."""
+        ...
+
+
+def weight_reader(src: ModelSource) -> WeightReader:
+    if src.gguf_file is None:
+        return hf_loader.SafetensorsReader(src.path)
+    return gguf_loader.GGUFWeightReader(src.gguf_path)
 
 
 def iter_weights(src: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:

@@ -14,8 +14,8 @@ from kestrel.attention import select_attention_backend
 from kestrel.config import EngineConfig
 from kestrel.distributed import init_distributed_environment
 from kestrel.messages import ModelRunnerOutput, SchedulerOutput
-from kestrel.model import build_model
-from kestrel.model.loader import ModelSource, iter_weights
+from kestrel.model import build_model, local_attention_config, shard_of_this_rank
+from kestrel.model.loader import ModelSource, weight_reader
 from kestrel.model.quantization import quantize_model_
 from kestrel.worker.memory import MemoryProfile, num_blocks_for, profile_cpu, profile_cuda
 from kestrel.worker.model_runner import ModelRunner
@@ -47,10 +47,12 @@ class Worker:
             init_distributed_environment(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
                                          distributed_init_method, "nccl" if self.device.type == "cuda" else "gloo")
         torch.manual_seed(config.seed)
-        self.attn_backend = select_attention_backend(config)   # once: the model and runner use it
+        # This rank's part of the model (all of it in a world of one); its attention sees its own heads.
+        self.shard = shard_of_this_rank(config.model)
+        self.attn_backend = select_attention_backend(local_attention_config(config, self.shard))  # once
         start = time.perf_counter()
         self.model = build_model(config.model, self.device, self.attn_backend)
-        self.model.load_weights(iter_weights(source))
+        self.model.load_weights(weight_reader(source))
         quantize_model_(self.model, config.model.quantization)
         logger.info("loaded %s in %.1f s; attention backend: %s", source.name, time.perf_counter() - start,
                     self.attn_backend.describe())
