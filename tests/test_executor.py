@@ -12,6 +12,7 @@ from kestrel.config import EngineArgs, ParallelConfig
 from kestrel.engine.arg_utils import create_engine_config
 from kestrel.entrypoints.cli import main
 from kestrel.worker.executor import Executor, UniProcExecutor, call_worker
+from kestrel.worker.select_executor import executor_class
 
 
 class FakeWorker:
@@ -65,7 +66,7 @@ def test_engine_methods_are_built_on_collective_rpc():
 
 
 def test_the_one_device_executor_is_the_default():
-    assert Executor.get_class(ParallelConfig()) is UniProcExecutor
+    assert executor_class(ParallelConfig()) is UniProcExecutor
     assert ParallelConfig().world_size == 1
     assert ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=3).world_size == 6
 

@@ -26,7 +26,7 @@ from kestrel.core.engine_core import EngineCore
 from kestrel.distributed.lifecycle import exit_with_parent
 from kestrel.messages import EngineCoreFailure, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from kestrel.model.loader import ModelSource
-from kestrel.worker.executor import Executor
+from kestrel.worker.select_executor import executor_class
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
     exit_with_parent()
     try:
-        core = EngineCore(config, Executor.get_class(config.parallel)(config, source))
+        core = EngineCore(config, executor_class(config.parallel)(config, source))
     except Exception as exc:
         sock = zmq.Context.instance().socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)

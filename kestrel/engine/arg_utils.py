@@ -31,7 +31,7 @@ from kestrel.config import (
 )
 from kestrel.model import model_config_from_hf
 from kestrel.model.loader import ModelSource, load_config, load_tokenizer, resolve_model
-from kestrel.worker.executor import Executor
+from kestrel.worker.select_executor import executor_class
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -187,7 +187,7 @@ def check_parallel_supported(parallel: ParallelConfig) -> None:
     if parallel.data_parallel_size != 1:
         raise ValueError(f"data_parallel_size {parallel.data_parallel_size} is not supported yet: Kestrel runs "
                          "one engine core (data_parallel_size 1)")
-    Executor.get_class(parallel)
+    executor_class(parallel)
 
 
 def scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:

@@ -20,7 +20,7 @@ from kestrel.messages import SchedulerStats
 from kestrel.model.loader import ModelSource
 from kestrel.outputs import RequestOutput
 from kestrel.sampling_params import SamplingParams
-from kestrel.worker.executor import Executor
+from kestrel.worker.select_executor import executor_class
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.processor = Processor(config.model, tokenizer)
         self.output_processor = OutputProcessor(tokenizer)
-        self.engine_core = EngineCore(config, Executor.get_class(config.parallel)(config, source))
+        self.engine_core = EngineCore(config, executor_class(config.parallel)(config, source))
         self.last_stats: SchedulerStats | None = None
         self.stat_logger = LoggingStatLogger.from_config(config)
         self.error: EngineDeadError | None = None  # set when a step fails: the engine serves no more

@@ -5,10 +5,11 @@ An executor owns the engine core's workers (one per tensor x pipeline rank) and 
 core's needs are written on top of it: the KV pool is the smallest any worker can hold, and a step's
 tokens come from the output rank (the first tensor rank of the last pipeline stage, which samples).
 
-Kinds, chosen in one place (`Executor.get_class`) from `ParallelConfig.distributed_executor_backend`:
-uni (`UniProcExecutor`: one worker in the engine core's own process, the default for one worker), mp
-(`MultiprocExecutor`: a process per rank on this machine, the default for more) and ray
-(`RayExecutor`: Ray actors in a placement group, on one machine or a cluster).
+Kinds, chosen in one place (`executor_class`, kestrel/worker/select_executor.py) from
+`ParallelConfig.distributed_executor_backend`: uni (`UniProcExecutor`: one worker in the engine
+core's own process, the default for one worker), mp (`MultiprocExecutor`: a process per rank on this
+machine, the default for more) and ray (`RayExecutor`: Ray actors in a placement group, on one
+machine or a cluster).
 
 With pipeline stages, several steps are in flight at once (`max_concurrent_batches`, one per stage):
 `execute_model(..., non_block=True)` returns a future, and the engine core keeps a queue of them.
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from kestrel.config import EngineConfig, ParallelConfig
+from kestrel.config import EngineConfig
 from kestrel.messages import ModelRunnerOutput, SchedulerOutput
 from kestrel.model.loader import ModelSource
 from kestrel.worker.worker import Worker
@@ -36,25 +37,6 @@ class Executor(ABC):
         self.source = source
         self.parallel_config = config.parallel
         self._init_executor()
-
-    @staticmethod
-    def get_class(parallel_config: ParallelConfig) -> type[Executor]:
-        """The executor for these settings, or a ValueError naming what is supported."""
-        backend = parallel_config.distributed_executor_backend
-        if backend == "uni":
-            if parallel_config.world_size != 1:
-                raise ValueError(f"distributed_executor_backend 'uni' runs one worker, but tensor_parallel_size "
-                                 f"{parallel_config.tensor_parallel_size} x pipeline_parallel_size "
-                                 f"{parallel_config.pipeline_parallel_size} needs {parallel_config.world_size}; "
-                                 "use 'mp' (a process per rank) or 'ray'")
-            return UniProcExecutor
-        if backend == "mp":
-            from kestrel.worker.multiproc_executor import MultiprocExecutor
-            return MultiprocExecutor
-        if backend == "ray":
-            from kestrel.worker.ray_executor import RayExecutor
-            return RayExecutor
-        raise ValueError(f"distributed_executor_backend {backend!r} is not one of uni, mp, ray")
 
     @abstractmethod
     def _init_executor(self) -> None:
