@@ -139,3 +139,25 @@ def test_bf16_batch_close_to_transformers_bf16(prompts):
 
 
 BF16_LOGPROB_ATOL = 0.3
+
+
+def test_tensor_parallel_3(prompts, reference):
+    """9 heads and 3 KV heads over three worker processes (one KV head each), weights read sharded
+    from the GGUF, chunked prefill; the CPU's two cores are shared between the three ranks."""
+    from kestrel import SamplingParams
+    llm = LLM(**KW, tensor_parallel_size=3, max_num_batched_tokens=256)
+    try:
+        assert llm.llm_engine.engine_core.executor.collective_rpc(
+            shard_heads) == [(3, 1), (3, 1), (3, 1)]
+        ours = kestrel_greedy(llm, prompts, NEW_TOKENS)
+        assert assert_greedy_close(reference, ours, exact=False) >= len(prompts) - 2
+        out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                       SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0].outputs[0]
+        assert out.text == "The capital of France is Paris."
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def shard_heads(worker) -> tuple[int, int]:
+    """(q heads, KV heads) of a worker's shard (a module-level function: it is pickled to the worker)."""
+    return worker.shard.num_heads, worker.shard.num_kv_heads

@@ -29,7 +29,7 @@ from kestrel.config import (
     resolve_device,
     resolve_dtype,
 )
-from kestrel.model import model_config_from_hf
+from kestrel.model import check_shardable, model_config_from_hf
 from kestrel.model.loader import ModelSource, load_config, load_tokenizer, resolve_model
 from kestrel.worker.select_executor import executor_class
 
@@ -138,6 +138,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, A
     model = model_config_from_hf(hf_config, model=args.model, dtype=dtype, max_model_len=args.max_model_len,
                                  eos_token_id=eos, bos_token_id=_first(getattr(hf_config, "bos_token_id", None)),
                                  quantization=args.quantization)
+    check_shardable(model, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     config = EngineConfig(
         model=model,
         cache=CacheConfig(block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,

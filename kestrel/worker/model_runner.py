@@ -109,10 +109,7 @@ class ModelRunner:
 
     def kv_bytes_per_token(self) -> int:
         """What this worker holds of one token's K and V: its layers, its KV heads."""
-        m, shard = self.config.model, self.shard
-        if self.config.cache.kv_cache_dtype == "int8":
-            return 2 * shard.num_layers * shard.num_kv_heads * (m.head_dim + 4)
-        return 2 * shard.num_layers * shard.num_kv_heads * m.head_dim * torch.empty((), dtype=m.dtype).element_size()
+        return self.shard.kv_bytes_per_token(self.config.model, self.config.cache.kv_cache_dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         m, shard = self.config.model, self.shard

@@ -1,0 +1,32 @@
+"""`kestrel serve` with several workers, as the README tells a newcomer to start it (issue 18): each
+answers the design doc's chat question on the default model (float32, so that the answer is the
+exact one the single-worker parity test expects)."""
+
+from __future__ import annotations
+
+import httpx2 as httpx
+import pytest
+from server_process import Server
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+@pytest.mark.parametrize("flags", [
+    ("-tp", "2"),
+    ("-pp", "2"),
+    ("-tp", "2", "--distributed-executor-backend", "ray"),
+], ids=["tp2-mp", "pp2-mp", "tp2-ray"])
+def test_a_parallel_server_answers_a_chat_request(flags):
+    server = Server(*flags, "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "64MiB")
+    try:
+        server.wait_ready()
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+            "model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 32,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["message"]["content"] == "The capital of France is Paris.", choice
+        assert choice["finish_reason"] == "stop"
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0, server.output()
