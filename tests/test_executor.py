@@ -73,7 +73,7 @@ def test_the_one_device_executor_is_the_default():
 @pytest.mark.parametrize("kwargs,message", [
     ({"tensor_parallel_size": 2}, "tensor_parallel_size 2 x pipeline_parallel_size 1 is not supported yet"),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size 2 is not supported yet"),
-    ({"data_parallel_size": 2}, "data_parallel_size 2 is not supported yet"),
+    ({"data_parallel_size": 0}, "data_parallel_size must be a whole number >= 1"),
     ({"distributed_executor_backend": "mp"}, "'mp' is not supported yet; supported: 'uni'"),
     ({"distributed_executor_backend": "ray"}, "'ray' is not supported yet; supported: 'uni'"),
     ({"distributed_executor_backend": "nccl"}, "must be one of uni, mp, ray"),

@@ -25,6 +25,7 @@ import zmq
 
 from kestrel.config import EngineConfig
 from kestrel.core.engine_core import EngineCore
+from kestrel.distributed.cpu_binding import bind_engine_core
 from kestrel.messages import EngineCoreFailure, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from kestrel.model.loader import ModelSource
 from kestrel.worker.executor import Executor
@@ -184,6 +185,7 @@ def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
     exit_with_parent()
     try:
+        bind_engine_core(config.parallel)
         core = EngineCore(config, Executor.get_class(config.parallel)(config, source))
     except Exception as exc:
         sock = zmq.Context.instance().socket(zmq.PUSH)
