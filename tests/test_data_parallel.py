@@ -16,7 +16,7 @@ import time
 
 import httpx2 as httpx
 import pytest
-from parity import TOP, Greedy, assert_greedy_close, hf_greedy, kestrel_greedy, save_tiny_llama
+from parity import TOP, Greedy, assert_greedy_close, hf_greedy, kestrel_greedy, save_tiny_llama, save_tiny_model
 from server_process import Server, assert_error
 
 from kestrel import LLM, SamplingParams
@@ -199,9 +199,9 @@ def dp_server(tiny):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_engine_cores_match_transformers_and_share_the_work(tiny, dp_server):
-    from kestrel.model.loader import load_tokenizer
-    folder, model = tiny
-    tokenizer = load_tokenizer(folder)
+    from kestrel.model.loader import load_tokenizer, resolve_model
+    _, model = tiny
+    tokenizer = load_tokenizer(resolve_model(None))  # the tiny model's, saved beside it
     warm, shared = prefix_prompts(1, 4)[:2], prefix_prompts(1, 4)[2:]
     batch = shared + random_prompts(0)  # the shared-prefix prompts first: scheduled before eviction
     reference = [as_text(tokenizer, g) for g in hf_greedy(model, warm + batch, NEW_TOKENS)]
@@ -232,15 +232,39 @@ def test_two_engine_cores_match_transformers_and_share_the_work(tiny, dp_server)
     assert "engine core 1 of 2: cores" in dp_server.output()
 
 
+@pytest.fixture(scope="module")
+def long_server(tmp_path_factory):
+    """Room for requests long enough to still run when a test acts on them (the tiny model again, with
+    4096 positions); its last test kills a core."""
+    from transformers import LlamaConfig
+    folder = tmp_path_factory.mktemp("tiny-llama-4k")
+    save_tiny_model(folder, LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=True))
+    server = Server("--model", str(folder), "--dtype", "float32", "--max-model-len", "4096", "-dp", "2",
+                    "--kv-cache-memory", "64MiB", held=True)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+    assert server.proc.returncode == server.expected_returncode, server.output()
+
+
+LONG_STREAM = {"prompt": [500, 600, 700], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_disconnect_aborts_the_request_in_the_core_that_owns_it(dp_server):
-    body = {"prompt": [500, 600, 700], "max_tokens": 250, "ignore_eos": True, "stream": True}
+def test_a_disconnect_aborts_the_request_in_the_core_that_owns_it(long_server):
+    server = long_server
 
     async def stream_until_first_token(client: httpx.AsyncClient, started: asyncio.Event, done: asyncio.Event):
-        async with client.stream("POST", f"{dp_server.url}/v1/completions", json=body) as r:
+        async with client.stream("POST", f"{server.url}/v1/completions", json=LONG_STREAM) as r:
             assert r.status_code == 200
-            async for line in r.aiter_lines():
+            lines = r.aiter_lines()  # held: a dropped line iterator would close the connection now
+            async for line in lines:
                 if line.startswith("data: "):
                     break
             started.set()
@@ -251,14 +275,14 @@ def test_a_disconnect_aborts_the_request_in_the_core_that_owns_it(dp_server):
             started, done = [asyncio.Event(), asyncio.Event()], asyncio.Event()
             tasks = [asyncio.create_task(stream_until_first_token(client, s, done)) for s in started]
             await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
-            dp_server.hold()  # no step runs from here: only an abort can free the blocks
+            server.hold()  # no step runs from here: only an abort can free the blocks
             await asyncio.sleep(0.5)
-            busy = per_engine(dp_server)
+            busy = per_engine(server)
             done.set()
             await asyncio.gather(*tasks)
             deadline = time.monotonic() + 10
             while True:
-                idle = per_engine(dp_server)
+                idle = per_engine(server)
                 if time.monotonic() > deadline or all(v == 0 for v in idle["kv_cache_usage_perc"].values()):
                     return busy, idle
                 await asyncio.sleep(0.1)
@@ -266,7 +290,7 @@ def test_a_disconnect_aborts_the_request_in_the_core_that_owns_it(dp_server):
     try:
         busy, idle = asyncio.run(run())
     finally:
-        dp_server.release()
+        server.release()
     # One stream on each core, both mid-generation when the clients went away ...
     assert busy["num_requests_running"] == {"0": 1.0, "1": 1.0}, busy
     assert all(v > 0 for v in busy["kv_cache_usage_perc"].values()), busy
@@ -277,15 +301,12 @@ def test_a_disconnect_aborts_the_request_in_the_core_that_owns_it(dp_server):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_dead_engine_core_ends_every_request_and_the_server(tiny):
-    folder, _ = tiny
-    server = Server("--model", str(folder), "--dtype", "float32", "--max-model-len", "512", "-dp", "2",
-                    "--kv-cache-memory", "16MiB", held=True)
-    body = {"prompt": [500, 600, 700], "max_tokens": 400, "ignore_eos": True, "stream": True}
+def test_a_dead_engine_core_ends_every_request_and_the_server(long_server):
+    server = long_server
 
     async def stream(client: httpx.AsyncClient, started: asyncio.Event) -> list[str]:
         events = []
-        async with client.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+        async with client.stream("POST", f"{server.url}/v1/completions", json=LONG_STREAM) as r:
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     events.append(line[len("data: "):])
@@ -300,11 +321,11 @@ def test_a_dead_engine_core_ends_every_request_and_the_server(tiny):
             server.hold()  # both requests stay in flight, one on each core
             await asyncio.sleep(0.3)
             assert per_engine(server)["num_requests_running"] == {"0": 1.0, "1": 1.0}
+            server.expected_returncode = 1
             engine_core_processes(server)[1].kill()
             return await asyncio.wait_for(tasks, 15)
 
     try:
-        server.wait_ready()
         streams = asyncio.run(run())
         # Both streams, the killed core's and the survivor's, end with an error event, then [DONE].
         for events in streams:
@@ -314,7 +335,7 @@ def test_a_dead_engine_core_ends_every_request_and_the_server(tiny):
         assert_error(httpx.get(f"{server.url}/health"), 503, "ServiceUnavailableError", "died")
         assert server.proc.wait(timeout=30) == 1, server.output()
     finally:
-        server.stop()
+        server.release()
 
 
 # ---- the offline LLM ------------------------------------------------------------------------------
