@@ -23,6 +23,7 @@ import zmq
 
 from kestrel.config import EngineConfig
 from kestrel.core.engine_core import EngineCore
+from kestrel.distributed.cpu_binding import bind_engine_core
 from kestrel.distributed.lifecycle import exit_with_parent
 from kestrel.messages import EngineCoreFailure, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from kestrel.model.loader import ModelSource
@@ -177,6 +178,7 @@ def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
     exit_with_parent()
     try:
+        bind_engine_core(config.parallel)
         core = EngineCore(config, executor_class(config.parallel)(config, source))
     except Exception as exc:
         sock = zmq.Context.instance().socket(zmq.PUSH)

@@ -41,6 +41,10 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        for request in requests:
+            self.add_request(request)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kestrel.config import ParallelConfig
+
 logger = logging.getLogger(__name__)
 
 
@@ -53,3 +55,21 @@ def bind_to_cpu_slice(index: int, count: int, label: str) -> CpuSlice:
         "" if chosen.num_threads == 1 else "s",
         " (more workers than cores: cores are shared)" if chosen.shared else "")
     return chosen
+
+
+def engine_core_cpu_slice(parallel: ParallelConfig) -> CpuSlice | None:
+    """The cores of a data-parallel engine core whose one worker runs in its own process (backend uni):
+    slice `data_parallel_rank` of `data_parallel_size`. None when it binds nothing: a single engine core
+    keeps every core, and the workers of the other backends bind themselves."""
+    if parallel.data_parallel_size == 1 or parallel.distributed_executor_backend != "uni":
+        return None
+    return cpu_slice(parallel.data_parallel_rank, parallel.data_parallel_size)
+
+
+def bind_engine_core(parallel: ParallelConfig) -> CpuSlice | None:
+    """Pin a data-parallel engine core (see engine_core_cpu_slice) to its slice, before it builds its
+    engine; None when it binds nothing."""
+    if engine_core_cpu_slice(parallel) is None:
+        return None
+    rank = parallel.data_parallel_rank
+    return bind_to_cpu_slice(rank, parallel.data_parallel_size, f"engine core {rank}")

@@ -88,7 +88,8 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("--pipeline-parallel-size", "pipeline_parallel_size", int,
                "pipeline stages: each holds a consecutive share of the layers", aliases=("-pp",)),
     EngineFlag("--data-parallel-size", "data_parallel_size", int,
-               "engine cores, each with its own scheduler, KV cache and workers, behind one front end",
+               "engine cores, each with its own scheduler, KV cache and workers, behind one front end that sends "
+               "each request to the least-loaded core; with one worker each, the CPU cores are split between them",
                aliases=("-dp",)),
     EngineFlag("--distributed-executor-backend", "distributed_executor_backend", str,
                f"how the engine core reaches its workers: {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)} "
@@ -183,11 +184,8 @@ def parallel_config(args: EngineArgs) -> ParallelConfig:
 
 
 def check_parallel_supported(parallel: ParallelConfig) -> None:
-    """Several engine cores or workers are the next step; until then, asking for them is an error
-    here rather than a crash later."""
-    if parallel.data_parallel_size != 1:
-        raise ValueError(f"data_parallel_size {parallel.data_parallel_size} is not supported yet: Kestrel runs "
-                         "one engine core (data_parallel_size 1)")
+    """Workers the executors cannot run are an error here rather than a crash later. Any number of
+    data-parallel engine cores is supported: each is its own process behind the front end."""
     executor_class(parallel)
 
 

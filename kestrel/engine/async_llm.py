@@ -1,35 +1,35 @@
 """The asynchronous front end used by the API server: input processing and output processing in
-this process, the engine core in its own process (kestrel/core/core_process.py), ZeroMQ between.
+this process, the engine cores in their own processes (kestrel/core/core_process.py), ZeroMQ between.
 
-One asyncio task drains the engine core's outputs, turns them into text (OutputProcessor) and wakes
-the per-request streams. A request whose consumer goes away (client disconnect) is aborted in the
-engine core, so its KV blocks return to the pool.
+With `data_parallel_size` D there are D engine cores, each with its own scheduler, KV cache and
+workers (core_client.py); each request goes to the least-loaded one, which owns it until it ends
+(router.py). One asyncio task per core drains its outputs, turns them into text (OutputProcessor)
+and wakes the per-request streams. A request whose consumer goes away (client disconnect) is
+aborted in the engine core that owns it, so its KV blocks return to that core's pool.
 
-If a step fails, the engine core sends an `EngineCoreFailure` (the exception's message, and every
-request it held ended with `FinishReason.ERROR`) and exits; if its process dies, the output task sees
-it within `DEATH_POLL_S`. Either way every open stream ends at once with `EngineDeadError`,
-`is_running` turns False, and `wait_until_errored()` returns, so that the server can exit.
+If a step fails, that engine core sends an `EngineCoreFailure` (the exception's message, and every
+request it held ended with `FinishReason.ERROR`) and exits; if a core's process dies, its output task
+sees it within `DEATH_POLL_S`. Either way, as vLLM treats any core's death, the whole engine is dead:
+every open stream ends at once with `EngineDeadError`, `is_running` turns False, and
+`wait_until_errored()` returns, so that the server can exit.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
-import os
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from kestrel.config import EngineArgs, EngineConfig
 from kestrel.core import core_process
 from kestrel.engine.arg_utils import create_engine_config
+from kestrel.engine.core_client import DEATH_POLL_S, EngineCoreProcess, EngineCoreProcesses, merge_gauges
 from kestrel.engine.exceptions import EngineDeadError, EngineStoppedError
 from kestrel.engine.output_processor import OutputProcessor
 from kestrel.engine.processor import Processor, PromptType
@@ -41,10 +41,9 @@ from kestrel.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = 600.0
-DEATH_POLL_S = 0.5
-
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineStoppedError"]
+
+COUNTER_KEYS = ("prompt_tokens", "generation_tokens", "preemptions", "prefix_cache_queries", "prefix_cache_hits")
 
 
 class AsyncLLM:
@@ -55,107 +54,97 @@ class AsyncLLM:
         self.model_name = source.name
         self.processor = Processor(config.model, tokenizer)
         self.output_processor = OutputProcessor(tokenizer)
-        self.last_scheduler_stats: SchedulerStats | None = None
-        self.stat_logger = LoggingStatLogger.from_config(config)
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0,
-                         "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        size = config.parallel.data_parallel_size
+        # Per engine core, as it last reported, and its cumulative counters (COUNTER_KEYS).
+        self.core_stats: list[SchedulerStats | None] = [None] * size
+        self.core_counters: list[dict[str, int]] = [dict.fromkeys(COUNTER_KEYS, 0) for _ in range(size)]
+        # One stats line per engine core, as vLLM logs them ("Engine 0: ..." when there are several).
+        self.stat_loggers = [LoggingStatLogger.from_config(config, f"Engine {i}" if size > 1 else None)
+                             for i in range(size)]
         self._streams: dict[str, asyncio.Queue] = {}
         self.num_waiting_requests = 0  # accepted, no output yet (queued or in prefill)
-        self._error: EngineDeadError | None = None  # set once the engine core has failed or died
+        self._error: EngineDeadError | None = None  # set once an engine core has failed or died
         self._stopped = False                      # stop_requests() was called: the server is shutting down
         self._errored_event: asyncio.Event | None = None
-        self._encoder = msgspec.msgpack.Encoder()
-        self._start_engine_core()
-        self._output_task: asyncio.Task | None = None
+        self._output_tasks: list[asyncio.Task] = []
+        self.engine_cores = EngineCoreProcesses(config, source)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
         config, source, tokenizer = create_engine_config(args)
         return cls(config, source, tokenizer)
 
-    # ---- the engine-core process -------------------------------------------------------------
+    # ---- the engine-core processes -----------------------------------------------------------
 
-    def _start_engine_core(self) -> None:
-        sock_dir = tempfile.mkdtemp(prefix="kestrel-")
-        self._input_addr = f"ipc://{sock_dir}/input"
-        self._output_addr = f"ipc://{sock_dir}/output"
-        # Plain sockets, so the engine can be built outside an event loop; the output socket gets
-        # an asyncio view once a loop drains it.
-        self._ctx = zmq.Context()
-        self._input = self._ctx.socket(zmq.PUSH)
-        self._input.bind(self._input_addr)
-        self._output = self._ctx.socket(zmq.PULL)
-        self._output.bind(self._output_addr)
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=core_process.run_engine_core, name="kestrel-engine-core",
-            args=(self.config, self.source, self._input_addr, self._output_addr), daemon=True)
-        self.process.start()
-        self._wait_until_ready()
+    @property
+    def process(self):
+        """Engine core 0's process (the only one unless data parallel)."""
+        return self.engine_cores.cores[0].process
 
-    def _wait_until_ready(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._output, zmq.POLLIN)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if poller.poll(timeout=500):
-                kind, payload = self._output.recv_multipart()
-                if kind == core_process.READY:
-                    return
-                if kind == core_process.FAILED:
-                    self.process.join(timeout=5)
-                    raise ValueError(msgspec.msgpack.decode(payload))
-            if not self.process.is_alive():
-                raise RuntimeError(f"the engine core exited during start-up (exit code {self.process.exitcode})")
-        self.shutdown()
-        raise RuntimeError(f"the engine core did not start within {STARTUP_TIMEOUT_S:.0f} s")
+    @property
+    def processes(self) -> list:
+        return [core.process for core in self.engine_cores.cores]
+
+    @property
+    def last_scheduler_stats(self) -> SchedulerStats | None:
+        """The engine cores' latest states together (requests summed, KV-cache usage averaged)."""
+        return merge_gauges(self.core_stats)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Every engine core's counters summed."""
+        return {key: sum(c[key] for c in self.core_counters) for key in COUNTER_KEYS}
 
     def _ensure_output_task(self) -> None:
         loop = asyncio.get_running_loop()
-        if self._output_task is None or self._output_task.get_loop() is not loop:
+        if not self._output_tasks or self._output_tasks[0].get_loop() is not loop:
             self._errored_event = asyncio.Event()
             if self._error is not None:
                 self._errored_event.set()
-            self._output_task = loop.create_task(self._drain_outputs(zmq.asyncio.Socket.from_socket(self._output)))
+            self._output_tasks = [
+                loop.create_task(self._drain_outputs(index, core, zmq.asyncio.Socket.from_socket(core.output)))
+                for index, core in enumerate(self.engine_cores.cores)]
 
-    async def _drain_outputs(self, output: zmq.asyncio.Socket) -> None:
+    async def _drain_outputs(self, index: int, core: EngineCoreProcess, output: zmq.asyncio.Socket) -> None:
         while self._error is None:
             if not await output.poll(timeout=int(DEATH_POLL_S * 1000)):
-                if not self.process.is_alive():
-                    self._set_errored(EngineDeadError(f"the engine core died (exit code {self.process.exitcode})"))
+                if not core.is_alive():
+                    self._set_errored(EngineDeadError(f"{core.label} died (exit code {core.exitcode})"))
                 continue
             kind, payload = await output.recv_multipart()
             if kind == core_process.DEAD:
-                self._on_failure(core_process.decode_failure(payload))
+                self._on_failure(core, core_process.decode_failure(payload))
                 continue
             if kind != core_process.OUTPUTS:
                 continue
             outputs = core_process.decode_outputs(payload)
+            self.engine_cores.record_outputs(index, outputs)
             if outputs.scheduler_stats is not None:
-                self._record_stats(outputs.scheduler_stats)
+                self._record_stats(index, outputs.scheduler_stats)
             processed = self.output_processor.process_outputs(outputs.outputs)
             if processed.reqs_to_abort:
-                self._send(core_process.ABORT, processed.reqs_to_abort)
+                self.engine_cores.abort_requests(processed.reqs_to_abort)
             for out in processed.request_outputs:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put_nowait(out)
 
-    def _record_stats(self, stats: SchedulerStats) -> None:
-        self.last_scheduler_stats = stats
-        self.stat_logger.record(stats)
-        c = self.counters
+    def _record_stats(self, index: int, stats: SchedulerStats) -> None:
+        self.core_stats[index] = stats
+        self.stat_loggers[index].record(stats)
+        c = self.core_counters[index]
         c["prompt_tokens"] += stats.num_prompt_tokens
         c["generation_tokens"] += stats.num_generation_tokens
         c["preemptions"] += stats.num_preemptions
         c["prefix_cache_queries"] += stats.prefix_cache_queries
         c["prefix_cache_hits"] += stats.prefix_cache_hits
 
-    def _on_failure(self, failure: EngineCoreFailure) -> None:
+    def _on_failure(self, core: EngineCoreProcess, failure: EngineCoreFailure) -> None:
         # Each request's state ends as the engine core ended it (FinishReason.ERROR); their streams
         # get the error itself, not a normal-looking last output.
         self.output_processor.process_outputs(failure.outputs)
-        logger.error("the engine core failed: %s (%d requests ended with it)", failure.message, len(failure.outputs))
-        self._set_errored(EngineDeadError(f"the engine core failed: {failure.message}"))
+        logger.error("%s failed: %s (%d requests ended with it)", core.label, failure.message, len(failure.outputs))
+        self._set_errored(EngineDeadError(f"{core.label} failed: {failure.message}"))
 
     def _set_errored(self, error: EngineDeadError) -> None:
         self._error = error
@@ -173,23 +162,20 @@ class AsyncLLM:
         self._fail_all(EngineStoppedError(reason))
 
     async def wait_until_errored(self) -> EngineDeadError:
-        """Return (the error) once the engine core has failed or died; never returns while it serves."""
+        """Return (the error) once an engine core has failed or died; never returns while they serve."""
         self._ensure_output_task()
         assert self._errored_event is not None
         await self._errored_event.wait()
         assert self._error is not None
         return self._error
 
-    def _send(self, kind: bytes, payload) -> None:
-        self._input.send_multipart([kind, self._encoder.encode(payload)], copy=False)
-
     @property
     def is_running(self) -> bool:
-        return not self._stopped and self._error is None and self.process.is_alive()
+        return not self._stopped and self._error is None and self.engine_cores.dead_core() is None
 
     @property
     def error(self) -> EngineDeadError | None:
-        """Why the engine core stopped serving (a failed step, or its process died); None while it serves."""
+        """Why the engine stopped serving (a core's failed step, or a core's process died); None while it serves."""
         return self._error
 
     def not_running_error(self) -> Exception:
@@ -198,7 +184,8 @@ class AsyncLLM:
             return EngineDeadError(f"the engine core is not running: {self._error}")
         if self._stopped:
             return EngineStoppedError("the engine is shutting down")
-        return EngineDeadError(f"the engine core is not running (exit code {self.process.exitcode})")
+        dead = self.engine_cores.dead_core() or self.engine_cores.cores[0]
+        return EngineDeadError(f"{dead.label} is not running (exit code {dead.exitcode})")
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -222,8 +209,7 @@ class AsyncLLM:
         prompt_logprobs_sent = False
         finished = waiting = False
         try:
-            for request in core_requests:
-                self._send(core_process.ADD, request)
+            self.engine_cores.add_requests(core_requests)
             self.num_waiting_requests += 1
             waiting = True
             while not finished:
@@ -261,29 +247,14 @@ class AsyncLLM:
     def _abort(self, request_id: str) -> None:
         children = self.output_processor.abort_requests([request_id])
         if children:
-            self._send(core_process.ABORT, children)
+            self.engine_cores.abort_requests(children)
 
     def shutdown(self) -> None:
-        if self.process.is_alive():
-            try:
-                self._send(core_process.SHUTDOWN, None)
-            except zmq.ZMQError:
-                pass
-            self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(timeout=5)
-        task, self._output_task = self._output_task, None
-        if task is not None and not task.get_loop().is_closed():
-            task.cancel()
-        self._input.close(linger=0)
-        self._output.close(linger=0)
-        self._ctx.term()
-        for addr in (self._input_addr, self._output_addr):
-            try:
-                os.unlink(addr.removeprefix("ipc://"))
-            except OSError:
-                pass
+        tasks, self._output_tasks = self._output_tasks, []
+        for task in tasks:
+            if not task.get_loop().is_closed():
+                task.cancel()
+        self.engine_cores.shutdown()
 
 
 async def _next_output(queue: asyncio.Queue) -> tuple[RequestOutput | None, Exception | None]:

@@ -1,7 +1,11 @@
-"""The front end for offline use: input processing, an in-process engine core, output processing.
+"""The front end for offline use: input processing, the engine core, output processing.
 
-    LLMEngine.add_request ─► Processor ─► EngineCore.add_request
+    LLMEngine.add_request ─► Processor ─► EngineCore.add_requests
     LLMEngine.step        ─► EngineCore.step ─► OutputProcessor ─► RequestOutputs
+
+One engine core runs in this process. With `data_parallel_size` D > 1 there are D engine-core
+processes instead (`SyncEngineCoreClient`, the same calls): each request goes to the least-loaded
+one, and a step hands over whatever the cores have finished since the last.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import time
 from kestrel.config import EngineArgs, EngineConfig
 from kestrel.core.engine_core import EngineCore
 from kestrel.engine.arg_utils import create_engine_config
+from kestrel.engine.core_client import SyncEngineCoreClient
 from kestrel.engine.exceptions import EngineDeadError
 from kestrel.engine.output_processor import OutputProcessor
 from kestrel.engine.processor import Processor, PromptType
@@ -32,7 +37,9 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.processor = Processor(config.model, tokenizer)
         self.output_processor = OutputProcessor(tokenizer)
-        self.engine_core = EngineCore(config, executor_class(config.parallel)(config, source))
+        self.engine_core: EngineCore | SyncEngineCoreClient = (
+            EngineCore(config, executor_class(config.parallel)(config, source))
+            if config.parallel.data_parallel_size == 1 else SyncEngineCoreClient(config, source))
         self.last_stats: SchedulerStats | None = None
         self.stat_logger = LoggingStatLogger.from_config(config)
         self.error: EngineDeadError | None = None  # set when a step fails: the engine serves no more
@@ -50,8 +57,7 @@ class LLMEngine:
         text, ids, core_requests = self.processor.process(request_id, prompt, params, arrival_time, priority)
         self.output_processor.add_request(request_id, text, ids, params,
                                           [r.request_id for r in core_requests], arrival_time)
-        for request in core_requests:
-            self.engine_core.add_request(request)
+        self.engine_core.add_requests(core_requests)
 
     def abort_request(self, request_ids: list[str]) -> None:
         children = self.output_processor.abort_requests(request_ids)
@@ -86,3 +92,7 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine core's workers (or the engine-core processes); the engine serves no more."""
+        self.engine_core.shutdown()

@@ -9,6 +9,10 @@ tokens computed since the previous line over the time since it (or since work re
 pause); running, waiting and KV-cache usage
 are the latest step's; the prefix-cache hit rate is over every lookup since start. Off with
 `--disable-log-stats` (and by default for the offline `LLM`, as in vLLM).
+
+With several data-parallel engine cores the server logs one line per core, labelled as vLLM labels
+them ("Engine 1: Avg prompt throughput: ..."); the offline `LLMEngine` logs one line for them all
+(throughputs and requests summed, KV-cache usage averaged).
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ LOG_STATS_INTERVAL_S = 10.0
 
 class LoggingStatLogger:
     def __init__(self, enabled: bool = True, interval_s: float = LOG_STATS_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, label: str | None = None) -> None:
         self.enabled = enabled
+        self.label = label  # e.g. "Engine 1": the line starts "Engine 1: "; None: no prefix
         self.interval_s = interval_s
         self.clock = clock
         self.last_log_time = clock()
@@ -39,8 +44,8 @@ class LoggingStatLogger:
         self.latest: SchedulerStats | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LoggingStatLogger:
-        return cls(enabled=not config.disable_log_stats)
+    def from_config(cls, config: EngineConfig, label: str | None = None) -> LoggingStatLogger:
+        return cls(enabled=not config.disable_log_stats, label=label)
 
     def record(self, stats: SchedulerStats) -> None:
         """Count one step's stats, and log a line if the interval has passed."""
@@ -82,7 +87,8 @@ class LoggingStatLogger:
         latest = self.latest or SchedulerStats()
         elapsed_s = max(elapsed_s, 1e-9)
         hit_rate = self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-        return (f"Avg prompt throughput: {self.prompt_tokens / elapsed_s:.1f} tokens/s, "
+        prefix = f"{self.label}: " if self.label else ""
+        return (f"{prefix}Avg prompt throughput: {self.prompt_tokens / elapsed_s:.1f} tokens/s, "
                 f"Avg generation throughput: {self.generation_tokens / elapsed_s:.1f} tokens/s, "
                 f"Running: {latest.num_running_reqs} reqs, Waiting: {latest.num_waiting_reqs} reqs, "
                 f"KV cache usage: {100 * latest.kv_cache_usage:.1f}%, "

@@ -8,9 +8,10 @@ serving_tokenization.py), on what they share (serving_engine.py: errors, body pa
 tokenizing off the event loop, SSE). Errors are OpenAI-shaped (see serving_engine.py); 401 for a
 missing or wrong API key on /v1/*.
 
-If the engine core fails (a step raises) or its process dies, every in-flight request ends at once
-with an error (500, or an error event on a stream), /health and new requests answer 503, and after
-`ENGINE_DEATH_EXIT_DELAY_S` the server exits with code 1, so that a supervisor restarts it.
+If an engine core fails (a step raises) or its process dies (with `-dp D`, any one of the D), every
+in-flight request ends at once with an error (500, or an error event on a stream), /health and new
+requests answer 503, and after `ENGINE_DEATH_EXIT_DELAY_S` the server exits with code 1, so that a
+supervisor restarts it.
 """
 
 from __future__ import annotations

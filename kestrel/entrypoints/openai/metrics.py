@@ -1,8 +1,10 @@
 """Prometheus metrics of the API server, named `kestrel:*` (issue 3).
 
-Gauges and counters are read from the engine at scrape time (`AsyncLLM.last_scheduler_stats` and its
-cumulative `counters`); latency histograms are observed by the server as requests finish. Each app
-has its own registry, so several servers can live in one process (tests).
+Gauges and counters are read from the engine at scrape time, one series per engine core with an
+`engine` label ("0", "1", ... as vLLM's): `AsyncLLM.core_stats` (each core's latest report) and
+`AsyncLLM.core_counters` (cumulative). Latency histograms are observed by the server as requests
+finish, over all cores. Each app has its own registry, so several servers can live in one process
+(tests).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from kestrel.outputs import RequestMetrics
 
 PREFIX = "kestrel:"
 
-# Engine-derived counters: metric name (without _total) -> key of AsyncLLM.counters.
+# Engine-derived counters: metric name (without _total) -> key of AsyncLLM.core_counters.
 ENGINE_COUNTERS = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens computed (prefill)."),
     "generation_tokens": ("generation_tokens", "Tokens generated."),
@@ -33,21 +35,21 @@ class EngineCollector:
         self.model_name = model_name
 
     def collect(self):
-        labels = ["model_name"]
-        stats = getattr(self.engine, "last_scheduler_stats", None)
-        running = float(stats.num_running_reqs) if stats is not None else 0.0
-        waiting = float(stats.num_waiting_reqs) if stats is not None else 0.0
-        usage = float(stats.kv_cache_usage) if stats is not None else 0.0
-        for name, doc, value in (("num_requests_running", "Requests in the running batch.", running),
-                                 ("num_requests_waiting", "Requests waiting to be scheduled.", waiting),
-                                 ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", usage)):
+        labels = ["model_name", "engine"]
+        core_stats = getattr(self.engine, "core_stats", None) or []
+        gauges = (("num_requests_running", "Requests in the running batch.", "num_running_reqs"),
+                  ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting_reqs"),
+                  ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", "kv_cache_usage"))
+        for name, doc, field in gauges:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            g.add_metric([self.model_name], value)
+            for engine, stats in enumerate(core_stats):
+                g.add_metric([self.model_name, str(engine)], float(getattr(stats, field)) if stats is not None else 0.0)
             yield g
-        counters = getattr(self.engine, "counters", None) or {}
+        core_counters = getattr(self.engine, "core_counters", None) or []
         for name, (key, doc) in ENGINE_COUNTERS.items():
             c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            c.add_metric([self.model_name], float(counters.get(key, 0)))
+            for engine, counters in enumerate(core_counters):
+                c.add_metric([self.model_name, str(engine)], float(counters.get(key, 0)))
             yield c
 
 
