@@ -119,8 +119,9 @@ def test_the_server_front_end_logs_while_it_works(caplog):
 
     engine = AsyncLLM.from_engine_args(EngineArgs(max_model_len=128, kv_cache_memory=32 << 20))
     try:
-        assert engine.stat_logger.enabled  # the server logs stats unless --disable-log-stats
-        engine.stat_logger.interval_s = 0.0
+        (stat_logger,) = engine.stat_loggers  # one engine core, one logger
+        assert stat_logger.enabled  # the server logs stats unless --disable-log-stats
+        stat_logger.interval_s = 0.0
 
         async def run() -> None:
             async for _ in engine.generate("Once upon a time", SamplingParams(max_tokens=4, ignore_eos=True)):
