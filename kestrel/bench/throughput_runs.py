@@ -76,6 +76,7 @@ def _run_kestrel_once(requests: list[BenchRequest], engine_kwargs: dict[str, Any
         load_s=load_s, peak_rss_bytes=max(load_peak, peak_rss_bytes()), rss_after_load_bytes=rss_after_load,
         torch_threads=torch.get_num_threads(), peak_gpu_memory_bytes=peak_gpu_memory_bytes(engine_info["device"]),
         notes=notes, run_mean_ttft_s=ttfts, run_roofline_gflops=rates)
+    llm.llm_engine.shutdown()  # worker and engine-core processes, if any, end here
     del llm
     gc.collect()
     return result, engine_info
@@ -150,4 +151,7 @@ def describe_engine(llm: Any) -> dict[str, Any]:
         "num_kv_blocks": engine.engine_core.num_kv_blocks,
         "enable_prefix_caching": config.cache.enable_prefix_caching,
         "enable_chunked_prefill": config.scheduler.enable_chunked_prefill,
+        "tensor_parallel_size": config.parallel.tensor_parallel_size,
+        "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
+        "data_parallel_size": config.parallel.data_parallel_size,
     }

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 ADD = b"A"
 ABORT = b"X"
 SHUTDOWN = b"S"
+RESET_PREFIX_CACHE = b"P"  # drop the cached prefix blocks (between benchmark runs); ignored while busy
 WORKER_FAILED = b"W"   # put on the input queue by the executor's failure callback, never sent
 # Frame kinds, engine core → front end.
 READY = b"R"
@@ -154,6 +155,8 @@ class EngineCoreProc:
             self.core.add_request(self.request_decoder.decode(payload))
         elif kind == ABORT:
             self.core.abort_requests(self.ids_decoder.decode(payload))
+        elif kind == RESET_PREFIX_CACHE:
+            self.core.reset_prefix_cache()
         elif kind == SHUTDOWN:
             return False
         elif kind == WORKER_FAILED:

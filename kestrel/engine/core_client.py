@@ -59,6 +59,7 @@ class EngineCoreProcess:
         self.output.bind(self.output_addr)
         self._encoder = msgspec.msgpack.Encoder()
         self._closed = False
+        self.num_kv_blocks = 0  # the core's KV pool, once it is ready
         self.process = multiprocessing.get_context("spawn").Process(
             target=core_process.run_engine_core, name=f"kestrel-engine-core-{config.parallel.data_parallel_rank}",
             args=(config, source, self.input_addr, self.output_addr), daemon=True)
@@ -73,6 +74,7 @@ class EngineCoreProcess:
             if poller.poll(timeout=500):
                 kind, payload = self.output.recv_multipart()
                 if kind == core_process.READY:
+                    self.num_kv_blocks = msgspec.msgpack.decode(payload)["num_kv_blocks"]
                     return
                 if kind == core_process.FAILED:
                     self.process.join(timeout=5)
@@ -210,6 +212,16 @@ class SyncEngineCoreClient:
 
     def has_unfinished_requests(self) -> bool:
         return self.processes.router.num_owned > 0
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """The KV blocks of every core together."""
+        return sum(core.num_kv_blocks for core in self.processes.cores)
+
+    def reset_prefix_cache(self) -> None:
+        """Every core drops its cached prefix blocks (before its next step; call it while idle)."""
+        for core in self.processes.cores:
+            core.send(core_process.RESET_PREFIX_CACHE, None)
 
     def step(self) -> EngineCoreOutputs:
         """Everything the cores have sent, waiting up to `DEATH_POLL_S` for the first message."""
