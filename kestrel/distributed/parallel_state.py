@@ -110,6 +110,7 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 _TP: GroupCoordinator = GroupCoordinator([0], 0)
 _PP: GroupCoordinator = GroupCoordinator([0], 0)
 _WORLD: GroupCoordinator = GroupCoordinator([0], 0)
+_SHM = None  # this process's shared-memory all-reduce segment, if any (closed with the world)
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -171,12 +172,17 @@ def _use_shared_memory_all_reduce(group: GroupCoordinator) -> None:
     if not group.is_first_rank:
         shm = ShmAllReduce(name[0], group.rank_in_group, group.world_size)
     dist.barrier(group=group.group)
+    global _SHM
+    _SHM = shm
     group._all_reduce = shm.all_reduce
     group.all_reduce_kind = "shared memory"
 
 
 def destroy_distributed_environment() -> None:
-    global _TP, _PP, _WORLD
+    global _TP, _PP, _WORLD, _SHM
+    if _SHM is not None:
+        _SHM.close()
+        _SHM = None
     if dist.is_initialized():
         dist.destroy_process_group()
     _TP = _PP = _WORLD = GroupCoordinator([0], 0)

@@ -39,6 +39,7 @@ import msgspec
 import zmq
 
 from kestrel.config import EngineConfig
+from kestrel.distributed import destroy_distributed_environment
 from kestrel.distributed.cpu_binding import bind_to_cpu_slice
 from kestrel.distributed.lifecycle import allow_child_processes, exit_with_parent, free_tcp_port
 from kestrel.messages import ModelRunnerOutput, SchedulerOutput
@@ -317,6 +318,8 @@ def run_worker(config: EngineConfig, source: ModelSource, rank: int, init_method
         raise
     answers.send_multipart([str(READY_CALL_ID).encode(), rank_b, OK, b""])
     WorkerLoop(worker, steps, answers, rank_b, is_output_rank=rank == pc.world_size - pc.tensor_parallel_size).run()
+    del worker
+    destroy_distributed_environment()  # frees the shared-memory all-reduce segment
     answers.close()
     steps.close()
     ctx.term()
