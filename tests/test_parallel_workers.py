@@ -17,6 +17,8 @@ import torch
 from parity import TOP, Greedy, assert_greedy_close, hf_greedy
 
 from kestrel import LLM, SamplingParams
+from kestrel.engine.exceptions import EngineDeadError
+from kestrel.worker.multiproc_executor import WorkerFailed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -94,6 +96,11 @@ def _check_engine(llm: LLM, prompts, reference) -> None:
         assert num_exact >= len(prompts) - 1, num_exact
 
 
+def raise_on_rank_1(worker) -> None:
+    if worker.rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+
+
 def worker_cpu_binding(worker) -> tuple[list[int], int, int]:
     return sorted(os.sched_getaffinity(0)), torch.get_num_threads(), os.getpid()
 
@@ -115,6 +122,11 @@ def test_tensor_parallel_2_on_processes_matches_transformers(tiny):
         steps = executor.stats.steps - published
         # Each step goes out once to both workers, and only the sampling rank answers it.
         assert steps > 0 and executor.stats.step_answers - answers == steps
+        # A worker that raises fails the call, and the engine serves no more (nothing hangs).
+        with pytest.raises(WorkerFailed, match="worker rank 1 raised"):
+            executor.collective_rpc(raise_on_rank_1)
+        with pytest.raises(EngineDeadError, match="worker rank 1 raised"):
+            _greedy(llm, prompts[:1])
     finally:
         llm.llm_engine.engine_core.shutdown()
 

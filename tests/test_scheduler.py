@@ -545,3 +545,25 @@ def test_no_admission_in_a_step_that_preempted():
     assert [nr.req_id for nr in resumed] == ["v"]
     assert resumed[0].num_computed_tokens > 0
     assert h.tokens["r"] == h.tokens["v"] == reference_outputs({"r": p}, 10)["r"]
+
+
+def test_a_request_in_flight_is_not_scheduled_again_until_its_step_returns():
+    """The pipeline's batch queue schedules step N+1 before step N's results are back: a request in
+    step N (a decode, or a prefill with chunks left) waits for them; other requests go ahead."""
+    h = Harness(max_num_batched_tokens=8)
+    h.add("long", list(range(1, 21)))     # 20 tokens: chunks of 8
+    first = h.schedule()
+    assert first.num_scheduled_tokens == {"long": 8}
+    h.add("short", [5, 6, 7])
+    second = h.schedule()                 # "long" is in flight: only the newcomer is scheduled
+    assert second.num_scheduled_tokens == {"short": 3}
+    h.update(first, h.worker.execute(first))
+    h.update(second, h.worker.execute(second))
+    third = h.schedule()                  # both back: the decode first, then long's next chunk
+    assert third.num_scheduled_tokens == {"short": 1, "long": 7}
+    # A decode's input token reaches ranks that did not sample it through new_token_ids.
+    cached = third.scheduled_cached_reqs
+    assert cached.new_token_ids[cached.req_ids.index("short")] == h.tokens["short"][-1:]
+    assert cached.new_token_ids[cached.req_ids.index("long")] == []
+    h.update(third, h.worker.execute(third))
+    h.run()
