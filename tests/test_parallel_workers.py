@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from parity import TOP, Greedy, assert_greedy_close, hf_greedy
+from parity import TOP, Greedy, assert_greedy_close, hf_greedy, save_tiny_model
 
 from kestrel import LLM, SamplingParams
 from kestrel.engine.exceptions import EngineDeadError
@@ -48,29 +48,17 @@ def _prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, VOCAB) for _ in range(length)] for length in lengths]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from kestrel.model.loader import load_tokenizer, resolve_model
-    return load_tokenizer(resolve_model(None))
-
-
-def _tiny(kind: str, folder, tokenizer):
-    from transformers import AutoModelForCausalLM
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config(kind), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.08)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+def _tiny(kind: str, folder):
+    """The random-weight model saved to `folder` (the default model's tokenizer beside it), its prompts
+    and transformers' greedy continuations of them."""
+    model = save_tiny_model(folder, _config(kind))
     prompts = _prompts()
     return folder, prompts, hf_greedy(model, prompts, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module", params=["llama-4h-2kv", "llama-4h-1kv", "qwen3-6h-3kv"])
-def tiny(request, tmp_path_factory, tokenizer):
-    return _tiny(request.param, tmp_path_factory.mktemp(request.param), tokenizer)
+def tiny(request, tmp_path_factory):
+    return _tiny(request.param, tmp_path_factory.mktemp(request.param))
 
 
 # Chunked prefill (32-token budget) and preemption (24 blocks of 16 for 6 prompts of up to 146 tokens).
@@ -131,8 +119,8 @@ def test_tensor_parallel_2_on_processes_matches_transformers(tiny):
         llm.llm_engine.engine_core.shutdown()
 
 
-def test_pipeline_parallel_2_matches_transformers(tmp_path, tokenizer):
-    folder, prompts, reference = _tiny("llama-4h-2kv", tmp_path, tokenizer)
+def test_pipeline_parallel_2_matches_transformers(tmp_path):
+    folder, prompts, reference = _tiny("llama-4h-2kv", tmp_path)
     llm = LLM(model=str(folder), pipeline_parallel_size=2, **STRESS)
     try:
         core = llm.llm_engine.engine_core
@@ -142,8 +130,8 @@ def test_pipeline_parallel_2_matches_transformers(tmp_path, tokenizer):
         llm.llm_engine.engine_core.shutdown()
 
 
-def test_tensor_and_pipeline_parallel_2x2_matches_transformers(tmp_path, tokenizer):
-    folder, prompts, reference = _tiny("qwen3-6h-3kv", tmp_path, tokenizer)
+def test_tensor_and_pipeline_parallel_2x2_matches_transformers(tmp_path):
+    folder, prompts, reference = _tiny("qwen3-6h-3kv", tmp_path)
     llm = LLM(model=str(folder), tensor_parallel_size=2, pipeline_parallel_size=2, **STRESS)
     try:
         _check_engine(llm, prompts, reference)
@@ -151,9 +139,9 @@ def test_tensor_and_pipeline_parallel_2x2_matches_transformers(tmp_path, tokeniz
         llm.llm_engine.engine_core.shutdown()
 
 
-def test_tensor_parallel_2_on_ray_matches_transformers(tmp_path, tokenizer):
+def test_tensor_parallel_2_on_ray_matches_transformers(tmp_path):
     ray = pytest.importorskip("ray")
-    folder, prompts, reference = _tiny("qwen3-6h-3kv", tmp_path, tokenizer)
+    folder, prompts, reference = _tiny("qwen3-6h-3kv", tmp_path)
     ray.init(num_cpus=2, include_dashboard=False)
     try:
         llm = LLM(model=str(folder), tensor_parallel_size=2, distributed_executor_backend="ray", **STRESS)
