@@ -62,14 +62,6 @@ class GroupCoordinator:
         dist.all_reduce(t, group=self.group)
         return t
 
-    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Every member's `t` (same shape on all) concatenated along `dim`, in group order."""
-        if self.world_size == 1:
-            return t
-        parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
-
     def gather(self, t: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
         """Every member's `t` (same shape on all) concatenated along `dim` on member `dst`; None elsewhere."""
         if self.world_size == 1:
@@ -78,12 +70,6 @@ class GroupCoordinator:
         parts = [torch.empty_like(t) for _ in range(self.world_size)] if self.rank_in_group == dst else None
         dist.gather(t, parts, dst=self.ranks[dst], group=self.group)
         return torch.cat(parts, dim=dim) if parts is not None else None
-
-    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Member `src`'s `t` into every member's `t` (same shape and dtype on all), in place."""
-        if self.world_size > 1:
-            dist.broadcast(t, src=self.ranks[src], group=self.group)
-        return t
 
     def send(self, t: torch.Tensor, dst: int) -> None:
         """Point to point to member `dst` (blocking until the peer has it on gloo)."""
@@ -109,7 +95,6 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
 
 _TP: GroupCoordinator = GroupCoordinator([0], 0)
 _PP: GroupCoordinator = GroupCoordinator([0], 0)
-_WORLD: GroupCoordinator = GroupCoordinator([0], 0)
 _SHM = None  # this process's shared-memory all-reduce segment, if any (closed with the world)
 
 
@@ -123,22 +108,17 @@ def get_pp_group() -> GroupCoordinator:
     return _PP
 
 
-def get_world_group() -> GroupCoordinator:
-    return _WORLD
-
-
 def init_distributed_environment(rank: int, tensor_parallel_size: int, pipeline_parallel_size: int,
                                  init_method: str, backend: str = "gloo") -> None:
     """Join the world (`init_method`: the rendezvous, e.g. tcp://host:port) and build its groups.
     Every rank must call it with the same sizes; it returns once all have joined."""
-    global _TP, _PP, _WORLD
+    global _TP, _PP
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     world_size = tp * pp
     if world_size == 1:
-        _TP = _PP = _WORLD = GroupCoordinator([0], 0)
+        _TP = _PP = GroupCoordinator([0], 0)
         return
     dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank)
-    _WORLD = GroupCoordinator(list(range(world_size)), rank, dist.group.WORLD)
     # Every rank creates every group, in the same order (torch.distributed requires it), and keeps its own.
     for stage in range(pp):
         ranks = [stage * tp + t for t in range(tp)]
@@ -179,10 +159,10 @@ def _use_shared_memory_all_reduce(group: GroupCoordinator) -> None:
 
 
 def destroy_distributed_environment() -> None:
-    global _TP, _PP, _WORLD, _SHM
+    global _TP, _PP, _SHM
     if _SHM is not None:
         _SHM.close()
         _SHM = None
     if dist.is_initialized():
         dist.destroy_process_group()
-    _TP = _PP = _WORLD = GroupCoordinator([0], 0)
+    _TP = _PP = GroupCoordinator([0], 0)
