@@ -40,7 +40,7 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", 400,
                            "top_logprobs")
         ids = await self.in_tokenizer_thread(self.chat_prompt_ids, req.messages, req.add_generation_prompt,
-                                             req.chat_template_kwargs)
+                                             req.chat_template_kwargs, self.max_model_len)
         max_tokens, param = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"

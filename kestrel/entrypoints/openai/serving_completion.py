@@ -87,7 +87,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(p, str):
                 if not p:
                     raise APIError("prompt is empty", 400, "prompt")
-                out.append((p, self.tokenizer.encode(p, add_special_tokens=True)))
+                out.append((p, self.prompt_ids(p, add_special_tokens=True, limit=self.max_model_len)))
             else:
                 if not p:
                     raise APIError("prompt is empty (it has no tokens)", 400, "prompt")

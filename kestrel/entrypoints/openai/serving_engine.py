@@ -292,19 +292,41 @@ class OpenAIServing:
             raise APIError(f"token id {bad} is out of range for a vocabulary of {self.vocab_size}", 400, param)
 
     def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                        kwargs: dict[str, Any] | None = None) -> list[int]:
-        """The chat template applied and tokenized (blocking: call through `in_tokenizer_thread`)."""
+                        kwargs: dict[str, Any] | None = None, limit: int | None = None) -> list[int]:
+        """The chat template applied and tokenized (blocking: call through `in_tokenizer_thread`);
+        more than `limit` tokens is a 400."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError("this model's tokenizer has no chat template; use /v1/completions", 400, "messages")
         conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
         try:
-            ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True, return_dict=False, **(kwargs or {}))
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **(kwargs or {}))
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001 - a template error is the caller's input
             raise APIError(f"could not apply the chat template: {e}", 400, "messages") from None
-        return list(ids)
+        # As `apply_chat_template(tokenize=True)`: the template writes the special tokens itself.
+        return self.prompt_ids(text, add_special_tokens=False, limit=limit, param="messages")
+
+    def prompt_ids(self, text: str, add_special_tokens: bool, limit: int | None = None,
+                   param: str = "prompt") -> list[int]:
+        """`text` tokenized (blocking: call through `in_tokenizer_thread`); more than `limit` tokens is a
+        400. The count is checked before the ids become a Python list: for a 5 MB prompt that list is a
+        million ints, built holding the GIL for tens of milliseconds, which the event loop would feel."""
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:  # a slow (pure-Python) tokenizer
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            self.check_prompt_length(len(ids), limit, param)
+            return ids
+        # encode_batch releases the GIL while it tokenizes; encode does not.
+        encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        self.check_prompt_length(len(encoding), limit, param)
+        return encoding.ids
+
+    def check_prompt_length(self, n: int, limit: int | None, param: str) -> None:
+        if limit is not None and n > limit:
+            raise APIError(f"this model's maximum context length is {limit} tokens, but the prompt has {n} "
+                           "tokens", 400, param)
 
     def resolve_max_tokens(self, max_tokens: int | None, prompt_len: int, param: str = "max_tokens") -> int:
         if max_tokens is not None and max_tokens < 1:

@@ -17,8 +17,7 @@ class OpenAIServingTokenization(OpenAIServing):
         if req.messages is not None:
             ids = await self.in_tokenizer_thread(self.chat_prompt_ids, req.messages, req.add_generation_prompt)
         else:
-            ids = await self.in_tokenizer_thread(self.tokenizer.encode, req.prompt,
-                                                 add_special_tokens=req.add_special_tokens)
+            ids = await self.in_tokenizer_thread(self.prompt_ids, req.prompt, req.add_special_tokens)
         return {"tokens": list(ids), "count": len(ids), "max_model_len": self.max_model_len}
 
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
