@@ -11,11 +11,12 @@ from server_process import Server
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
+# Pipeline stages behind a server run the same executor and engine-core code as tensor ranks; they are
+# tested offline (test_parallel_workers, test_tp_model), which saves a server start here.
 @pytest.mark.parametrize("flags", [
     ("-tp", "2"),
-    ("-pp", "2"),
     ("-tp", "2", "--distributed-executor-backend", "ray"),
-], ids=["tp2-mp", "pp2-mp", "tp2-ray"])
+], ids=["tp2-mp", "tp2-ray"])
 def test_a_parallel_server_answers_a_chat_request(flags):
     server = Server(*flags, "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "64MiB")
     try:

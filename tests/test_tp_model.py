@@ -304,9 +304,9 @@ def test_tensor_2_by_pipeline_2_matches_unsharded(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [2, 3])
+@pytest.mark.parametrize("tp", [2])  # TP=3 on the default model: test_parity_default_model
 def test_default_model_matches_unsharded(tmp_path: Path, tp: int) -> None:
-    """SmolLM2-135M (9 heads, 3 KV heads, tied embeddings, Q4_1/Q8_0 GGUF) at tp 2 (heads 6 + 3) and 3."""
+    """SmolLM2-135M (9 heads, 3 KV heads, tied embeddings, Q4_1/Q8_0 GGUF) at tp 2 (heads 6 + 3)."""
     # 30 layers of all-reduces in another order than one matmul: logits of magnitude ~10 move by ~1e-4.
     _check_paths(tp, 1, {"default": str(default_model_path())}, tmp_path, atol=5e-4)
 
