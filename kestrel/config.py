@@ -20,6 +20,7 @@ INT8_KV_BLOCK = 16
 KV_CACHE_DTYPES = ("auto", "int8")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    num_speculative_tokens: int = 0   # most draft tokens scheduled per request and step
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,54 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's `--speculative-config` JSON: a proposer drafts up to
+    `num_speculative_tokens` tokens per request and step, and the target model verifies them all in
+    its next forward. `ngram` looks the context's last n-gram (`prompt_lookup_max` down to
+    `prompt_lookup_min` tokens) up in the context itself; `draft_model` runs `model`, a smaller model
+    with the same vocabulary, beside the target in the same worker."""
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be a whole number >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: method draft_model needs a \"model\" (a path to the draft "
+                             "model), and only draft_model takes one")
+
+    @classmethod
+    def from_dict(cls, value: dict) -> SpeculativeConfig:
+        """From vLLM's JSON keys; `method` may be left out when `model` is given (a draft model)."""
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        value = dict(value)
+        if "method" not in value:
+            value["method"] = "draft_model" if value.get("model") else None
+        if value["method"] == "ngram" and "prompt_lookup_max" in value and "prompt_lookup_min" not in value:
+            value["prompt_lookup_min"] = min(cls.prompt_lookup_min, value["prompt_lookup_max"])
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config: num_speculative_tokens is required")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -124,6 +174,13 @@ class EngineConfig:
     enforce_eager: bool = False        # True: decode steps through the model's forward, never a decode plan
     disable_log_stats: bool = False
     attention_backend: str = "auto"    # auto | torch | cpu: see kestrel/attention
+    speculative: SpeculativeConfig | None = None
+    # The draft model's shape (speculative method draft_model): read at start-up like the target's.
+    draft_model: ModelConfig | None = None
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative is not None else 0
 
 
 @dataclass
@@ -152,6 +209,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # uni | mp | ray; None: uni for one worker, else mp
+    speculative_config: dict | str | None = None     # vLLM's JSON: {"method": "ngram", ...}
 
     @classmethod
     def field_names(cls) -> set[str]:

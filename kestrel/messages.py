@@ -77,6 +77,25 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
         return self.finish_reason is not None
 
 
+class SpecDecodingStats(msgspec.Struct, array_like=True):
+    """Speculative decoding in one step, as vLLM counts it: a draft is one request's proposed tokens
+    verified in one step; `num_accepted_tokens_per_pos[j]` counts drafts whose token j was accepted."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
+
+    def add(self, other: SpecDecodingStats) -> None:
+        """Count `other`'s drafts in too (totals over steps)."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (len(other.num_accepted_tokens_per_pos) - len(per_pos)))
+        for j, n in enumerate(other.num_accepted_tokens_per_pos):
+            per_pos[j] += n
+
+
 class SchedulerStats(msgspec.Struct, array_like=True):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -86,6 +105,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_preemptions: int = 0        # in this step
     num_prompt_tokens: int = 0      # computed in this step
     num_generation_tokens: int = 0  # sampled in this step
+    spec_decoding: SpecDecodingStats | None = None  # None without speculative decoding
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -140,6 +160,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # Requests the worker must forget before this step (finished, aborted or preempted).
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
+    # Draft tokens to verify this step, per request: the last of its `num_scheduled_tokens` are these
+    # (after the one sampled token that starts them).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -147,13 +170,16 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True):
-    # Requests that sampled a token this step (a partial prefill chunk samples nothing).
+    # Requests that sampled a token this step (a partial prefill chunk samples nothing). With draft
+    # tokens to verify, a request samples the accepted drafts and one more token.
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[Logprobs | None]
     # Requests that asked for prompt logprobs and computed prompt tokens this step (sampling or not):
     # req_id → (index in the prompt of the first token scored, one row per prompt token from there).
     prompt_logprobs: dict[str, tuple[int, Logprobs]] = msgspec.field(default_factory=dict)
+    # Draft tokens proposed for the next step, per entry of `req_ids` (speculative decoding only).
+    spec_token_ids: list[list[int]] = msgspec.field(default_factory=list)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])

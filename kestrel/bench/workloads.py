@@ -85,3 +85,32 @@ def w4_shared_prefix(num_requests: int = W4_NUM_REQUESTS, prefix_len: int = W4_P
     rng = np.random.default_rng(seed)
     prefix = random_token_ids(rng, prefix_len)
     return [BenchRequest(prefix + random_token_ids(rng, unique_len), output_len) for _ in range(num_requests)]
+
+
+# W5: copy-heavy (speculative decoding).
+W5_NUM_REQUESTS = 32
+W5_LIST_LINES = 13        # about 300 prompt tokens with the default model's tokenizer and chat template
+W5_OUTPUT_LEN = 200
+W5_SEED = 0
+_W5_ITEMS = ("blue widget", "steel bolt", "oak plank", "copper wire", "glass jar", "paper roll", "wool scarf",
+             "clay pot", "brass hinge", "linen towel", "cedar box", "rubber seal", "cotton rope", "tin can")
+_W5_CITIES = ("Lyon", "Porto", "Graz", "Turku", "Ghent", "Split", "Bergen", "Brno", "Cork", "Pisa", "Malmo", "Bonn")
+
+
+def w5_copy_messages(num_requests: int = W5_NUM_REQUESTS, seed: int = W5_SEED) -> list[list[dict[str, str]]]:
+    """W5: per request a chat asking to repeat an order list of W5_LIST_LINES lines with one line
+    changed; the lists and the line to change are drawn from one seeded generator, in request order."""
+    rng = np.random.default_rng(seed)
+    chats = []
+    for _ in range(num_requests):
+        lines = [f"{i + 1}. Order #{int(rng.integers(10000, 99999))}: {int(rng.integers(1, 9))} x "
+                 f"{_pick(rng, _W5_ITEMS)}, shipped to {_pick(rng, _W5_CITIES)}" for i in range(W5_LIST_LINES)]
+        changed = int(rng.integers(1, W5_LIST_LINES + 1))
+        city = _pick(rng, _W5_CITIES)
+        ask = f"Repeat the list exactly, line by line, but in line {changed} change the city to {city}."
+        chats.append([{"role": "user", "content": "Here is a list of orders:\n" + "\n".join(lines) + "\n\n" + ask}])
+    return chats
+
+
+def _pick(rng: np.random.Generator, choices: tuple[str, ...]) -> str:
+    return choices[int(rng.integers(len(choices)))]

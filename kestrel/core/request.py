@@ -60,6 +60,9 @@ class Request:
         # after a preemption recomputes the prompt, only the rest are sent.
         self.num_prompt_logprobs_sent = 0
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks
+        # Draft tokens proposed after its last step, to verify in its next one. Never part of
+        # `all_token_ids` (nor of a block hash) until the model accepts them.
+        self.spec_token_ids: list[int] = []
         self.events: list[tuple[EventType, float]] = [(EventType.QUEUED, time.monotonic())]
 
     @classmethod

@@ -10,6 +10,12 @@ blocks last. When blocks run out for a running request, the last request in that
 (recompute: its blocks are freed, its progress reset, and it goes back to the head of the waiting
 queue); no waiting request is admitted in a step that preempted.
 
+Speculative decoding is the same rule with draft tokens counted in: a decoding request with drafts
+(proposed by the worker after its last step) is scheduled for 1 + len(drafts) tokens, budgeted and
+given KV slots like any others. When the results come back, `num_computed_tokens` moves back over the
+rejected drafts, so their slots are written again by the next step; drafts never enter
+`all_token_ids` unless accepted, so no block is hashed with a token the model did not accept.
+
 With pipeline stages the engine core keeps several steps in flight: a request in a step whose
 results have not come back (`in_flight`) is not scheduled again until they have, since its next
 step needs them.
@@ -38,6 +44,7 @@ from kestrel.messages import (
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
+    SpecDecodingStats,
 )
 
 
@@ -56,6 +63,8 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._step_preemptions = 0
         self._step_prompt_tokens = 0
+        self._spec_stats = (SpecDecodingStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
+                            if config.num_speculative_tokens else None)
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -95,6 +104,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted: list[Request] = []
+        spec_tokens: dict[str, list[int]] = {}
 
         # Decodes first, then prefill chunks; preemption victims come from the end of this order.
         ready = [r for r in self.running if r.request_id not in self.in_flight]
@@ -103,7 +113,8 @@ class Scheduler:
         i = 0
         while i < len(order) and budget > 0:
             request = order[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = self._drafts_to_schedule(request)
+            num_new = min(request.num_tokens + len(drafts) - request.num_computed_tokens, budget)
             new_blocks = self.kv.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = order.pop()
@@ -121,6 +132,10 @@ class Scheduler:
                 request.all_token_ids[max(request.num_computed_tokens, request.num_prompt_tokens):
                                       request.num_computed_tokens + num_new])
             num_scheduled[request.request_id] = num_new
+            num_drafts = num_new - (request.num_tokens - request.num_computed_tokens)
+            if num_drafts > 0:
+                spec_tokens[request.request_id] = drafts[:num_drafts]
+            request.spec_token_ids = []
             budget -= num_new
             i += 1
 
@@ -141,9 +156,19 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = set()
         return output
+
+    def _drafts_to_schedule(self, request: Request) -> list[int]:
+        """The request's drafts that could still be accepted: one sampled token always follows them, and
+        neither max_model_len nor max_tokens may be passed."""
+        if not request.spec_token_ids:
+            return []
+        room = min(self.config.max_model_len - request.num_tokens,
+                   request.max_tokens - request.num_output_tokens) - 1
+        return request.spec_token_ids[:max(room, 0)]
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
                        new_reqs: list[NewRequestData]) -> int:
@@ -182,6 +207,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         request.record_event(EventType.PREEMPTED)
         self.waiting.appendleft(request)
@@ -196,12 +222,16 @@ class Scheduler:
         num_generated = 0
         self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         prompt_logprobs = self._take_prompt_logprobs(runner_output)
-        for request_id, token_ids, logprobs in zip(runner_output.req_ids,
-                                                   runner_output.sampled_token_ids,
-                                                   runner_output.logprobs):
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        proposals = runner_output.spec_token_ids
+        for i, (request_id, token_ids, logprobs) in enumerate(zip(runner_output.req_ids,
+                                                                  runner_output.sampled_token_ids,
+                                                                  runner_output.logprobs)):
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue  # aborted while its step ran
+            if request_id in drafts:
+                self._roll_back_rejected(request, len(drafts[request_id]), len(token_ids) - 1)
             new_token_ids: list[int] = []
             for token_id in token_ids:
                 request.append_output_token_ids([token_id])
@@ -212,6 +242,8 @@ class Scheduler:
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
+            elif proposals:
+                request.spec_token_ids = proposals[i]
             outputs.append(EngineCoreOutput(
                 request_id=request_id,
                 new_token_ids=new_token_ids,
@@ -233,6 +265,16 @@ class Scheduler:
             ))
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(num_generated),
                                  timestamp=time.monotonic())
+
+    def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """The step computed KV for every draft; only the accepted ones stay computed."""
+        request.num_computed_tokens -= num_drafts - num_accepted
+        stats = self._spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            stats.num_accepted_tokens_per_pos[position] += 1
 
     def _take_prompt_logprobs(self, runner_output: ModelRunnerOutput) -> dict[str, Logprobs]:
         """The step's prompt-logprob rows of live requests, without the positions already sent."""
@@ -287,6 +329,14 @@ class Scheduler:
             num_preemptions=self._step_preemptions,
             num_prompt_tokens=self._step_prompt_tokens,
             num_generation_tokens=num_generated,
+            spec_decoding=self._take_spec_stats(),
         )
         self._step_preemptions = self._step_prompt_tokens = 0
+        return stats
+
+    def _take_spec_stats(self) -> SpecDecodingStats | None:
+        stats = self._spec_stats
+        if stats is None or not stats.num_drafts:
+            return None
+        self._spec_stats = SpecDecodingStats(num_accepted_tokens_per_pos=[0] * self.config.num_speculative_tokens)
         return stats

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from kestrel.config import (
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     resolve_bytes,
     resolve_device,
     resolve_dtype,
@@ -44,6 +46,17 @@ def parse_bytes(text: str) -> int:
         return _config.parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_json_object(text: str) -> dict:
+    """argparse type: a JSON object, such as --speculative-config's."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +108,11 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                f"how the engine core reaches its workers: {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)} "
                "(uni: one worker in the engine core's process; mp: a process per rank; ray: Ray actors); "
                "default uni for one worker, mp for more"),
+    EngineFlag("--speculative-config", "speculative_config", parse_json_object,
+               'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+               '"prompt_lookup_max": 4, "prompt_lookup_min": 2} drafts tokens by looking the last n-gram up in the '
+               'context; {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} drafts them with a '
+               "smaller model"),
 )
 
 
@@ -128,6 +146,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, A
     """Resolve the model, read its config and tokenizer, and fix every setting: (config, source,
     tokenizer). Settings that need no model are checked first, so a bad flag fails fast."""
     check_settings(args)
+    speculative = speculative_config(args.speculative_config)
     parallel = parallel_config(args)
     check_parallel_supported(parallel)
     source = resolve_model(args.model)
@@ -147,13 +166,14 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, A
                           kv_cache_memory=resolve_bytes("kv_cache_memory", args.kv_cache_memory),
                           num_kv_blocks=args.num_kv_blocks,
                           kv_cache_dtype=args.kv_cache_dtype),
-        scheduler=scheduler_config(args, model.max_model_len),
+        scheduler=scheduler_config(args, model.max_model_len, speculative),
         device=DeviceConfig(device),
         parallel=parallel,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         disable_log_stats=args.disable_log_stats,
         attention_backend=args.attention_backend,
+        speculative=speculative,
     )
     return config, source, tokenizer
 
@@ -174,6 +194,18 @@ def check_settings(args: EngineArgs) -> None:
                          f"got {args.attention_backend!r}")
 
 
+def speculative_config(value: dict | str | SpeculativeConfig | None) -> SpeculativeConfig | None:
+    """`speculative_config` as given from Python (a dict, JSON text or the config) or the command line."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config {value!r} is not valid JSON: {exc}") from None
+    return SpeculativeConfig.from_dict(value)
+
+
 def parallel_config(args: EngineArgs) -> ParallelConfig:
     """The sizes as given; the executor backend, when not given, is uni for one worker and mp for more
     (as vLLM chooses on one machine)."""
@@ -189,7 +221,8 @@ def check_parallel_supported(parallel: ParallelConfig) -> None:
     executor_class(parallel)
 
 
-def scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
+def scheduler_config(args: EngineArgs, max_model_len: int,
+                     speculative: SpeculativeConfig | None = None) -> SchedulerConfig:
     budget = args.max_num_batched_tokens
     if budget is None:
         budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if args.enable_chunked_prefill else max(
@@ -200,7 +233,8 @@ def scheduler_config(args: EngineArgs, max_model_len: int) -> SchedulerConfig:
         raise ValueError(f"without chunked prefill, max_num_batched_tokens ({budget}) must be at least "
                          f"max_model_len ({max_model_len})")
     return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
-                           max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill)
+                           max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+                           num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0)
 
 
 def _first(value: Any) -> Any:

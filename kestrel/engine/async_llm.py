@@ -34,7 +34,7 @@ from kestrel.engine.exceptions import EngineDeadError, EngineStoppedError
 from kestrel.engine.output_processor import OutputProcessor
 from kestrel.engine.processor import Processor, PromptType
 from kestrel.engine.stat_logger import LoggingStatLogger
-from kestrel.messages import EngineCoreFailure, SchedulerStats
+from kestrel.messages import EngineCoreFailure, SchedulerStats, SpecDecodingStats
 from kestrel.model.loader import ModelSource
 from kestrel.outputs import CompletionOutput, RequestOutput
 from kestrel.sampling_params import SamplingParams
@@ -58,6 +58,7 @@ class AsyncLLM:
         # Per engine core, as it last reported, and its cumulative counters (COUNTER_KEYS).
         self.core_stats: list[SchedulerStats | None] = [None] * size
         self.core_counters: list[dict[str, int]] = [dict.fromkeys(COUNTER_KEYS, 0) for _ in range(size)]
+        self.core_spec_decoding: list[SpecDecodingStats] = [SpecDecodingStats() for _ in range(size)]
         # One stats line per engine core, as vLLM logs them ("Engine 0: ..." when there are several).
         self.stat_loggers = [LoggingStatLogger.from_config(config, f"Engine {i}" if size > 1 else None)
                              for i in range(size)]
@@ -138,6 +139,8 @@ class AsyncLLM:
         c["preemptions"] += stats.num_preemptions
         c["prefix_cache_queries"] += stats.prefix_cache_queries
         c["prefix_cache_hits"] += stats.prefix_cache_hits
+        if stats.spec_decoding is not None:
+            self.core_spec_decoding[index].add(stats.spec_decoding)
 
     def _on_failure(self, core: EngineCoreProcess, failure: EngineCoreFailure) -> None:
         # Each request's state ends as the engine core ended it (FinishReason.ERROR); their streams

@@ -21,7 +21,7 @@ from kestrel.engine.exceptions import EngineDeadError
 from kestrel.engine.output_processor import OutputProcessor
 from kestrel.engine.processor import Processor, PromptType
 from kestrel.engine.stat_logger import LoggingStatLogger
-from kestrel.messages import SchedulerStats
+from kestrel.messages import SchedulerStats, SpecDecodingStats
 from kestrel.model.loader import ModelSource
 from kestrel.outputs import RequestOutput
 from kestrel.sampling_params import SamplingParams
@@ -41,6 +41,7 @@ class LLMEngine:
             EngineCore(config, executor_class(config.parallel)(config, source))
             if config.parallel.data_parallel_size == 1 else SyncEngineCoreClient(config, source))
         self.last_stats: SchedulerStats | None = None
+        self.spec_decoding_stats = SpecDecodingStats()  # totals since start (speculative decoding)
         self.stat_logger = LoggingStatLogger.from_config(config)
         self.error: EngineDeadError | None = None  # set when a step fails: the engine serves no more
 
@@ -81,6 +82,8 @@ class LLMEngine:
         if outputs.scheduler_stats is not None:
             self.last_stats = outputs.scheduler_stats
             self.stat_logger.record(outputs.scheduler_stats)
+            if outputs.scheduler_stats.spec_decoding is not None:
+                self.spec_decoding_stats.add(outputs.scheduler_stats.spec_decoding)
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)

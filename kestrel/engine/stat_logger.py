@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from kestrel.config import EngineConfig
-from kestrel.messages import SchedulerStats
+from kestrel.messages import SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class LoggingStatLogger:
         self.prefix_cache_queries = 0  # since start
         self.prefix_cache_hits = 0
         self.latest: SchedulerStats | None = None
+        self.spec_decoding = SpecDecodingStats()  # since the last line
 
     @classmethod
     def from_config(cls, config: EngineConfig, label: str | None = None) -> LoggingStatLogger:
@@ -59,6 +60,8 @@ class LoggingStatLogger:
         self.generation_tokens += stats.num_generation_tokens
         self.prefix_cache_queries += stats.prefix_cache_queries
         self.prefix_cache_hits += stats.prefix_cache_hits
+        if stats.spec_decoding is not None:
+            self.spec_decoding.add(stats.spec_decoding)
         self.latest = stats
         if self.clock() - self.last_log_time >= self.interval_s:
             self.log()
@@ -77,6 +80,7 @@ class LoggingStatLogger:
         line = self.format_line(now - self.last_log_time)
         busy = not self._idle()
         self.prompt_tokens = self.generation_tokens = 0
+        self.spec_decoding = SpecDecodingStats()
         self.last_log_time = now
         if not busy:
             return None
@@ -92,4 +96,16 @@ class LoggingStatLogger:
                 f"Avg generation throughput: {self.generation_tokens / elapsed_s:.1f} tokens/s, "
                 f"Running: {latest.num_running_reqs} reqs, Waiting: {latest.num_waiting_reqs} reqs, "
                 f"KV cache usage: {100 * latest.kv_cache_usage:.1f}%, "
-                f"Prefix cache hit rate: {100 * hit_rate:.1f}%")
+                f"Prefix cache hit rate: {100 * hit_rate:.1f}%"
+                + self.format_spec_decoding())
+
+    def format_spec_decoding(self) -> str:
+        """vLLM's figures: mean acceptance length (tokens per draft step, the sampled one included),
+        accepted of drafted tokens, and the acceptance rate at each draft position."""
+        s = self.spec_decoding
+        if not s.num_drafts:
+            return ""
+        per_pos = ", ".join(f"{n / s.num_drafts:.3f}" for n in s.num_accepted_tokens_per_pos)
+        return (f", Spec decode: mean acceptance length {1 + s.num_accepted_tokens / s.num_drafts:.2f}, "
+                f"accepted {s.num_accepted_tokens}/{s.num_draft_tokens} draft tokens "
+                f"({100 * s.num_accepted_tokens / max(s.num_draft_tokens, 1):.1f}%), per position: {per_pos}")

@@ -3,7 +3,7 @@
     kestrel generate "PROMPT" [--chat] [--max-tokens N] [--temperature T] [engine flags]
     kestrel chat [engine flags]
     kestrel serve [MODEL] [--host H] [--port P] [--api-key K] [--served-model-name N] [engine flags]
-    kestrel bench {throughput,latency,serve,parity} [options] [engine flags]
+    kestrel bench {throughput,latency,serve,parity,speculative} [options] [engine flags]
 
 Engine flags are named as vLLM names them and map one-to-one onto `EngineArgs` fields; they are
 listed once, in kestrel/engine/arg_utils.py (ENGINE_FLAGS). The benchmark commands are imported only
@@ -126,7 +126,7 @@ def build_parser(include_bench: bool = True) -> argparse.ArgumentParser:
     add_engine_flags(serve)
     serve.set_defaults(handler=run_serve)
 
-    bench = commands.add_parser("bench", help="benchmarks: throughput, latency, serve, parity")
+    bench = commands.add_parser("bench", help="benchmarks: throughput, latency, serve, parity, speculative")
     if include_bench:
         add_bench_commands(bench)
     return parser
@@ -136,6 +136,7 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     from kestrel.bench import latency as bench_latency
     from kestrel.bench import parity as bench_parity
     from kestrel.bench import serve as bench_serve
+    from kestrel.bench import speculative as bench_speculative
     from kestrel.bench import throughput as bench_throughput
 
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -156,6 +157,11 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
                                                         "server, with peers (workload W3)")
     bench_latency.add_cli_args(latency_parser)
     latency_parser.set_defaults(handler=bench_latency.main)
+    speculative_parser = benches.add_parser("speculative", help="n-gram speculative decoding against none "
+                                                                "(workload W5)")
+    bench_speculative.add_cli_args(speculative_parser)
+    add_engine_flags(speculative_parser)
+    speculative_parser.set_defaults(handler=lambda args: bench_speculative.main(args, engine_kwargs(args)))
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

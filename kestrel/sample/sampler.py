@@ -30,19 +30,9 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         assert logits.shape[-1] == metadata.vocab_size, (logits.shape, metadata.vocab_size)
-        # The steps below that change the logits do it in place, on a float32 copy, so that the
-        # caller's tensor stays as it was. A batch that only takes the argmax (all greedy, no
-        # penalties, no min_tokens) changes nothing, and skips the copy ([B, V] floats, ~10 MB at
-        # 52 rows of a 49k vocabulary, a fresh allocation each step).
-        if metadata.all_greedy and metadata.no_penalties and metadata.min_tokens_rows is None:
-            logits = logits.float()
-        else:
-            logits = logits.to(torch.float32, copy=True)
-        raw_logprobs = (logits.log_softmax(dim=-1)
-                        if metadata.max_num_logprobs is not None else None)
-
-        apply_min_tokens(logits, metadata)
-        apply_penalties(logits, metadata)
+        # The steps below that change the logits do it in place, on a float32 copy when they change
+        # anything, so that the caller's tensor stays as it was.
+        logits, raw_logprobs = prepare_logits(logits, metadata)
         sampled = sample(logits, metadata, self.argmax_rows)
 
         if raw_logprobs is None:
@@ -50,6 +40,22 @@ class Sampler(torch.nn.Module):
         token_ids, logprobs, ranks = gather_logprobs(raw_logprobs, sampled,
                                                      metadata.max_num_logprobs)
         return SamplerOutput(sampled, token_ids, logprobs, ranks)
+
+
+def prepare_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(float32 logits with min_tokens and penalties applied, raw logprobs if any row asks). The
+    caller's tensor is never changed."""
+    # A batch that only takes the argmax (all greedy, no penalties, no min_tokens) changes nothing,
+    # and skips the copy ([B, V] floats, ~10 MB at 52 rows of a 49k vocabulary, a fresh allocation
+    # each step).
+    if metadata.all_greedy and metadata.no_penalties and metadata.min_tokens_rows is None:
+        logits = logits.float()
+    else:
+        logits = logits.to(torch.float32, copy=True)
+    raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
+    apply_min_tokens(logits, metadata)
+    apply_penalties(logits, metadata)
+    return logits, raw_logprobs
 
 
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -108,13 +114,18 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata,
 def sample_random(logits: torch.Tensor, metadata: SamplingMetadata,
                   argmax_rows: Argmax = argmax_reference) -> torch.Tensor:
     """Temperature, min_p, top_k, top_p, then a draw from the softmax. Modifies `logits`."""
+    return sample_by_exponential_race(random_probs(logits, metadata), metadata.row_seeds, argmax_rows)
+
+
+def random_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution random rows draw from: temperature, min_p, top_k, top_p, softmax. Modifies
+    `logits`; greedy rows (temperature 1, no filters) come out as the plain softmax."""
     logits.div_(metadata.temperature.unsqueeze(1))
     if metadata.min_p is not None:
         apply_min_p(logits, metadata.min_p)
     if metadata.top_k is not None or metadata.top_p is not None:
         apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-    probs = logits.softmax(dim=-1)
-    return sample_by_exponential_race(probs, metadata.row_seeds, argmax_rows)
+    return logits.softmax(dim=-1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

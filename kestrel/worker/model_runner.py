@@ -16,6 +16,13 @@ and residual instead of embedding tokens, and one other than the last sends its 
 stage's tensor ranks turn rows into logits together, and only its first tensor rank (the output rank)
 samples and answers. The others learn the sampled tokens from the next step's `new_token_ids`.
 
+Speculative decoding: a request with draft tokens this step (`scheduled_spec_decode_tokens`, always
+after its last known token) computes them like prefill tokens, and all of its last 1 + k rows become
+logits; the rejection sampler keeps the accepted drafts and one more token. Every rank appends the
+drafts to the request's tokens while the step runs; the output rank then replaces them with what it
+sampled, the others keep them until the next step's `num_computed_tokens` says how many were accepted
+(the accepted ones are the drafts themselves). The proposer then drafts the next step's tokens.
+
 Prompt logprobs: for a request that asks (`prompt_logprobs`), the rows of its scheduled prompt
 positions are turned into logits too (the row at position p scores prompt token p + 1), chunk by
 chunk as the scheduler splits the prefill. Nothing extra runs when no request in the step asks.
@@ -36,8 +43,10 @@ from kestrel.messages import EMPTY_MODEL_RUNNER_OUTPUT, Logprobs, ModelRunnerOut
 from kestrel.model import IntermediateTensors
 from kestrel.model.decode_plan import DecodePlan
 from kestrel.sample import Sampler, SamplerOutput, SamplingMetadata
+from kestrel.sample.rejection_sampler import RejectionSampler
 from kestrel.sample.sampler import gather_logprobs
 from kestrel.sampling_params import SamplingParams
+from kestrel.worker.spec_decode import NgramProposer
 
 # Prompt rows turned into logits at a time for prompt logprobs (bounds the [rows, vocab] tensors).
 PROMPT_LOGPROBS_ROWS = 256
@@ -55,6 +64,9 @@ class CachedRequestState:
     # Whether this request wants prompt logprobs from the worker. A request resumed after a
     # preemption with tokens already sampled has sent all of them, so it does not.
     wants_prompt_logprobs: bool = False
+    # Drafts at the end of `token_ids` that the step now running verifies (or, on a rank that does not
+    # sample, that the last step verified): not known to be part of the request yet.
+    num_pending_drafts: int = 0
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> CachedRequestState:
@@ -71,6 +83,10 @@ class CachedRequestState:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) - self.num_pending_drafts
+
 
 @dataclass
 class BatchInputs:
@@ -78,7 +94,8 @@ class BatchInputs:
     positions: torch.Tensor
     attn: CommonAttentionMetadata
     sample_req_ids: list[str]        # requests that sample this step, in logits-row order
-    sample_rows: torch.Tensor        # their last token's row in the flattened batch
+    sample_rows: torch.Tensor        # their last token's row in the flattened batch (with k drafts: k + 1 rows)
+    sample_drafts: list[list[int]]   # per sampling request, the drafts it verifies (mostly none)
     # Requests scoring prompt tokens this step: (req_id, first row, index in the prompt of the first
     # token scored, number of tokens scored); rows are consecutive.
     prompt_logprob_spans: list[tuple[str, int, int, int]]
@@ -94,6 +111,9 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
         self.sampler = Sampler(self.device)
+        self.rejection_sampler = RejectionSampler(self.sampler.argmax_rows)
+        spec = config.speculative
+        self.proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         self.shard = model.shard
         self.pp = get_pp_group()
         self.is_first_stage, self.is_last_stage = self.pp.is_first_rank, self.pp.is_last_rank
@@ -134,7 +154,7 @@ class ModelRunner:
         hidden = self.model(ids, positions, None, self.attn.build_metadata(common), intermediate)
         if not self.is_last_stage:
             return  # no collective here: each rank profiles alone
-        num_rows = min(sched.max_num_seqs, num_tokens)
+        num_rows = min(sched.max_num_seqs * (1 + self.config.num_speculative_tokens), num_tokens)
         logits = self.model.compute_logits(hidden[:num_rows])
         if logits is not None:
             params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)] * num_rows
@@ -170,15 +190,51 @@ class ModelRunner:
         if logits is None:  # another tensor rank samples
             return None
         states = [self.requests[r] for r in batch.sample_req_ids]
-        metadata = SamplingMetadata.build(
-            [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
-            [s.output_token_ids for s in states], [s.eos_token_id for s in states],
-            self.vocab_size, self.device)
-        sampled = self.sampler(logits, metadata)
-        output = self._make_output(states, sampled)
+        if any(batch.sample_drafts):
+            output = self._verify_drafts(states, logits, batch.sample_drafts)
+        else:
+            metadata = SamplingMetadata.build(
+                [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
+                [s.output_token_ids for s in states], [s.eos_token_id for s in states],
+                self.vocab_size, self.device)
+            output = self._make_output(states, self.sampler(logits, metadata))
         if prompt_logprobs:
             output.prompt_logprobs = prompt_logprobs
+        if self.proposer is not None:
+            output.spec_token_ids = [self.proposer.propose(s.token_ids) for s in states]
         return output
+
+    def _verify_drafts(self, states: list[CachedRequestState], logits: torch.Tensor,
+                       drafts: list[list[int]]) -> ModelRunnerOutput:
+        """The rejection sampler over each request's 1 + k rows; the request's tokens keep what it
+        accepted and sampled, instead of the drafts."""
+        params, prompts, outputs, eos = [], [], [], []
+        for state, request_drafts in zip(states, drafts):
+            known_outputs = state.token_ids[state.num_prompt_tokens:state.num_known_tokens]
+            for j in range(len(request_drafts) + 1):
+                params.append(state.sampling_params)
+                prompts.append(state.prompt_token_ids)
+                outputs.append(known_outputs + request_drafts[:j])
+                eos.append(state.eos_token_id)
+        metadata = SamplingMetadata.build(params, prompts, outputs, eos, self.vocab_size, self.device)
+        verified = self.rejection_sampler(logits, metadata, drafts)
+        logprobs: list[Logprobs | None] = [None] * len(states)
+        if verified.logprobs is not None:
+            ids, lps, ranks = (verified.logprob_token_ids.tolist(), verified.logprobs.tolist(),
+                               verified.sampled_ranks.tolist())
+        row = 0
+        for i, (state, tokens) in enumerate(zip(states, verified.token_ids)):
+            n = state.sampling_params.logprobs
+            if n is not None:
+                rows = range(row, row + len(tokens))
+                logprobs[i] = Logprobs([ids[r][:n + 1] for r in rows], [lps[r][:n + 1] for r in rows],
+                                       [ranks[r] for r in rows])
+            del state.token_ids[state.num_known_tokens:]
+            state.token_ids.extend(tokens)
+            state.num_pending_drafts = 0
+            row += len(drafts[i]) + 1
+        return ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=verified.token_ids,
+                                 logprobs=logprobs)
 
     def _forward(self, batch: BatchInputs,
                  intermediate: IntermediateTensors | None) -> torch.Tensor | IntermediateTensors:
@@ -217,6 +273,9 @@ class ModelRunner:
             state = self.requests[req_id]
             state.block_ids.extend(new_blocks)
             state.num_computed_tokens = num_computed
+            if state.num_pending_drafts:  # the last step's drafts: those before num_computed were accepted
+                del state.token_ids[max(num_computed, state.num_prompt_tokens):]
+                state.num_pending_drafts = 0
             if new_tokens:  # a rank that did not sample them (the one that did has them already)
                 first = max(num_computed, state.num_prompt_tokens)
                 state.token_ids[first:first + len(new_tokens)] = new_tokens
@@ -237,6 +296,8 @@ class ModelRunner:
         slots: list[np.ndarray] = []
         sample_req_ids: list[str] = []
         sample_rows: list[int] = []
+        sample_drafts: list[list[int]] = []
+        spec_tokens = so.scheduled_spec_decode_tokens
         prompt_logprob_spans: list[tuple[str, int, int, int]] = []
         prefills: list[PrefillSpan] = []
         row = 0
@@ -244,16 +305,22 @@ class ModelRunner:
             state = self.requests[req_id]
             n, start = scheduled[req_id], state.num_computed_tokens
             end = start + n
-            input_ids.extend(state.token_ids[start:end])
+            drafts = spec_tokens.get(req_id, [])
+            input_ids.extend(state.token_ids[start:end - len(drafts)])
+            input_ids.extend(drafts)
             pos = np.arange(start, end)
             positions.append(pos)
             table = np.asarray(state.block_ids, dtype=np.int64)
             slots.append(table[pos // bs] * bs + pos % bs)
             if n > 1:
                 prefills.append(PrefillSpan(row, row + n, start, table))
-            if end == len(state.token_ids):
+            if end - len(drafts) == len(state.token_ids):
                 sample_req_ids.append(req_id)
-                sample_rows.append(row + n - 1)
+                sample_rows.extend(range(row + n - 1 - len(drafts), row + n))
+                sample_drafts.append(drafts)
+            if drafts:
+                state.token_ids.extend(drafts)
+                state.num_pending_drafts = len(drafts)
             if state.wants_prompt_logprobs:
                 # Positions start .. end-1 score the tokens after them, as far as the prompt goes.
                 num_scored = min(end, state.num_prompt_tokens - 1) - start
@@ -268,6 +335,7 @@ class ModelRunner:
             attn=attn,
             sample_req_ids=sample_req_ids,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            sample_drafts=sample_drafts,
             prompt_logprob_spans=prompt_logprob_spans,
         )
 

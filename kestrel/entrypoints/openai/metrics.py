@@ -25,6 +25,12 @@ ENGINE_COUNTERS = {
     "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
 }
 
+SPEC_DECODE_COUNTERS = (
+    ("spec_decode_num_drafts", "Drafts verified (one per request and step with draft tokens).", "num_drafts"),
+    ("spec_decode_num_draft_tokens", "Draft tokens verified.", "num_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens"),
+)
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 
@@ -51,6 +57,26 @@ class EngineCollector:
             for engine, counters in enumerate(core_counters):
                 c.add_metric([self.model_name, str(engine)], float(counters.get(key, 0)))
             yield c
+        if getattr(self.engine.config, "speculative", None) is not None:
+            yield from self.collect_spec_decoding(labels)
+
+    def collect_spec_decoding(self, labels: list[str]):
+        """vLLM's speculative-decoding counters: drafts, draft tokens, accepted tokens (also by position)."""
+        per_core = self.engine.core_spec_decoding
+        for name, doc, field in SPEC_DECODE_COUNTERS:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            for engine, stats in enumerate(per_core):
+                c.add_metric([self.model_name, str(engine)], float(getattr(stats, field)))
+            yield c
+        c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                "Accepted draft tokens, by position in the draft.", labels=labels + ["position"])
+        k = self.engine.config.speculative.num_speculative_tokens
+        for engine, stats in enumerate(per_core):
+            per_pos = stats.num_accepted_tokens_per_pos
+            for position in range(k):
+                c.add_metric([self.model_name, str(engine), str(position)],
+                             float(per_pos[position] if position < len(per_pos) else 0))
+        yield c
 
 
 class ServerMetrics:
