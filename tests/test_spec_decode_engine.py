@@ -97,6 +97,8 @@ def test_tiny_model_greedy_identical(tiny_folder, case):
     if case == "prefix-hits":
         token_ids(llm, prompts, params)  # the second run finds every prompt in the cache
     assert token_ids(llm, prompts, params) == want
+    stats = llm.llm_engine.spec_decoding_stats
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
     if case == "preemption":
         assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
 

@@ -40,9 +40,10 @@ class CommonAttentionMetadata:
     """The backend-neutral description of one step's batch (vLLM's name)."""
     slot_mapping: torch.Tensor          # [num_tokens] where each token's K/V is written
     block_size: int
-    num_decodes: int                    # rows [0, num_decodes) are decodes
-    decode_block_table: torch.Tensor    # [num_decodes, max_blocks] block ids, longest context first,
-                                        # padded with the null block 0
+    num_decodes: int                    # rows [0, num_decodes) are decodes (one per token: a request
+                                        # verifying k drafts has k + 1 rows, at rising positions)
+    decode_block_table: torch.Tensor    # [num_decodes, max_blocks] block ids, requests longest context
+                                        # first, padded with the null block 0
     decode_seq_lens: torch.Tensor       # [num_decodes] int64 context lengths, this token included
     decode_seq_lens_cpu: np.ndarray     # the same, on the host
     prefills: list[PrefillSpan]

@@ -65,12 +65,13 @@ class TorchSDPABackend(AttentionBackend):
                                        for span in common.prefills])
 
     def decode_groups(self, common: CommonAttentionMetadata) -> list[DecodeGroup]:
-        """The (longest-first) decodes cut into groups of at most DECODE_GROUP_SLOTS padded slots."""
+        """The decodes (longest first, but for the rows of a request verifying drafts, which rise by one
+        each) cut into groups of at most DECODE_GROUP_SLOTS padded slots."""
         groups: list[DecodeGroup] = []
         lens, bs = common.decode_seq_lens_cpu, common.block_size
         start = 0
         while start < common.num_decodes:
-            max_len = int(lens[start])
+            max_len = int(lens[start:].max())
             size = max(1, min(common.num_decodes - start, DECODE_GROUP_SLOTS // max_len))
             end = start + size
             max_blocks = -(-max_len // bs)

@@ -20,12 +20,17 @@ class IncrementalDetokenizer:
         self.text = ""            # all decoded text so far (up to and excluding a stop string)
         self._emitted = 0         # how much of `text` has been handed out
         self.stop_reason: str | None = None
+        # Tokens of the last `update` that were decoded: those after the one that completed a stop
+        # string are not (several arrive at once from speculative decoding).
+        self.num_consumed = 0
 
     def update(self, token_ids: list[int]) -> str:
         """Feed new tokens; return the newly releasable text. Sets `stop_reason` on a stop string."""
+        self.num_consumed = 0
         for token_id in token_ids:
             if self.stop_reason is not None:
                 break
+            self.num_consumed += 1
             chunk = self._stream.step(self._backend, token_id)
             if chunk:
                 self._append(chunk)

@@ -73,10 +73,15 @@ class RequestState:
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.new_prompt_logprobs is not None and self.prompt_logprob_rows is not None:
             self.prompt_logprob_rows.extend(self._logprob_dicts(out.new_prompt_logprobs))
-        completion.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs is not None and completion.logprobs is not None:
-            self._append_logprobs(completion, out.new_logprobs)
         completion.text += detok.update(out.new_token_ids)
+        # Tokens after the one that completed a stop string are dropped, as if never sampled.
+        kept = detok.num_consumed
+        completion.token_ids.extend(out.new_token_ids[:kept])
+        if out.new_logprobs is not None and completion.logprobs is not None:
+            lp = out.new_logprobs
+            if kept < len(lp.ranks):
+                lp = Logprobs(lp.token_ids[:kept], lp.logprobs[:kept], lp.ranks[:kept])
+            self._append_logprobs(completion, lp)
         stopped_by_string = detok.stop_reason is not None and out.finish_reason is None
         if detok.stop_reason is not None:
             completion.finish_reason, completion.stop_reason = str(FinishReason.STOP), detok.stop_reason

@@ -281,11 +281,12 @@ class ModelRunner:
                 state.token_ids[first:first + len(new_tokens)] = new_tokens
 
     def _batch_order(self, so: SchedulerOutput) -> tuple[list[str], list[str]]:
-        """(decodes, longest context first; prefill chunks in scheduler order)."""
-        scheduled = so.num_scheduled_tokens
-        decodes = [r for r, n in scheduled.items() if n == 1]
+        """(decodes, longest context first; prefill chunks in scheduler order). A request verifying
+        drafts decodes too: one row per token, each attending to the cache up to its own position."""
+        scheduled, spec = so.num_scheduled_tokens, so.scheduled_spec_decode_tokens
+        decodes = [r for r, n in scheduled.items() if n == 1 or r in spec]
         decodes.sort(key=lambda r: self.requests[r].num_computed_tokens, reverse=True)
-        return decodes, [r for r, n in scheduled.items() if n > 1]
+        return decodes, [r for r, n in scheduled.items() if n > 1 and r not in spec]
 
     def _prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
         bs = self.block_size
@@ -301,6 +302,8 @@ class ModelRunner:
         prompt_logprob_spans: list[tuple[str, int, int, int]] = []
         prefills: list[PrefillSpan] = []
         row = 0
+        decode_rows = [(self.requests[r], scheduled[r]) for r in decodes]
+        num_decode_rows = sum(n for _, n in decode_rows)
         for req_id in decodes + prefills_ids:
             state = self.requests[req_id]
             n, start = scheduled[req_id], state.num_computed_tokens
@@ -312,7 +315,7 @@ class ModelRunner:
             positions.append(pos)
             table = np.asarray(state.block_ids, dtype=np.int64)
             slots.append(table[pos // bs] * bs + pos % bs)
-            if n > 1:
+            if row >= num_decode_rows:
                 prefills.append(PrefillSpan(row, row + n, start, table))
             if end - len(drafts) == len(state.token_ids):
                 sample_req_ids.append(req_id)
@@ -328,7 +331,7 @@ class ModelRunner:
                     prompt_logprob_spans.append((req_id, row, start + 1, num_scored))
             row += n
         dev = self.device
-        attn = self._describe(torch.from_numpy(np.concatenate(slots)).to(dev), decodes, prefills)
+        attn = self._describe(torch.from_numpy(np.concatenate(slots)).to(dev), decode_rows, prefills)
         return BatchInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
@@ -339,19 +342,20 @@ class ModelRunner:
             prompt_logprob_spans=prompt_logprob_spans,
         )
 
-    def _describe(self, slot_mapping: torch.Tensor, decodes: list[str],
+    def _describe(self, slot_mapping: torch.Tensor, decode_rows: list[tuple[CachedRequestState, int]],
                   prefills: list[PrefillSpan]) -> CommonAttentionMetadata:
-        """The step's batch for the attention backend: the decodes' block tables (longest first, padded
-        with the null block to the longest) and context lengths, and the prefill chunks."""
+        """The step's batch for the attention backend: a block table (padded with the null block to the
+        longest) and context length per decode row (a request's n rows at consecutive positions), and
+        the prefill chunks."""
         bs, dev = self.block_size, self.device
-        states = [self.requests[r] for r in decodes]
-        seq_lens = np.array([s.num_computed_tokens + 1 for s in states], dtype=np.int64)
-        max_blocks = -(-int(seq_lens[0]) // bs) if states else 0
-        table = np.zeros((len(states), max_blocks), dtype=np.int64)  # block 0: the null block
-        for i, (state, seq_len) in enumerate(zip(states, seq_lens.tolist())):
-            n = -(-seq_len // bs)
-            table[i, :n] = state.block_ids[:n]
-        return CommonAttentionMetadata(slot_mapping, bs, len(states), torch.from_numpy(table).to(dev),
+        seq_lens = np.array([s.num_computed_tokens + 1 + i for s, n in decode_rows for i in range(n)],
+                            dtype=np.int64)
+        max_blocks = -(-int(seq_lens.max()) // bs) if len(seq_lens) else 0
+        table = np.zeros((len(seq_lens), max_blocks), dtype=np.int64)  # block 0: the null block
+        for i, (state, seq_len) in enumerate(zip((s for s, n in decode_rows for _ in range(n)), seq_lens.tolist())):
+            used = -(-seq_len // bs)
+            table[i, :used] = state.block_ids[:used]
+        return CommonAttentionMetadata(slot_mapping, bs, len(seq_lens), torch.from_numpy(table).to(dev),
                                        torch.from_numpy(seq_lens).to(dev), seq_lens, prefills)
 
     def _compute_prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[str, int, int, int]]
