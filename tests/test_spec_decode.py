@@ -158,7 +158,9 @@ def test_speculative_config_as_vllm_takes_it():
     assert (c.method, c.num_speculative_tokens, c.prompt_lookup_max, c.prompt_lookup_min) == ("ngram", 4, 4, 2)
     c = speculative_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1})
     assert (c.prompt_lookup_max, c.prompt_lookup_min) == (1, 1)
-    assert speculative_config({"model": "/some/draft", "num_speculative_tokens": 3}).method == "draft_model"
+    assert SpeculativeConfig.from_dict({"model": "/some/draft", "num_speculative_tokens": 3}).method == "draft_model"
+    with pytest.raises(ValueError, match="draft_model.*not built yet"):
+        speculative_config({"model": "/some/draft", "num_speculative_tokens": 3})
     assert speculative_config(None) is None
 
 

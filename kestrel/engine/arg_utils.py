@@ -203,7 +203,10 @@ def speculative_config(value: dict | str | SpeculativeConfig | None) -> Speculat
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise ValueError(f"speculative_config {value!r} is not valid JSON: {exc}") from None
-    return SpeculativeConfig.from_dict(value)
+    config = SpeculativeConfig.from_dict(value)
+    if config.method == "draft_model":
+        raise ValueError('speculative_config: method "draft_model" is not built yet; use "ngram"')
+    return config
 
 
 def parallel_config(args: EngineArgs) -> ParallelConfig:
