@@ -11,6 +11,8 @@ from parity import save_tiny_llama
 
 from kestrel import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 KW = dict(dtype="float32", max_model_len=1024, kv_cache_memory=128 << 20)
 
