@@ -57,7 +57,7 @@ class EngineCollector:
             for engine, counters in enumerate(core_counters):
                 c.add_metric([self.model_name, str(engine)], float(counters.get(key, 0)))
             yield c
-        if getattr(self.engine.config, "speculative", None) is not None:
+        if getattr(getattr(self.engine, "config", None), "speculative", None) is not None:
             yield from self.collect_spec_decoding(labels)
 
     def collect_spec_decoding(self, labels: list[str]):
