@@ -17,6 +17,15 @@ STARTUP_TIMEOUT_S = 180
 HOLD_FILE_ENV = "KESTREL_TEST_HOLD_FILE"
 
 
+def chat_capital_of_france(server: Server) -> dict:
+    """The design doc's chat question, greedy, 32 tokens; the (asserted 200) response's first choice."""
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+        "model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 32,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

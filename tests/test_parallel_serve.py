@@ -4,9 +4,8 @@ exact one the single-worker parity test expects)."""
 
 from __future__ import annotations
 
-import httpx2 as httpx
 import pytest
-from server_process import Server
+from server_process import Server, chat_capital_of_france
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -21,11 +20,7 @@ def test_a_parallel_server_answers_a_chat_request(flags):
     server = Server(*flags, "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "64MiB")
     try:
         server.wait_ready()
-        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
-            "model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 32,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-        assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
+        choice = chat_capital_of_france(server)
         assert choice["message"]["content"] == "The capital of France is Paris.", choice
         assert choice["finish_reason"] == "stop"
     finally:

@@ -32,10 +32,6 @@ def token_ids(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def spec_stats(llm: LLM):
-    return llm.llm_engine.engine_core.scheduler
-
-
 @pytest.fixture(scope="module")
 def plain():
     return LLM(**KW)
@@ -153,16 +149,12 @@ def test_greedy_requests_beside_sampled_ones(speculative, expected):
 @pytest.mark.timeout(300)
 def test_server_with_ngram_speculation_answers_and_counts_drafts():
     import httpx2 as httpx
-    from server_process import Server
+    from server_process import Server, chat_capital_of_france
     server = Server("--speculative-config", '{"method":"ngram","num_speculative_tokens":4}', "--dtype", "float32",
                     "--max-model-len", "1024", "--kv-cache-memory", "64MiB")
     try:
         server.wait_ready()
-        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
-            "model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 32,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+        assert chat_capital_of_france(server)["message"]["content"] == "The capital of France is Paris."
         r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
             "model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": 40, "prompt": TEXTS[0]})
         assert r.status_code == 200, r.text
