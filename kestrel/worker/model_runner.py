@@ -17,8 +17,9 @@ stage's tensor ranks turn rows into logits together, and only its first tensor r
 samples and answers. The others learn the sampled tokens from the next step's `new_token_ids`.
 
 Speculative decoding: a request with draft tokens this step (`scheduled_spec_decode_tokens`, always
-after its last known token) computes them like prefill tokens, and all of its last 1 + k rows become
-logits; the rejection sampler keeps the accepted drafts and one more token. Every rank appends the
+after its last known token) computes its last token and the k drafts as k + 1 decode rows (each
+attending to the cache up to its own position), all of them turned into logits; the rejection
+sampler keeps the accepted drafts and one more token. Every rank appends the
 drafts to the request's tokens while the step runs; the output rank then replaces them with what it
 sampled, the others keep them until the next step's `num_computed_tokens` says how many were accepted
 (the accepted ones are the drafts themselves). The proposer then drafts the next step's tokens.
