@@ -73,6 +73,9 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     num_speculative_tokens: int = 0   # most draft tokens scheduled per request and step
+    # Schedule step N+1 while step N runs: a request whose token is being sampled is scheduled again
+    # with a placeholder for it (see kestrel/core/scheduler.py).
+    async_scheduling: bool = False
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # uni | mp | ray; None: uni for one worker, else mp
     speculative_config: dict | str | None = None     # vLLM's JSON: {"method": "ngram", ...}
+    async_scheduling: bool = False          # plan step N+1 while step N runs (one worker, no speculation)
 
     @classmethod
     def field_names(cls) -> set[str]:

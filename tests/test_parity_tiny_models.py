@@ -1,5 +1,6 @@
 """Greedy parity with transformers on tiny random-weight Llama and Qwen3 models built here, in
-float32, alone and batched, with chunked prefill, preemption and prefix-cache hits.
+float32, alone and batched, with chunked prefill, preemption and prefix-cache hits; and the same tokens
+with --async-scheduling as without.
 
 Random weights give flat distributions where float-order noise can swap near-tied tokens, so the
 rule is DESIGN.md's top-5 rule plus a logprob tolerance before the first difference; each test
@@ -122,4 +123,30 @@ def test_prefix_cache_hits(tiny, engine_check):
                            [{t: lp.logprob for t, lp in s.items()} for s in o.outputs[0].logprobs]) for o in rest]
     assert assert_greedy_close(reference, ours, exact=False) >= len(prompts) - 1
     assert before.pool.cached_blocks  # full blocks stay hashed after their requests ended
+    engine_check(llm)
+
+
+def test_async_scheduling_gives_the_same_tokens(tiny, engine_check):
+    """Each step planned while the one before runs: token-identical to the synchronous engine, batched,
+    with chunked prefill and preemption, and with prefix-cache hits."""
+    folder, prompts, reference, _ = tiny
+    tight = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=20, num_kv_blocks=17,
+                 enable_prefix_caching=False)
+    for kw in (KW, tight):
+        runs = {}
+        for overlapped in (False, True):
+            llm = LLM(str(folder), **kw, async_scheduling=overlapped)
+            runs[overlapped] = kestrel_greedy(llm, prompts, NEW_TOKENS)
+            if kw is tight:
+                assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
+            engine_check(llm)
+        assert [g.token_ids for g in runs[True]] == [g.token_ids for g in runs[False]]
+        assert assert_greedy_close(reference, runs[True], exact=False) >= len(prompts) - 2
+    llm = LLM(str(folder), **KW, async_scheduling=True)
+    kestrel_greedy(llm, prompts[-1:], NEW_TOKENS)
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts[-1:] * 2],
+                         __import__("kestrel").SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [runs[False][-1].token_ids] * 2
+    assert all(o.num_cached_tokens >= 144 for o in again), [o.num_cached_tokens for o in again]
     engine_check(llm)

@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kestrel.bench.common import log, machine_info, warn_if_busy
-from kestrel.bench.launch import PEER_SPECS, is_llama, launch_server, peer_label
+from kestrel.bench.launch import PEER_SPECS, check_spec, is_llama, launch_server, peer_label
 from kestrel.bench.peers import RssSampler
 from kestrel.bench.report import load_averages, markdown_table, text_table, write_report
 from kestrel.bench.serve import Target, resolve_model, send_requests
@@ -50,8 +50,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="concurrent streams, one setting after another (default: 1 8)")
     parser.add_argument("--runs", type=int, default=DEFAULT_RUNS,
                         help=f"rounds per concurrency; medians are reported (default: {DEFAULT_RUNS})")
-    parser.add_argument("--peer", action="append", choices=PEER_SPECS, default=[],
-                        help="also run this peer (repeatable)")
+    parser.add_argument("--peer", action="append", type=check_spec, default=[], metavar="SERVER",
+                        help=f"also run this server (repeatable): {', '.join(PEER_SPECS)}, or kestrel:FLAGS "
+                             "(Kestrel with FLAGS added, e.g. 'kestrel:--async-scheduling')")
     parser.add_argument("--model", help="model for every engine (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--kestrel-flags", default="", help="extra flags for `kestrel serve`, as one string")
     parser.add_argument("--output-json", metavar="PATH", help="write the full report as JSON")

@@ -1,6 +1,8 @@
 """Servers the benchmarks start themselves, named by a spec string:
 
     kestrel                 `kestrel serve` (its own processes), with the given engine flags
+    kestrel:FLAGS           the same with FLAGS added (e.g. `kestrel:--async-scheduling`), to compare
+                            two settings of Kestrel side by side
     llama-server[:bf16]     llama.cpp's server on the model's weights written as bf16 (the pair to
                             Kestrel's default bf16), also :f32, :q8_0 (the pair to --quantization
                             int8), or :q4_1 for the native file. Bare `llama-server` takes Kestrel's
@@ -17,6 +19,7 @@ never more than the workload has requests in flight; `$KESTREL_LLAMA_NP` overrid
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,9 +35,14 @@ LLAMA_NP_ENV = "KESTREL_LLAMA_NP"
 
 
 def check_spec(spec: str) -> str:
-    if spec not in SERVER_SPECS:
-        raise ValueError(f"unknown server {spec!r}; choose from {', '.join(SERVER_SPECS)}")
+    if spec not in SERVER_SPECS and not is_kestrel_variant(spec):
+        raise ValueError(f"unknown server {spec!r}; choose from {', '.join(SERVER_SPECS)}, or kestrel:FLAGS")
     return spec
+
+
+def is_kestrel_variant(spec: str) -> bool:
+    """`kestrel:FLAGS`: Kestrel with FLAGS on top of the benchmark's --kestrel-flags."""
+    return spec.startswith("kestrel:") and bool(spec.partition(":")[2].strip())
 
 
 def default_precision() -> str:
@@ -45,7 +53,7 @@ def default_precision() -> str:
 
 def peer_label(spec: str) -> str:
     """The spec with its precision spelled out: llama-server -> llama-server:bf16 (or :f32)."""
-    return spec if spec == "kestrel" or ":" in spec else f"{spec}:{default_precision()}"
+    return spec if spec.startswith("kestrel") or ":" in spec else f"{spec}:{default_precision()}"
 
 
 def is_llama(spec: str) -> bool:
@@ -78,8 +86,9 @@ def launch_server(spec: str, *, parallel: int, ctx_per_slot: int, kestrel_flags:
     """A not-yet-started server (use it as a context manager); `parallel`: the most requests the
     workload has in flight at once."""
     check_spec(spec)
-    if spec == "kestrel":
-        return KestrelServer(list(kestrel_flags) + (["--model", model] if model else []))
+    if spec == "kestrel" or is_kestrel_variant(spec):
+        variant = shlex.split(spec.partition(":")[2])
+        return KestrelServer(list(kestrel_flags) + variant + (["--model", model] if model else []))
     precision = peer_label(spec).partition(":")[2]
     gguf = gguf_in_precision(model_gguf(model), precision)
     # Repacked Q4_1 / Q8_0 weights run ggml's AMX kernels, which die with SIGILL where the kernel does

@@ -124,35 +124,49 @@ COMPARED = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50"), ("tpot_m
 
 
 def run_launched(args: argparse.Namespace) -> dict[str, Any]:
-    """Start each --launch server in turn (Kestrel with --kestrel-flags; llama.cpp with as many
-    slots as requests, up to 128, and cache_prompt false), run the workload --runs times against
-    it, and keep each figure's median over the runs."""
+    """Start every --launch server (Kestrel with --kestrel-flags; llama.cpp with as many slots as
+    requests, up to 128, and cache_prompt false), then run the workload --runs times, the servers in
+    turn within each run (an idle server takes no CPU, and the machine's speed drifts: interleaving
+    puts every server's runs in the same phases), and keep each figure's median over the runs.
+    Kestrel's prefix cache is emptied before each of its runs, as llama.cpp is told not to cache."""
     import shlex
+    from contextlib import ExitStack
 
     from kestrel.bench.launch import check_spec, is_llama, launch_server
     from kestrel.bench.peers import RssSampler
     for spec in args.launch:
         check_spec(spec)
-    engines = []
-    for spec in args.launch:
-        server = launch_server(spec, parallel=min(args.max_concurrency or args.num_prompts, 128),
-                               ctx_per_slot=args.input_len_range[1] + args.output_len_range[1] + 16,
-                               kestrel_flags=shlex.split(args.kestrel_flags))
-        log(f"{spec}: starting")
-        with server, RssSampler(server.pid) as rss:
-            runs = []
-            for i in range(args.runs):
+    with ExitStack() as stack:
+        live = []
+        for spec in args.launch:
+            server = launch_server(spec, parallel=min(args.max_concurrency or args.num_prompts, 128),
+                                   ctx_per_slot=args.input_len_range[1] + args.output_len_range[1] + 16,
+                                   kestrel_flags=shlex.split(args.kestrel_flags))
+            log(f"{spec}: starting")
+            stack.enter_context(server)
+            live.append((spec, server, stack.enter_context(RssSampler(server.pid)), []))
+        for i in range(args.runs):
+            for spec, server, _, runs in live:
+                if not is_llama(spec):
+                    _reset_prefix_cache(server.base_url)
                 run_args = argparse.Namespace(**{**vars(args), "base_url": server.base_url,
                                                  "extra_body": {"cache_prompt": False} if is_llama(spec) else None,
                                                  "label": spec})
                 runs.append(run(run_args))
                 log(f"{spec} run {i + 1}/{args.runs}: {_totals(runs[-1])}")
-            peak = rss.peak
-        engines.append({"spec": spec, "server": server.label, "peak_rss_bytes": peak,
-                        "median": median_results([r["results"] for r in runs]), "runs": runs})
+        engines = [{"spec": spec, "server": server.label, "peak_rss_bytes": rss.peak,
+                    "median": median_results([r["results"] for r in runs]), "runs": runs}
+                   for spec, server, rss, runs in live]
     first = engines[0]["runs"][0]
     return {"benchmark": "serve", "workload": first["workload"], "command": first["command"],
             "date": first["date"], "machine": first["machine"], "runs": args.runs, "engines": engines}
+
+
+def _reset_prefix_cache(base_url: str) -> None:
+    """POST /reset_prefix_cache on a Kestrel server (base_url ends in /v1)."""
+    import urllib.request
+    root = base_url.removesuffix("/").removesuffix("/v1")
+    urllib.request.urlopen(urllib.request.Request(f"{root}/reset_prefix_cache", method="POST"), timeout=30).close()
 
 
 def median_results(blocks: list[dict[str, Any]]) -> dict[str, Any]:

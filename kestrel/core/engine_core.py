@@ -6,6 +6,8 @@ The offline `LLM` drives it in-process; the server runs it in its own process (b
 With pipeline stages (`executor.max_concurrent_batches` > 1) a step is vLLM's batch queue: schedule and
 submit another batch while there is room in the pipe and something to schedule, else wait for the
 oldest batch and apply its results; so every stage works on a different batch at the same time.
+Async scheduling is the same queue, two deep, with one worker: step N+1 is scheduled and submitted
+while step N runs, then step N's results are applied (and go out to the front end) while N+1 runs.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, cache.block_size)
         self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
-        self.batch_queue_size = executor.max_concurrent_batches
+        self.batch_queue_size = 2 if config.scheduler.async_scheduling else executor.max_concurrent_batches
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -20,6 +20,16 @@ With pipeline stages the engine core keeps several steps in flight: a request in
 results have not come back (`in_flight`) is not scheduled again until they have, since its next
 step needs them.
 
+Async scheduling (one worker) is the other way round: step N+1 is planned while step N runs, and a
+request whose next token step N is sampling is scheduled again with a placeholder for that token
+(`num_output_placeholders`): it counts as known for the token budget and the KV slots, the worker
+(which runs steps in order and keeps each request's tokens) fills it in. Its value reaches the
+scheduler when step N's results are applied, after step N+1 was planned and before N+2 is. So: a
+request is not scheduled past max_tokens or max_model_len counting its placeholders; one that stops
+(EOS, a stop token) has one step's token computed for nothing, which is dropped; a request preempted
+while a step of its was running drops that step's results (it recomputes them after resuming, and it
+cannot be resumed before they are in, since a step that preempts admits nobody).
+
 Prompt logprobs computed by the worker travel in the request's output of the same step, even for a
 partial prefill chunk (an output with no new tokens); positions already sent before a preemption
 are not sent again.
@@ -107,14 +117,13 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
 
         # Decodes first, then prefill chunks; preemption victims come from the end of this order.
-        ready = [r for r in self.running if r.request_id not in self.in_flight]
-        order = ([r for r in ready if r.num_tokens - r.num_computed_tokens == 1]
-                 + [r for r in ready if r.num_tokens - r.num_computed_tokens > 1])
+        ready = [r for r in self.running if self._can_schedule(r)]
+        order = ([r for r in ready if self._num_left(r) == 1] + [r for r in ready if self._num_left(r) > 1])
         i = 0
         while i < len(order) and budget > 0:
             request = order[i]
             drafts = self._drafts_to_schedule(request)
-            num_new = min(request.num_tokens + len(drafts) - request.num_computed_tokens, budget)
+            num_new = min(self._num_left(request) + len(drafts), budget)
             new_blocks = self.kv.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = order.pop()
@@ -132,7 +141,7 @@ class Scheduler:
                 request.all_token_ids[max(request.num_computed_tokens, request.num_prompt_tokens):
                                       request.num_computed_tokens + num_new])
             num_scheduled[request.request_id] = num_new
-            num_drafts = num_new - (request.num_tokens - request.num_computed_tokens)
+            num_drafts = num_new - self._num_left(request)
             if num_drafts > 0:
                 spec_tokens[request.request_id] = drafts[:num_drafts]
             request.spec_token_ids = []
@@ -146,8 +155,11 @@ class Scheduler:
             request = self.requests[request_id]
             self._step_prompt_tokens += max(0, min(request.num_computed_tokens + n, request.num_prompt_tokens)
                                             - request.num_computed_tokens)
+            if self.config.async_scheduling and n == self._num_left(request):
+                request.num_output_placeholders += 1  # this step samples its next token
             request.num_computed_tokens += n
-        self.in_flight.update(num_scheduled)
+        if not self.config.async_scheduling:
+            self.in_flight.update(num_scheduled)
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -160,6 +172,20 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         return output
+
+    def _num_left(self, request: Request) -> int:
+        """Tokens to compute before the request samples again (its placeholders count as known)."""
+        return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+
+    def _can_schedule(self, request: Request) -> bool:
+        """Whether a running request may be in this step: not while a step of its is in flight under
+        pipeline parallelism; under async scheduling, not when its placeholders already reach a length
+        limit (the step in flight may be its last)."""
+        if not self.config.async_scheduling:
+            return request.request_id not in self.in_flight
+        pending = request.num_output_placeholders
+        return pending == 0 or (request.num_output_tokens + pending < request.max_tokens
+                                and request.num_tokens + pending < self.config.max_model_len)
 
     def _drafts_to_schedule(self, request: Request) -> list[int]:
         """The request's drafts that could still be accepted: one sampled token always follows them, and
@@ -208,6 +234,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.num_output_placeholders = 0  # the results of its step in flight will be dropped
         request.num_preemptions += 1
         request.record_event(EventType.PREEMPTED)
         self.waiting.appendleft(request)
@@ -228,8 +255,10 @@ class Scheduler:
                                                                   runner_output.sampled_token_ids,
                                                                   runner_output.logprobs)):
             request = self.requests.get(request_id)
-            if request is None or request.is_finished:
-                continue  # aborted while its step ran
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished or aborted while its step ran, or preempted (async scheduling)
+            if self.config.async_scheduling:
+                request.num_output_placeholders -= 1
             if request_id in drafts:
                 self._roll_back_rejected(request, len(drafts[request_id]), len(token_ids) - 1)
             new_token_ids: list[int] = []
@@ -281,7 +310,7 @@ class Scheduler:
         taken: dict[str, Logprobs] = {}
         for request_id, (first, rows) in runner_output.prompt_logprobs.items():
             request = self.requests.get(request_id)
-            if request is None or request.is_finished:
+            if request is None or request.status != RequestStatus.RUNNING:
                 continue
             skip = request.num_prompt_logprobs_sent + 1 - first
             assert skip >= 0, (request_id, first, request.num_prompt_logprobs_sent)  # no gap

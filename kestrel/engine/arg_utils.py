@@ -113,6 +113,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                '"prompt_lookup_max": 4, "prompt_lookup_min": 2} drafts tokens by looking the last n-gram up in the '
                'context; {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} drafts them with a '
                "smaller model"),
+    EngineFlag("--async-scheduling", "async_scheduling", action=argparse.BooleanOptionalAction,
+               help="schedule step N+1 and send step N-1's tokens out while step N's forward runs "
+                    "(one worker, no speculative decoding)"),
 )
 
 
@@ -149,6 +152,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, A
     speculative = speculative_config(args.speculative_config)
     parallel = parallel_config(args)
     check_parallel_supported(parallel)
+    check_async_scheduling(args.async_scheduling, parallel, speculative)
     source = resolve_model(args.model)
     hf_config = load_config(source)
     tokenizer = load_tokenizer(resolve_model(args.tokenizer) if args.tokenizer else source)
@@ -224,6 +228,22 @@ def check_parallel_supported(parallel: ParallelConfig) -> None:
     executor_class(parallel)
 
 
+def check_async_scheduling(enabled: bool, parallel: ParallelConfig, speculative: SpeculativeConfig | None) -> None:
+    """What async scheduling cannot run with yet is an error at start-up, not a wrong token later."""
+    if not enabled:
+        return
+    if speculative is not None:
+        raise ValueError("async_scheduling does not work with speculative decoding yet: the next step's drafts "
+                         "depend on the tokens of the step still running; use one or the other")
+    if parallel.world_size != 1:
+        # Only the output rank samples; the others learn the tokens from the next step's scheduler output,
+        # which under async scheduling does not have them yet.
+        raise ValueError(f"async_scheduling runs with one worker per engine core; tensor_parallel_size "
+                         f"{parallel.tensor_parallel_size} x pipeline_parallel_size "
+                         f"{parallel.pipeline_parallel_size} is not supported with it yet "
+                         "(data parallelism is)")
+
+
 def scheduler_config(args: EngineArgs, max_model_len: int,
                      speculative: SpeculativeConfig | None = None) -> SchedulerConfig:
     budget = args.max_num_batched_tokens
@@ -237,7 +257,8 @@ def scheduler_config(args: EngineArgs, max_model_len: int,
                          f"max_model_len ({max_model_len})")
     return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                            max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-                           num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0)
+                           num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+                           async_scheduling=args.async_scheduling)
 
 
 def _first(value: Any) -> Any:

@@ -96,6 +96,11 @@ class AsyncLLM:
         """Every engine core's counters summed."""
         return {key: sum(c[key] for c in self.core_counters) for key in COUNTER_KEYS}
 
+    def reset_prefix_cache(self) -> None:
+        """Every engine core drops its cached prefix blocks before its next step (blocks in use stay)."""
+        for core in self.engine_cores.cores:
+            core.send(core_process.RESET_PREFIX_CACHE, None)
+
     def _ensure_output_task(self) -> None:
         loop = asyncio.get_running_loop()
         if not self._output_tasks or self._output_tasks[0].get_loop() is not loop:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from kestrel.config import EngineConfig
@@ -96,10 +96,21 @@ def call_worker(worker: Worker, method: WorkerMethod, args: tuple[Any, ...],
 
 
 class UniProcExecutor(Executor):
-    """One worker, rank 0 of a world of one, in the engine core's own process: an RPC is a call."""
+    """One worker, rank 0 of a world of one, in the engine core's own process: an RPC is a call.
+    Under async scheduling a step runs on a thread of its own, so that the engine core can plan the
+    next one meanwhile (torch's kernels leave the GIL while they compute); steps run one at a time, in
+    the order they were submitted."""
 
     def _init_executor(self) -> None:
         self.driver_worker: Worker | None = Worker(self.config, self.source, rank=0, local_rank=0)
+        self._step_thread = (ThreadPoolExecutor(1, thread_name_prefix="kestrel-step")
+                             if self.config.scheduler.async_scheduling else None)
+
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        if non_block and self._step_thread is not None:
+            return self._step_thread.submit(lambda: self.collective_rpc("execute_model", (scheduler_output,))[0])
+        return super().execute_model(scheduler_output, non_block)
 
     def collective_rpc(self, method: WorkerMethod, args: tuple[Any, ...] = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -108,4 +119,6 @@ class UniProcExecutor(Executor):
         return [call_worker(self.driver_worker, method, args, kwargs)]
 
     def shutdown(self) -> None:
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=True)
         self.driver_worker = None

@@ -184,6 +184,12 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         req = parse_body(DetokenizeRequest, await read_json(request, max_body_bytes))
         return await serving["tokenization"].detokenize(req)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        # As vLLM's: so that repeated benchmark runs do not hit the blocks of the run before.
+        engine.reset_prefix_cache()
+        return Response(status_code=200)
+
     @app.get("/metrics")
     async def prometheus_metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
