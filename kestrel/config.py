@@ -73,6 +73,10 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     num_speculative_tokens: int = 0   # most draft tokens scheduled per request and step
+    # KV slots held past a sampling request's scheduled tokens, for the drafts a draft model writes
+    # into the cache before the next step (method draft_model: num_speculative_tokens).
+    num_lookahead_tokens: int = 0
+    speculative_disable_by_batch_size: int | None = None  # no drafts while this many requests run
     # Schedule step N+1 while step N runs: a request whose token is being sampled is scheduled again
     # with a placeholder for it (see kestrel/core/scheduler.py).
     async_scheduling: bool = False
@@ -130,6 +134,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None
+    # No drafts in a step while this many requests or more are running: a wide batch is compute-bound,
+    # and rejected drafts then cost about what accepted ones save (vLLM's key).
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -139,6 +146,9 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"speculative_config: {name} must be a whole number >= 1, got {value!r}")
+        size = self.disable_by_batch_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be a whole number >= 1, got {size!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) is larger than "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")

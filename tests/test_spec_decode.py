@@ -10,7 +10,7 @@ import torch
 from kestrel.config import SchedulerConfig, SpeculativeConfig
 from kestrel.core.block_pool import hash_block_tokens
 from kestrel.core.kv_cache_manager import KVCacheManager
-from kestrel.core.request import Request
+from kestrel.core.request import Request, RequestStatus
 from kestrel.core.scheduler import Scheduler
 from kestrel.engine.arg_utils import speculative_config
 from kestrel.messages import ModelRunnerOutput
@@ -159,8 +159,8 @@ def test_speculative_config_as_vllm_takes_it():
     c = speculative_config({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1})
     assert (c.prompt_lookup_max, c.prompt_lookup_min) == (1, 1)
     assert SpeculativeConfig.from_dict({"model": "/some/draft", "num_speculative_tokens": 3}).method == "draft_model"
-    with pytest.raises(ValueError, match="draft_model.*not built yet"):
-        speculative_config({"model": "/some/draft", "num_speculative_tokens": 3})
+    c = speculative_config({"model": "/some/draft", "num_speculative_tokens": 3})
+    assert (c.method, c.model, c.num_speculative_tokens) == ("draft_model", "/some/draft", 3)
     assert speculative_config(None) is None
 
 
@@ -251,6 +251,49 @@ def test_preemption_drops_drafts():
     so = s.schedule()  # a needs a third block for its drafts: b is preempted
     assert so.preempted_req_ids == {"b"} and b.spec_token_ids == [] and b.num_computed_tokens == 0
     assert so.scheduled_spec_decode_tokens == {"a": [1, 2, 3, 4]}
+
+
+def test_no_drafts_while_the_batch_is_as_wide_as_disable_by_batch_size():
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
+                             num_speculative_tokens=4, speculative_disable_by_batch_size=2)
+    s = Scheduler(config, KVCacheManager(64, 4, enable_caching=True))
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=50), None)
+    b = Request("b", [4, 5, 6], SamplingParams(max_tokens=2), None)
+    s.add_request(a)
+    s.add_request(b)
+    so = s.schedule()
+    s.update_from_output(so, ModelRunnerOutput(["a", "b"], [[9], [9]], [None, None], spec_token_ids=[[7, 8], [7]]))
+    so = s.schedule()  # two running: no drafts, each decodes one token
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1} and so.scheduled_spec_decode_tokens == {}
+    s.update_from_output(so, ModelRunnerOutput(["a", "b"], [[10], [10]], [None, None], spec_token_ids=[[7, 8], []]))
+    assert b.is_finished
+    so = s.schedule()  # one running: its drafts are scheduled
+    assert so.scheduled_spec_decode_tokens == {"a": [7, 8]}
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpeculativeConfig("ngram", 4, disable_by_batch_size=0)
+
+
+def test_a_draft_model_gets_lookahead_slots_that_are_never_hashed():
+    """With a draft model the scheduler holds k slots past a sampling request's step for the draft's
+    guesses; a prefill chunk that does not sample gets none; the guesses' blocks are never cached."""
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=6, max_model_len=128,
+                             num_speculative_tokens=4, num_lookahead_tokens=4)
+    kv = KVCacheManager(64, 4, enable_caching=True)
+    s = Scheduler(config, kv)
+    r = Request("a", list(range(10, 20)), SamplingParams(max_tokens=50), None)
+    s.add_request(r)
+    so = s.schedule()  # 6 of 10 prompt tokens: no sample, no lookahead
+    assert so.num_scheduled_tokens == {"a": 6} and len(kv.get_block_ids("a")) == 2
+    s.update_from_output(so, ModelRunnerOutput([], [], []))
+    so = s.schedule()  # the last 4: samples, so 4 more slots (positions 10..13)
+    assert so.num_scheduled_tokens == {"a": 4} and len(kv.get_block_ids("a")) == 4
+    s.update_from_output(so, ModelRunnerOutput(["a"], [[50]], [None], spec_token_ids=[[60, 61]]))
+    assert len(kv.num_cached_blocks) == 1 and kv.num_cached_blocks["a"] == 2  # the 8 known tokens' blocks
+    so = s.schedule()  # 50 and two drafts: positions 10..12, lookahead to 16
+    assert so.num_scheduled_tokens == {"a": 3} and len(kv.get_block_ids("a")) == 5
+    assert kv.num_cached_blocks["a"] == 2
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    kv.check_invariants()
 
 
 def test_the_stats_line_reports_acceptance():

@@ -83,15 +83,19 @@ def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
 TINY_KW = dict(dtype="float32", max_model_len=256, kv_cache_memory=16 << 20)
 
 
-@pytest.mark.parametrize("case", ["batched", "chunked-prefill", "preemption", "prefix-hits"])
+@pytest.mark.parametrize("case", ["batched", "chunked-prefill", "preemption", "prefix-hits", "disable-by-batch-size"])
 def test_tiny_model_greedy_identical(tiny_folder, case):
     prompts = [{"prompt_token_ids": p} for p in repetitive_prompts(8)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     extra = {"batched": {}, "chunked-prefill": dict(max_num_batched_tokens=16),
              "preemption": dict(num_kv_blocks=20, enable_prefix_caching=False),
-             "prefix-hits": {}}[case]
+             "prefix-hits": {}, "disable-by-batch-size": {}}[case]
+    spec = NGRAM
+    if case == "disable-by-batch-size":  # 8 requests run without drafts; the 3 long ones speculate once alone
+        spec = {**NGRAM, "disable_by_batch_size": 4}
+        params = [SamplingParams(temperature=0, max_tokens=8 if i < 5 else 40, ignore_eos=True) for i in range(8)]
     want = token_ids(LLM(str(tiny_folder), **TINY_KW), prompts, params)
-    llm = LLM(str(tiny_folder), **TINY_KW, **extra, speculative_config=NGRAM)
+    llm = LLM(str(tiny_folder), **TINY_KW, **extra, speculative_config=spec)
     if case == "prefix-hits":
         token_ids(llm, prompts, params)  # the second run finds every prompt in the cache
     assert token_ids(llm, prompts, params) == want

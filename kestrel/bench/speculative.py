@@ -38,6 +38,9 @@ DEFAULT_RUNS = 3
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, nargs="+", default=list(DEFAULT_K),
                         help="num_speculative_tokens settings to compare with none (default: 2 4 8)")
+    parser.add_argument("--disable-by-batch-size", type=int, metavar="N",
+                        help="speculative_config's disable_by_batch_size for every K: no drafts while N or more "
+                             "requests run")
     parser.add_argument("--num-prompts", type=int, default=W5_NUM_REQUESTS,
                         help=f"requests (default: {W5_NUM_REQUESTS})")
     parser.add_argument("--output-len", type=int, default=W5_OUTPUT_LEN,
@@ -71,8 +74,9 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     from kestrel.sampling_params import SamplingParams
     started, load_start = datetime.now(UTC), os.getloadavg()
     warn_if_busy(load_start[0])
+    policy = {} if args.disable_by_batch_size is None else {"disable_by_batch_size": args.disable_by_batch_size}
     settings = [Setting("no speculation", None)] + [
-        Setting(f"ngram K={k}", {"method": "ngram", "num_speculative_tokens": k}) for k in args.k]
+        Setting(f"ngram K={k}", {"method": "ngram", "num_speculative_tokens": k, **policy}) for k in args.k]
     engines = []
     for s in settings:
         log(f"{s.name}: loading")

@@ -55,14 +55,16 @@ class KVCacheManager:
             self.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
         """Give the request room for `num_new_tokens` more tokens after its computed ones (and after
-        `new_computed_blocks`, its prefix-cache hits being taken now). Returns the newly allocated
-        blocks, or None, changing nothing, when the pool cannot supply them."""
+        `new_computed_blocks`, its prefix-cache hits being taken now), and for `num_lookahead_tokens`
+        after those (a draft model's guesses, written before they are known; never hashed). Returns
+        the newly allocated blocks, or None, changing nothing, when the pool cannot supply them."""
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks[request.request_id]
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
-        num_required = self.blocks_needed(num_computed + num_new_tokens)
+        num_required = self.blocks_needed(num_computed + num_new_tokens + num_lookahead_tokens)
         num_new_blocks = max(0, num_required - len(blocks) - len(new_computed_blocks))
         # Hits that sit in the free queue stop being free once taken.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)

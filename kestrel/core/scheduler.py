@@ -12,7 +12,10 @@ queue); no waiting request is admitted in a step that preempted.
 
 Speculative decoding is the same rule with draft tokens counted in: a decoding request with drafts
 (proposed by the worker after its last step) is scheduled for 1 + len(drafts) tokens, budgeted and
-given KV slots like any others. When the results come back, `num_computed_tokens` moves back over the
+given KV slots like any others, except in a step that starts with `speculative_disable_by_batch_size`
+requests or more running, which schedules no drafts. With a draft model, a request that samples also holds
+`num_lookahead_tokens` slots past its step's tokens, where the draft model writes the KV of its
+guesses for the next step before they are known. When the results come back, `num_computed_tokens` moves back over the
 rejected drafts, so their slots are written again by the next step; drafts never enter
 `all_token_ids` unless accepted, so no block is hashed with a token the model did not accept.
 
@@ -116,22 +119,25 @@ class Scheduler:
         preempted: list[Request] = []
         spec_tokens: dict[str, list[int]] = {}
 
+        threshold = self.config.speculative_disable_by_batch_size
+        speculate = threshold is None or len(self.running) < threshold
         # Decodes first, then prefill chunks; preemption victims come from the end of this order.
         ready = [r for r in self.running if self._can_schedule(r)]
         order = ([r for r in ready if self._num_left(r) == 1] + [r for r in ready if self._num_left(r) > 1])
         i = 0
         while i < len(order) and budget > 0:
             request = order[i]
-            drafts = self._drafts_to_schedule(request)
+            drafts = self._drafts_to_schedule(request) if speculate else []
             num_new = min(self._num_left(request) + len(drafts), budget)
-            new_blocks = self.kv.allocate_slots(request, num_new)
+            lookahead = self._lookahead(request, num_new)
+            new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
             while new_blocks is None:
                 victim = order.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
-                new_blocks = self.kv.allocate_slots(request, num_new)
+                new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
             if new_blocks is None:
                 break
             cached.req_ids.append(request.request_id)
@@ -177,6 +183,11 @@ class Scheduler:
         """Tokens to compute before the request samples again (its placeholders count as known)."""
         return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
 
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """KV slots past this step's tokens for a draft model's next guesses: only for a request that
+        samples in this step (its drafts are proposed right after it)."""
+        return self.config.num_lookahead_tokens if num_new >= self._num_left(request) else 0
+
     def _can_schedule(self, request: Request) -> bool:
         """Whether a running request may be in this step: not while a step of its is in flight under
         pipeline parallelism; under async scheduling, not when its placeholders already reach a length
@@ -205,7 +216,8 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if self.kv.allocate_slots(request, num_new, hits) is None:
+            lookahead = self.config.num_lookahead_tokens if num_new == request.num_tokens - num_hit_tokens else 0
+            if self.kv.allocate_slots(request, num_new, hits, lookahead) is None:
                 break
             self.waiting.popleft()
             self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)

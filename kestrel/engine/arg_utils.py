@@ -24,6 +24,7 @@ from kestrel.config import (
     DeviceConfig,
     EngineArgs,
     EngineConfig,
+    ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -178,6 +179,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, A
         disable_log_stats=args.disable_log_stats,
         attention_backend=args.attention_backend,
         speculative=speculative,
+        draft_model=draft_model_config(speculative, model, parallel),
     )
     return config, source, tokenizer
 
@@ -207,10 +209,31 @@ def speculative_config(value: dict | str | SpeculativeConfig | None) -> Speculat
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise ValueError(f"speculative_config {value!r} is not valid JSON: {exc}") from None
-    config = SpeculativeConfig.from_dict(value)
-    if config.method == "draft_model":
-        raise ValueError('speculative_config: method "draft_model" is not built yet; use "ngram"')
-    return config
+    return SpeculativeConfig.from_dict(value)
+
+
+def draft_model_config(speculative: SpeculativeConfig | None, target: ModelConfig,
+                       parallel: ParallelConfig) -> ModelConfig | None:
+    """The draft model's shape (method draft_model), read like the target's: the target's dtype and
+    context length, and the target's vocabulary, or a ValueError that says what does not fit."""
+    if speculative is None or speculative.method != "draft_model":
+        return None
+    if parallel.world_size != 1:
+        raise ValueError("speculative_config: the draft_model method runs with one worker per engine core; "
+                         f"tensor_parallel_size {parallel.tensor_parallel_size} x pipeline_parallel_size "
+                         f"{parallel.pipeline_parallel_size} is not supported with it yet")
+    try:
+        source = resolve_model(speculative.model)
+        hf_config = load_config(source)
+        draft = model_config_from_hf(hf_config, model=speculative.model, dtype=target.dtype,
+                                     max_model_len=target.max_model_len, eos_token_id=target.eos_token_id,
+                                     bos_token_id=target.bos_token_id, quantization=None)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"speculative_config: draft model {speculative.model!r}: {exc}") from None
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) is not the "
+                         f"target's ({target.vocab_size}); a draft model must share the target's tokenizer")
+    return draft
 
 
 def parallel_config(args: EngineArgs) -> ParallelConfig:
@@ -258,6 +281,9 @@ def scheduler_config(args: EngineArgs, max_model_len: int,
     return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                            max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
                            num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
+                           num_lookahead_tokens=(speculative.num_speculative_tokens
+                                                 if speculative and speculative.method == "draft_model" else 0),
+                           speculative_disable_by_batch_size=speculative.disable_by_batch_size if speculative else None,
                            async_scheduling=args.async_scheduling)
 
 

@@ -22,7 +22,14 @@ attending to the cache up to its own position), all of them turned into logits; 
 sampler keeps the accepted drafts and one more token. Every rank appends the
 drafts to the request's tokens while the step runs; the output rank then replaces them with what it
 sampled, the others keep them until the next step's `num_computed_tokens` says how many were accepted
-(the accepted ones are the drafts themselves). The proposer then drafts the next step's tokens.
+(the accepted ones are the drafts themselves). The proposer then drafts the next step's tokens: n-gram
+lookup, or a draft model (kestrel/worker/spec_decode.py), which mirrors every forward of the target
+into its own cache and keeps, for random requests, the distributions its drafts were drawn from, for
+the rejection sampler of the next step.
+
+Async scheduling needs nothing more here: steps run in the order they were scheduled, and a request
+scheduled with a placeholder for the token the step before is sampling finds that token already
+appended to its tokens when its step runs.
 
 Prompt logprobs: for a request that asks (`prompt_logprobs`), the rows of its scheduled prompt
 positions are turned into logits too (the row at position p scores prompt token p + 1), chunk by
@@ -47,7 +54,8 @@ from kestrel.sample import Sampler, SamplerOutput, SamplingMetadata
 from kestrel.sample.rejection_sampler import RejectionSampler
 from kestrel.sample.sampler import gather_logprobs
 from kestrel.sampling_params import SamplingParams
-from kestrel.worker.spec_decode import NgramProposer
+from kestrel.worker.batch import describe_batch
+from kestrel.worker.spec_decode import DraftModelProposer, NgramProposer
 
 # Prompt rows turned into logits at a time for prompt logprobs (bounds the [rows, vocab] tensors).
 PROMPT_LOGPROBS_ROWS = 256
@@ -68,6 +76,8 @@ class CachedRequestState:
     # Drafts at the end of `token_ids` that the step now running verifies (or, on a rank that does not
     # sample, that the last step verified): not known to be part of the request yet.
     num_pending_drafts: int = 0
+    # A draft model's distributions for the drafts it proposed last ([k, vocab]; random requests only).
+    draft_probs: torch.Tensor | None = None
 
     @classmethod
     def from_new(cls, new: NewRequestData) -> CachedRequestState:
@@ -103,8 +113,10 @@ class BatchInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: nn.Module, attn: AttentionBackend) -> None:
-        """`attn`: the attention backend the worker chose for this model (and built the model with)."""
+    def __init__(self, config: EngineConfig, model: nn.Module, attn: AttentionBackend,
+                 drafter: DraftModelProposer | None = None) -> None:
+        """`attn`: the attention backend the worker chose for this model (and built the model with);
+        `drafter`: the draft model, for speculative method draft_model."""
         self.config = config
         self.model = model
         self.attn = attn
@@ -115,6 +127,7 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(self.sampler.argmax_rows)
         spec = config.speculative
         self.proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
+        self.drafter = drafter
         self.shard = model.shard
         self.pp = get_pp_group()
         self.is_first_stage, self.is_last_stage = self.pp.is_first_rank, self.pp.is_last_rank
@@ -130,12 +143,15 @@ class ModelRunner:
 
     def kv_bytes_per_token(self) -> int:
         """What this worker holds of one token's K and V: its layers, its KV heads."""
-        return self.shard.kv_bytes_per_token(self.config.model, self.config.cache.kv_cache_dtype)
+        target = self.shard.kv_bytes_per_token(self.config.model, self.config.cache.kv_cache_dtype)
+        return target + (self.drafter.kv_bytes_per_token() if self.drafter is not None else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         m, shard = self.config.model, self.shard
         self.kv_caches = new_kv_caches(shard.num_layers, num_blocks, self.block_size, shard.num_kv_heads,
                                        m.head_dim, m.dtype, self.config.cache.kv_cache_dtype == "int8", self.device)
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -153,6 +169,8 @@ class ModelRunner:
         positions = torch.cat([torch.arange(s.token_end - s.token_start, device=self.device) for s in spans])
         intermediate = None if self.is_first_stage else self._empty_intermediate(num_tokens)
         hidden = self.model(ids, positions, None, self.attn.build_metadata(common), intermediate)
+        if self.drafter is not None:
+            self.drafter.forward(ids, positions, common, with_cache=False)
         if not self.is_last_stage:
             return  # no collective here: each rank profiles alone
         num_rows = min(sched.max_num_seqs * (1 + self.config.num_speculative_tokens), num_tokens)
@@ -175,6 +193,8 @@ class ModelRunner:
         batch = self._prepare_inputs(so)
         intermediate = None if self.is_first_stage else self._receive_intermediate(len(batch.input_ids))
         hidden = self._forward(batch, intermediate)
+        if self.drafter is not None:
+            self.drafter.mirror(batch.input_ids, batch.positions, batch.attn)
         if not self.is_last_stage:
             self._send_intermediate(hidden)
             return None
@@ -201,9 +221,19 @@ class ModelRunner:
             output = self._make_output(states, self.sampler(logits, metadata))
         if prompt_logprobs:
             output.prompt_logprobs = prompt_logprobs
-        if self.proposer is not None:
-            output.spec_token_ids = [self.proposer.propose(s.token_ids) for s in states]
+        if self._speculates():
+            output.spec_token_ids = self._propose(states)
         return output
+
+    def _propose(self, states: list[CachedRequestState]) -> list[list[int]]:
+        """The next step's drafts of the requests that sampled (n-gram lookup or the draft model)."""
+        if self.proposer is not None:
+            return [self.proposer.propose(s.token_ids) for s in states]
+        drafts, probs = self.drafter.propose([s.token_ids for s in states], [s.block_ids for s in states],
+                                             [s.sampling_params for s in states])
+        for state, state_probs in zip(states, probs):
+            state.draft_probs = state_probs
+        return drafts
 
     def _verify_drafts(self, states: list[CachedRequestState], logits: torch.Tensor,
                        drafts: list[list[int]]) -> ModelRunnerOutput:
@@ -218,7 +248,7 @@ class ModelRunner:
                 outputs.append(known_outputs + request_drafts[:j])
                 eos.append(state.eos_token_id)
         metadata = SamplingMetadata.build(params, prompts, outputs, eos, self.vocab_size, self.device)
-        verified = self.rejection_sampler(logits, metadata, drafts)
+        verified = self.rejection_sampler(logits, metadata, drafts, self._draft_probs(states, drafts))
         logprobs: list[Logprobs | None] = [None] * len(states)
         if verified.logprobs is not None:
             ids, lps, ranks = (verified.logprob_token_ids.tolist(), verified.logprobs.tolist(),
@@ -236,6 +266,32 @@ class ModelRunner:
             row += len(drafts[i]) + 1
         return ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=verified.token_ids,
                                  logprobs=logprobs)
+
+    def _speculates(self) -> bool:
+        """Whether to propose drafts after this step: not while the batch is as wide as
+        disable_by_batch_size (the scheduler would not schedule them; the runner holds the requests the
+        scheduler runs)."""
+        spec = self.config.speculative
+        if spec is None or (self.proposer is None and self.drafter is None):
+            return False
+        return spec.disable_by_batch_size is None or len(self.requests) < spec.disable_by_batch_size
+
+    def _draft_probs(self, states: list[CachedRequestState], drafts: list[list[int]]) -> torch.Tensor | None:
+        """The distributions the drafts were drawn from, a row per draft ([sum k, vocab]): the draft
+        model's for random requests, one-hot for greedy ones (whose rows are verified by argmax); None
+        when every draft is one-hot (n-gram drafts, or only greedy requests)."""
+        if not any(s.draft_probs is not None for s, d in zip(states, drafts) if d):
+            return None
+        rows = []
+        for state, request_drafts in zip(states, drafts):
+            if not request_drafts:
+                continue
+            if state.draft_probs is not None:
+                rows.append(state.draft_probs[:len(request_drafts)])
+            else:
+                one_hot = torch.zeros(len(request_drafts), self.vocab_size, device=self.device)
+                rows.append(one_hot.scatter_(1, torch.tensor(request_drafts, device=self.device).unsqueeze(1), 1.0))
+        return torch.cat(rows)
 
     def _forward(self, batch: BatchInputs,
                  intermediate: IntermediateTensors | None) -> torch.Tensor | IntermediateTensors:
@@ -345,19 +401,11 @@ class ModelRunner:
 
     def _describe(self, slot_mapping: torch.Tensor, decode_rows: list[tuple[CachedRequestState, int]],
                   prefills: list[PrefillSpan]) -> CommonAttentionMetadata:
-        """The step's batch for the attention backend: a block table (padded with the null block to the
-        longest) and context length per decode row (a request's n rows at consecutive positions), and
-        the prefill chunks."""
-        bs, dev = self.block_size, self.device
-        seq_lens = np.array([s.num_computed_tokens + 1 + i for s, n in decode_rows for i in range(n)],
-                            dtype=np.int64)
-        max_blocks = -(-int(seq_lens.max()) // bs) if len(seq_lens) else 0
-        table = np.zeros((len(seq_lens), max_blocks), dtype=np.int64)  # block 0: the null block
-        for i, (state, seq_len) in enumerate(zip((s for s, n in decode_rows for _ in range(n)), seq_lens.tolist())):
-            used = -(-seq_len // bs)
-            table[i, :used] = state.block_ids[:used]
-        return CommonAttentionMetadata(slot_mapping, bs, len(seq_lens), torch.from_numpy(table).to(dev),
-                                       torch.from_numpy(seq_lens).to(dev), seq_lens, prefills)
+        """The step's batch for the attention backend: a context length and block ids per decode row
+        (a request's n rows at consecutive positions), and the prefill chunks."""
+        seq_lens = np.array([s.num_computed_tokens + 1 + i for s, n in decode_rows for i in range(n)], dtype=np.int64)
+        block_ids = [s.block_ids for s, n in decode_rows for _ in range(n)]
+        return describe_batch(slot_mapping, seq_lens, block_ids, prefills, self.block_size, self.device)
 
     def _compute_prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[str, int, int, int]]
                                  ) -> dict[str, tuple[int, Logprobs]]:

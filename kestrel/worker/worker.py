@@ -5,6 +5,7 @@ A worker is one rank of its engine core's world (tensor x pipeline parallel rank
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -15,10 +16,11 @@ from kestrel.config import EngineConfig
 from kestrel.distributed import init_distributed_environment
 from kestrel.messages import ModelRunnerOutput, SchedulerOutput
 from kestrel.model import build_model, local_attention_config, shard_of_this_rank
-from kestrel.model.loader import ModelSource, weight_reader
+from kestrel.model.loader import ModelSource, resolve_model, weight_reader
 from kestrel.model.quantization import quantize_model_
 from kestrel.worker.memory import MemoryProfile, num_blocks_for, profile_cpu, profile_cuda
 from kestrel.worker.model_runner import ModelRunner
+from kestrel.worker.spec_decode import DraftModelProposer
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +58,23 @@ class Worker:
         quantize_model_(self.model, config.model.quantization)
         logger.info("loaded %s in %.1f s; attention backend: %s", source.name, time.perf_counter() - start,
                     self.attn_backend.describe())
-        self.runner = ModelRunner(config, self.model, self.attn_backend)
+        self.runner = ModelRunner(config, self.model, self.attn_backend, self._load_draft_model())
         self.memory_profile: MemoryProfile | None = None
+
+    def _load_draft_model(self) -> DraftModelProposer | None:
+        """The draft model of speculative method draft_model, with its own attention backend (its head
+        shapes may differ from the target's); one worker only, so it is whole."""
+        config = self.config
+        if config.draft_model is None:
+            return None
+        draft_config = dataclasses.replace(config, model=config.draft_model)
+        attn = select_attention_backend(local_attention_config(draft_config, shard_of_this_rank(config.draft_model)))
+        start = time.perf_counter()
+        model = build_model(config.draft_model, self.device, attn)
+        source = resolve_model(config.speculative.model)
+        model.load_weights(weight_reader(source))
+        logger.info("loaded the draft model %s in %.1f s", source.name, time.perf_counter() - start)
+        return DraftModelProposer(config, model, attn)
 
     def determine_num_kv_blocks(self) -> int:
         profile = profile_cuda if self.device.type == "cuda" else profile_cpu
