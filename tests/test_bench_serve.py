@@ -72,3 +72,38 @@ def test_arrival_times_are_poisson_from_the_seed():
     assert 400 < times[-1] < 600   # ~ n / rate
     assert times == bench_serve.arrival_times(1000, 2.0, seed=0)
     assert bench_serve.arrival_times(3, float("inf"), seed=0) == [0.0, 0.0, 0.0]
+
+
+def test_kestrel_variants_are_servers_with_flags_added():
+    from kestrel.bench.launch import check_spec, launch_server, peer_label
+    assert check_spec("kestrel:--async-scheduling --max-num-seqs 8") == "kestrel:--async-scheduling --max-num-seqs 8"
+    for bad in ("kestrel:", "kestrel: ", "vllm"):
+        with pytest.raises(ValueError, match="unknown server"):
+            check_spec(bad)
+    server = launch_server("kestrel:--async-scheduling --max-num-seqs 8", parallel=1, ctx_per_slot=64,
+                           kestrel_flags=["--dtype", "float32"])
+    assert server.engine_flags == ["--dtype", "float32", "--async-scheduling", "--max-num-seqs", "8"]
+    assert peer_label("kestrel:--async-scheduling") == "kestrel:--async-scheduling"
+
+
+def test_launched_servers_run_interleaved_with_the_prefix_cache_emptied(monkeypatch):
+    """`--launch A --launch B --runs 2`: both servers up, then A, B, A, B; Kestrel's cache reset before each."""
+    from kestrel.bench import launch as bench_launch
+    from kestrel.bench.peers import KestrelServer
+    order: list[str] = []
+    resets: list[str] = []
+    variant = ["--max-num-seqs", "4"]
+    monkeypatch.setattr(bench_launch, "launch_server",
+                        lambda spec, **_: KestrelServer(SERVER_FLAGS + (variant if ":" in spec else [])))
+    real_reset = bench_serve._reset_prefix_cache
+    monkeypatch.setattr(bench_serve, "_reset_prefix_cache", lambda url: (resets.append(url), real_reset(url)))
+    real_run = bench_serve.run
+    monkeypatch.setattr(bench_serve, "run", lambda a: (order.append(a.label), real_run(a))[1])
+    args = bench_serve.parse_args(["--launch", "kestrel", "--launch", "kestrel:--max-num-seqs 4", "--runs", "2",
+                                   "--num-prompts", "3", "--request-rate", "inf", "--input-len-range", "8", "16",
+                                   "--output-len-range", "2", "4"])
+    report = bench_serve.run_launched(args)
+    assert order == ["kestrel", "kestrel:--max-num-seqs 4"] * 2
+    assert len(resets) == 4 and len(set(resets)) == 2
+    assert [e["spec"] for e in report["engines"]] == ["kestrel", "kestrel:--max-num-seqs 4"]
+    assert all(e["median"]["completed"] == 6 and e["median"]["failed"] == 0 for e in report["engines"])

@@ -217,8 +217,9 @@ def format_comparison_markdown(report: dict[str, Any]) -> str:
         f"- Workload: {w['num_requests']} requests, Poisson arrivals at {w['request_rate']:g} req/s "
         f"(seed {w['seed']}), "
         f"input {w['input_len_range'][0]}..{w['input_len_range'][1]}, output "
-        f"{w['output_len_range'][0]}..{w['output_len_range'][1]}, {w['sampling']}; each server started by the "
-        f"benchmark and run {report['runs']} time(s), figures are medians over runs ({servers}); llama.cpp gets "
+        f"{w['output_len_range'][0]}..{w['output_len_range'][1]}, {w['sampling']}; every server started by the "
+        f"benchmark, then {report['runs']} run(s), the servers in turn within each run; figures are medians over "
+        f"runs ({servers}); Kestrel's prefix cache is emptied before each of its runs, llama.cpp gets "
         "cache_prompt false",
         "", *table, "",
         "Ratio rows: the first server's figure over the other's (latencies: below 1 is better).",

@@ -153,6 +153,8 @@ def _command_args(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> li
         out += ["--num-prompts", str(args.num_prompts)]
     if args.output_len != W5_OUTPUT_LEN:
         out += ["--output-len", str(args.output_len)]
+    if getattr(args, "disable_by_batch_size", None) is not None:
+        out += ["--disable-by-batch-size", str(args.disable_by_batch_size)]
     out += [f"--{k.replace('_', '-')} {v}" for k, v in engine_kwargs.items()]
     return out
 
