@@ -77,6 +77,7 @@ class SchedulerConfig:
     # into the cache before the next step (method draft_model: num_speculative_tokens).
     num_lookahead_tokens: int = 0
     speculative_disable_by_batch_size: int | None = None  # no drafts while this many requests run
+    trace_requests: bool = False      # record each request's timed events (request traces on)
     # Schedule step N+1 while step N runs: a request whose token is being sampled is scheduled again
     # with a placeholder for it (see kestrel/core/scheduler.py).
     async_scheduling: bool = False
@@ -190,6 +191,9 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     # The draft model's shape (speculative method draft_model): read at start-up like the target's.
     draft_model: ModelConfig | None = None
+    request_trace_buffer: int = 0      # traces of the last N requests kept by the front end; 0: off
+    otlp_traces_endpoint: str | None = None  # where request traces go as OpenTelemetry spans
+    torch_profiler_dir: str | None = None   # where /start_profile ... /stop_profile traces go; None: off
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -224,6 +228,9 @@ class EngineArgs:
     distributed_executor_backend: str | None = None  # uni | mp | ray; None: uni for one worker, else mp
     speculative_config: dict | str | None = None     # vLLM's JSON: {"method": "ngram", ...}
     async_scheduling: bool = False          # plan step N+1 while step N runs (one worker, no speculation)
+    request_trace_buffer: int = 0           # the last N requests' traces kept by the server; 0: off
+    otlp_traces_endpoint: str | None = None  # export request traces as OpenTelemetry spans (OTLP/HTTP)
+    torch_profiler_dir: str | None = None   # /start_profile and /stop_profile write torch profiler traces here
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -59,6 +59,15 @@ class Logprobs(msgspec.Struct, array_like=True):
     ranks: list[int]
 
 
+class TraceEvent(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One timed event of a request in the engine core, for its trace (sent only with request traces
+    on): queued, scheduled, resumed, preempted, step, finished. `time` is `time.monotonic()`, one clock
+    for every process on the machine, so the front end can put these beside its own events."""
+    name: str
+    time: float
+    attrs: dict[str, int | float | str] = msgspec.field(default_factory=dict)
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
@@ -71,6 +80,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # prompt order and continuing where the request's previous rows ended (the first prompt token
     # has none). A partial prefill chunk sends them with no new tokens.
     new_prompt_logprobs: Logprobs | None = None
+    trace: list[TraceEvent] | None = None  # with request traces on: its events since its last output
 
     @property
     def finished(self) -> bool:
@@ -180,6 +190,15 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True):
     prompt_logprobs: dict[str, tuple[int, Logprobs]] = msgspec.field(default_factory=dict)
     # Draft tokens proposed for the next step, per entry of `req_ids` (speculative decoding only).
     spec_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    timings: StepTimings | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[])
+
+
+class StepTimings(msgspec.Struct, array_like=True):
+    """Where a step's time went in the worker (seconds): building the input tensors, the forward pass
+    (with the draft model's mirror), logits and sampling (with verification and drafting)."""
+    prepare_s: float
+    forward_s: float
+    sample_s: float

@@ -36,6 +36,7 @@ ADD = b"A"
 ABORT = b"X"
 SHUTDOWN = b"S"
 RESET_PREFIX_CACHE = b"P"  # drop the cached prefix blocks (between benchmark runs); ignored while busy
+PROFILE = b"T"         # payload True (start) or False (stop): the torch profiler in every worker
 WORKER_FAILED = b"W"   # put on the input queue by the executor's failure callback, never sent
 # Frame kinds, engine core → front end.
 READY = b"R"
@@ -157,6 +158,8 @@ class EngineCoreProc:
             self.core.abort_requests(self.ids_decoder.decode(payload))
         elif kind == RESET_PREFIX_CACHE:
             self.core.reset_prefix_cache()
+        elif kind == PROFILE:
+            self.core.profile(msgspec.msgpack.decode(payload, type=bool))
         elif kind == SHUTDOWN:
             return False
         elif kind == WORKER_FAILED:

@@ -13,13 +13,14 @@ while step N runs, then step N's results are applied (and go out to the front en
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from concurrent.futures import Future
 
 from kestrel.config import EngineConfig
 from kestrel.core.kv_cache_manager import KVCacheManager
 from kestrel.core.request import Request, RequestStatus
-from kestrel.core.scheduler import Scheduler
+from kestrel.core.scheduler import Scheduler, StepTrace
 from kestrel.messages import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 from kestrel.worker.executor import Executor
 
@@ -38,7 +39,8 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.batch_queue_size = 2 if config.scheduler.async_scheduling else executor.max_concurrent_batches
-        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
+        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput, StepTrace | None]] = deque()
+        self.trace_requests = config.scheduler.trace_requests
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_core_request(request))
@@ -59,28 +61,37 @@ class EngineCore:
             return self.step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs()
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output, step = self._schedule()
         runner_output = self.executor.execute_model(scheduler_output)
-        return self._update(scheduler_output, runner_output)
+        return self._update(scheduler_output, runner_output, step)
 
     def step_with_batch_queue(self) -> EngineCoreOutputs | None:
         if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output, step = self._schedule()
             # An output that schedules nothing still goes out when it carries news for the workers
             # (finished or preempted requests to drop); the scheduler does not repeat them.
             if (scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
                     or scheduler_output.preempted_req_ids):
                 future = self.executor.execute_model(scheduler_output, non_block=True)
-                self.batch_queue.append((future, scheduler_output))
+                self.batch_queue.append((future, scheduler_output, step))
                 if scheduler_output.total_num_scheduled_tokens and len(self.batch_queue) < self.batch_queue_size:
                     return None  # room for another batch: schedule it before waiting
         if not self.batch_queue:
             return None
-        future, scheduler_output = self.batch_queue.popleft()
-        return self._update(scheduler_output, future.result())
+        future, scheduler_output, step = self.batch_queue.popleft()
+        return self._update(scheduler_output, future.result(), step)
 
-    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+    def _schedule(self) -> tuple[SchedulerOutput, StepTrace | None]:
+        """The next step, and (with request traces on) when it started and how long scheduling took."""
+        if not self.trace_requests:
+            return self.scheduler.schedule(), None
+        start = time.monotonic()
+        scheduler_output = self.scheduler.schedule()
+        return scheduler_output, StepTrace(start, time.monotonic() - start)
+
+    def _update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                step: StepTrace | None = None) -> EngineCoreOutputs:
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output, step)
         if not self.has_unfinished_requests():
             self.check_invariants()  # cheap, and only when the engine goes idle
         return outputs
@@ -94,6 +105,11 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
+
+    def profile(self, start: bool) -> None:
+        """Start or stop the torch profiler in every worker (with one worker, in this process: the
+        engine core's own steps are in its trace too)."""
+        self.executor.collective_rpc("profile", (start,))
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from kestrel.messages import EngineCoreRequest, EventType, FinishReason
+from kestrel.messages import EngineCoreRequest, EventType, FinishReason, TraceEvent
 from kestrel.sampling_params import SamplingParams
 
 
@@ -67,6 +67,8 @@ class Request:
         # may be scheduled again as if they were known (the worker has them by the time it runs).
         self.num_output_placeholders = 0
         self.events: list[tuple[EventType, float]] = [(EventType.QUEUED, time.monotonic())]
+        # With request traces on: timed events not sent to the front end yet (the scheduler adds them).
+        self.trace: list[TraceEvent] = []
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
@@ -99,6 +101,13 @@ class Request:
     def take_events(self) -> list[tuple[EventType, float]] | None:
         events, self.events = self.events, []
         return events or None
+
+    def add_trace(self, name: str, at: float | None = None, **attrs: int | float | str) -> None:
+        self.trace.append(TraceEvent(name, time.monotonic() if at is None else at, attrs))
+
+    def take_trace(self) -> list[TraceEvent] | None:
+        trace, self.trace = self.trace, []
+        return trace or None
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}"

@@ -33,6 +33,11 @@ request is not scheduled past max_tokens or max_model_len counting its placehold
 while a step of its was running drops that step's results (it recomputes them after resuming, and it
 cannot be resumed before they are in, since a step that preempts admits nobody).
 
+With request traces on (`trace_requests`), each request collects timed events: queued, scheduled
+(with its prefix-cache hits) or resumed, preempted, one `step` per step it was in (its tokens, the
+batch's size, and the step's time split into schedule / prepare inputs / forward / sample), finished;
+they travel in the request's next output.
+
 Prompt logprobs computed by the worker travel in the request's output of the same step, even for a
 partial prefill chunk (an output with no new tokens); positions already sent before a preemption
 are not sent again.
@@ -43,6 +48,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from kestrel.config import SchedulerConfig
 from kestrel.core.kv_cache_manager import KVCacheManager
@@ -59,6 +65,14 @@ from kestrel.messages import (
     SchedulerStats,
     SpecDecodingStats,
 )
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """When a step started (monotonic clock) and how long scheduling it took: the engine core's part of
+    the step's time, for request traces."""
+    start: float
+    schedule_s: float
 
 
 class Scheduler:
@@ -224,6 +238,9 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+            if self.config.trace_requests:
+                request.add_trace("resumed" if request.num_preemptions else "scheduled",
+                                  prompt_tokens=request.num_prompt_tokens, prefix_hit_tokens=num_hit_tokens)
             request.status = RequestStatus.RUNNING
             request.record_event(EventType.SCHEDULED)
             self.running.append(request)
@@ -249,16 +266,21 @@ class Scheduler:
         request.num_output_placeholders = 0  # the results of its step in flight will be dropped
         request.num_preemptions += 1
         request.record_event(EventType.PREEMPTED)
+        if self.config.trace_requests:
+            request.add_trace("preempted", kv_cache_usage=round(self.kv.usage, 4))
         self.waiting.appendleft(request)
         self.num_preemptions_total += 1
         self._step_preemptions += 1
 
     # ---- results of a step ------------------------------------------------------------------
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                           step: StepTrace | None = None) -> EngineCoreOutputs:
+        """Apply a step's results. `step`: its start and scheduling time, with request traces on."""
         outputs: list[EngineCoreOutput] = []
         num_generated = 0
+        if step is not None:
+            self._trace_step(scheduler_output, runner_output, step)
         self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         prompt_logprobs = self._take_prompt_logprobs(runner_output)
         drafts = scheduler_output.scheduled_spec_decode_tokens
@@ -280,6 +302,9 @@ class Scheduler:
                 if self._check_stop(request):
                     break
             num_generated += len(new_token_ids)
+            if request.is_finished and self.config.trace_requests:
+                request.add_trace("finished", reason=str(request.status.finish_reason),
+                                  output_tokens=request.num_output_tokens)
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
@@ -294,6 +319,7 @@ class Scheduler:
                 events=request.take_events(),
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 new_prompt_logprobs=prompt_logprobs.pop(request_id, None),
+                trace=request.take_trace(),
             ))
         for request_id, rows in prompt_logprobs.items():  # partial prefill chunks: nothing sampled
             request = self.requests[request_id]
@@ -303,9 +329,27 @@ class Scheduler:
                 events=request.take_events(),
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 new_prompt_logprobs=rows,
+                trace=request.take_trace(),
             ))
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(num_generated),
                                  timestamp=time.monotonic())
+
+    def _trace_step(self, so: SchedulerOutput, ro: ModelRunnerOutput, step: StepTrace) -> None:
+        """A `step` event for every live request the step computed tokens for."""
+        timings = ro.timings
+        split = {"schedule_ms": round(step.schedule_s * 1e3, 3)}
+        if timings is not None:
+            split.update(prepare_ms=round(timings.prepare_s * 1e3, 3), forward_ms=round(timings.forward_s * 1e3, 3),
+                         sample_ms=round(timings.sample_s * 1e3, 3))
+        for request_id, n in so.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            drafts = len(so.scheduled_spec_decode_tokens.get(request_id, ()))
+            # At the end of its scheduling (after a `scheduled` event of the same step): the work for it begins.
+            request.add_trace("step", step.start + step.schedule_s, tokens=n, drafts=drafts,
+                              batch_requests=len(so.num_scheduled_tokens), batch_tokens=so.total_num_scheduled_tokens,
+                              **split)
 
     def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """The step computed KV for every draft; only the accepted ones stay computed."""

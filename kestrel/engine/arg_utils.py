@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -114,6 +115,14 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
                '"prompt_lookup_max": 4, "prompt_lookup_min": 2} drafts tokens by looking the last n-gram up in the '
                'context; {"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} drafts them with a '
                "smaller model"),
+    EngineFlag("--request-trace-buffer", "request_trace_buffer", int,
+               "keep a timed trace of the last N requests, read at GET /v1/requests/{id}/trace; 0: off"),
+    EngineFlag("--otlp-traces-endpoint", "otlp_traces_endpoint", str,
+               "send each request's trace as OpenTelemetry spans to this OTLP/HTTP collector (e.g. "
+               "http://localhost:4318)"),
+    EngineFlag("--torch-profiler-dir", "torch_profiler_dir", str,
+               "turn on POST /start_profile and /stop_profile: torch profiler traces of the engine core's "
+               "worker(s), written to this folder"),
     EngineFlag("--async-scheduling", "async_scheduling", action=argparse.BooleanOptionalAction,
                help="schedule step N+1 and send step N-1's tokens out while step N's forward runs "
                     "(one worker, no speculative decoding)"),
@@ -180,6 +189,9 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, A
         attention_backend=args.attention_backend,
         speculative=speculative,
         draft_model=draft_model_config(speculative, model, parallel),
+        request_trace_buffer=args.request_trace_buffer,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        torch_profiler_dir=os.path.abspath(args.torch_profiler_dir) if args.torch_profiler_dir else None,
     )
     return config, source, tokenizer
 
@@ -195,6 +207,8 @@ def check_settings(args: EngineArgs) -> None:
     if args.kv_cache_dtype == "int8" and args.block_size != INT8_KV_BLOCK:
         raise ValueError(f"--kv-cache-dtype int8 stores K in blocks of {INT8_KV_BLOCK} tokens; "
                          f"--block-size {args.block_size} is not supported with it")
+    if args.request_trace_buffer < 0:
+        raise ValueError(f"request_trace_buffer must be 0 (off) or more, got {args.request_trace_buffer}")
     if args.attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                          f"got {args.attention_backend!r}")
@@ -284,7 +298,8 @@ def scheduler_config(args: EngineArgs, max_model_len: int,
                            num_lookahead_tokens=(speculative.num_speculative_tokens
                                                  if speculative and speculative.method == "draft_model" else 0),
                            speculative_disable_by_batch_size=speculative.disable_by_batch_size if speculative else None,
-                           async_scheduling=args.async_scheduling)
+                           async_scheduling=args.async_scheduling,
+                           trace_requests=args.request_trace_buffer > 0 or args.otlp_traces_endpoint is not None)
 
 
 def _first(value: Any) -> Any:

@@ -34,6 +34,7 @@ from kestrel.engine.exceptions import EngineDeadError, EngineStoppedError
 from kestrel.engine.output_processor import OutputProcessor
 from kestrel.engine.processor import Processor, PromptType
 from kestrel.engine.stat_logger import LoggingStatLogger
+from kestrel.engine.tracing import API_SERVER, RequestTrace, TraceStore
 from kestrel.messages import EngineCoreFailure, SchedulerStats, SpecDecodingStats
 from kestrel.model.loader import ModelSource
 from kestrel.outputs import CompletionOutput, RequestOutput
@@ -69,6 +70,12 @@ class AsyncLLM:
         self._errored_event: asyncio.Event | None = None
         self._output_tasks: list[asyncio.Task] = []
         self.engine_cores = EngineCoreProcesses(config, source)
+        # The last N requests' traces (--request-trace-buffer N); None when request traces are off.
+        self.traces = TraceStore(config.request_trace_buffer) if config.request_trace_buffer else None
+        self.span_exporter = None  # --otlp-traces-endpoint: each finished request's trace as spans
+        if config.otlp_traces_endpoint:
+            from kestrel.engine.otel import SpanExporter, otlp_span_processor
+            self.span_exporter = SpanExporter(otlp_span_processor(config.otlp_traces_endpoint), self.model_name)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLM:
@@ -95,6 +102,11 @@ class AsyncLLM:
     def counters(self) -> dict[str, int]:
         """Every engine core's counters summed."""
         return {key: sum(c[key] for c in self.core_counters) for key in COUNTER_KEYS}
+
+    def profile(self, start: bool) -> None:
+        """Start or stop the torch profiler in every engine core's workers (--torch-profiler-dir)."""
+        for core in self.engine_cores.cores:
+            core.send(core_process.PROFILE, start)
 
     def reset_prefix_cache(self) -> None:
         """Every engine core drops its cached prefix blocks before its next step (blocks in use stay)."""
@@ -198,26 +210,31 @@ class AsyncLLM:
     # ---- requests ----------------------------------------------------------------------------
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
-                       stream: bool = True) -> AsyncIterator[RequestOutput]:
+                       stream: bool = True, timeline: list[tuple[str, float]] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield the request's progress: with `stream`, only what is new each time (text, token ids
         and logprobs deltas; finish_reason on a completion's last delta; `prompt_logprobs`, complete,
         on the first output only, and nothing is yielded before they are complete); else one final
-        output."""
+        output. `timeline`: the caller's events for the request's trace so far ((name, monotonic time):
+        received, tokenized), when request traces are on."""
         if not self.is_running:
             raise self.not_running_error()
         self._ensure_output_task()
         request_id = request_id or uuid.uuid4().hex
         arrival = time.time()
+        trace = self._start_trace(request_id, timeline)
         text, ids, core_requests = self.processor.process(request_id, prompt, params, arrival)
         queue: asyncio.Queue = asyncio.Queue()
-        self.output_processor.add_request(request_id, text, ids, params,
-                                          [r.request_id for r in core_requests], arrival)
+        state = self.output_processor.add_request(request_id, text, ids, params,
+                                                  [r.request_id for r in core_requests], arrival, trace)
         self._streams[request_id] = queue
         sent = [_Sent() for _ in core_requests]
         prompt_logprobs_sent = False
         finished = waiting = False
         try:
-            self.engine_cores.add_requests(core_requests)
+            state.engine_index = self.engine_cores.add_requests(core_requests)
+            if trace is not None:
+                trace.add(API_SERVER, "sent", engine=state.engine_index)
             self.num_waiting_requests += 1
             waiting = True
             while not finished:
@@ -248,6 +265,20 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             if not finished and self.is_running:
                 self._abort(request_id)
+            if trace is not None and self.span_exporter is not None:
+                self.span_exporter.export(trace, {"kestrel.finished": finished})
+
+    def _start_trace(self, request_id: str, timeline: list[tuple[str, float]] | None) -> RequestTrace | None:
+        if self.traces is None and self.span_exporter is None:
+            return None
+        trace = self.traces.start(request_id) if self.traces is not None else RequestTrace(request_id)
+        for name, at in timeline or [("received", time.monotonic())]:
+            trace.add(API_SERVER, name, at)
+        return trace
+
+    def trace_of(self, request_id: str) -> RequestTrace | None:
+        """The kept trace of an engine request id (None when traces are off or it was dropped)."""
+        return self.traces.get(request_id) if self.traces is not None else None
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)
@@ -263,6 +294,8 @@ class AsyncLLM:
             if not task.get_loop().is_closed():
                 task.cancel()
         self.engine_cores.shutdown()
+        if self.span_exporter is not None:
+            self.span_exporter.shutdown()  # sends the spans still batched
 
 
 async def _next_output(queue: asyncio.Queue) -> tuple[RequestOutput | None, Exception | None]:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from kestrel.engine.detokenizer import IncrementalDetokenizer
+from kestrel.engine.tracing import API_SERVER, ENGINE_CORE, RequestTrace
 from kestrel.messages import EngineCoreOutput, EventType, FinishReason, Logprobs
 from kestrel.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kestrel.sampling_params import SamplingParams
@@ -23,8 +24,11 @@ MAX_RECORDED_GAPS = 8192  # inter-token gaps kept per request, for the latency h
 
 class RequestState:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, child_ids: list[str], tokenizer, arrival_time: float) -> None:
+                 params: SamplingParams, child_ids: list[str], tokenizer, arrival_time: float,
+                 trace: RequestTrace | None = None) -> None:
         self.request_id = request_id
+        self.trace = trace        # with request traces on
+        self.engine_index = 0     # the engine core that runs it (set when it is sent)
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -90,6 +94,8 @@ class RequestState:
             completion.finish_reason, completion.stop_reason = str(out.finish_reason), out.stop_reason
         if self.finished:
             self.metrics.finished_time = now
+            if self.trace is not None:
+                self.trace.add(API_SERVER, "completed")
         return stopped_by_string
 
     def _record_timing(self, out: EngineCoreOutput, now: float) -> None:
@@ -97,11 +103,17 @@ class RequestState:
         for event, timestamp in out.events or ():
             if event == EventType.QUEUED:
                 self._queued_at = timestamp
+                if self.trace is not None:
+                    self.trace.add(ENGINE_CORE, "queued", timestamp, engine=self.engine_index)
             elif event == EventType.SCHEDULED and m.queue_time is None and self._queued_at is not None:
                 m.queue_time = max(timestamp - self._queued_at, 0.0)
+        if self.trace is not None and out.trace:
+            self.trace.add_engine_events(out.trace, self.engine_index)
         if out.new_token_ids:
             if m.first_token_time is None:
                 m.first_token_time = now
+                if self.trace is not None:
+                    self.trace.add(API_SERVER, "first_token")
             elif m.last_token_time is not None and len(m.inter_token_latencies) < MAX_RECORDED_GAPS:
                 m.inter_token_latencies.append(now - m.last_token_time)
             m.last_token_time = now
@@ -139,13 +151,15 @@ class OutputProcessor:
         self.parent_of: dict[str, str] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, child_ids: list[str], arrival_time: float) -> None:
+                    params: SamplingParams, child_ids: list[str], arrival_time: float,
+                    trace: RequestTrace | None = None) -> RequestState:
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, child_ids,
-                                               self.tokenizer, arrival_time)
+        state = self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, child_ids,
+                                                       self.tokenizer, arrival_time, trace)
         for cid in child_ids:
             self.parent_of[cid] = request_id
+        return state
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)

@@ -38,6 +38,7 @@ chunk as the scheduler splits the prefill. Nothing extra runs when no request in
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,7 +48,14 @@ from torch import nn
 from kestrel.attention import AttentionBackend, CommonAttentionMetadata, KVCache, PrefillSpan, new_kv_caches
 from kestrel.config import EngineConfig
 from kestrel.distributed import get_pp_group, get_tp_group
-from kestrel.messages import EMPTY_MODEL_RUNNER_OUTPUT, Logprobs, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from kestrel.messages import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    Logprobs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    StepTimings,
+)
 from kestrel.model import IntermediateTensors
 from kestrel.model.decode_plan import DecodePlan
 from kestrel.sample import Sampler, SamplerOutput, SamplingMetadata
@@ -186,11 +194,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        """The step's sampled tokens on the output rank; None on the other ranks."""
+        """The step's sampled tokens on the output rank (with where the step's time went); None on the
+        other ranks."""
+        start = time.perf_counter()
         self._update_states(so)
         if so.is_empty:
             return EMPTY_MODEL_RUNNER_OUTPUT if self.samples else None
         batch = self._prepare_inputs(so)
+        prepared = time.perf_counter()
         intermediate = None if self.is_first_stage else self._receive_intermediate(len(batch.input_ids))
         hidden = self._forward(batch, intermediate)
         if self.drafter is not None:
@@ -198,15 +209,22 @@ class ModelRunner:
         if not self.is_last_stage:
             self._send_intermediate(hidden)
             return None
+        forwarded = time.perf_counter()
+        output = self._sample(batch, hidden)
+        if output is not None:
+            output.timings = StepTimings(prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
+        return output
+
+    def _sample(self, batch: BatchInputs, hidden: torch.Tensor) -> ModelRunnerOutput | None:
+        """Logits of the rows that sample (and of prompt-logprob rows), sampled or verified; the next
+        drafts. None on a tensor rank that does not sample."""
         prompt_logprobs = (self._compute_prompt_logprobs(hidden, batch.prompt_logprob_spans)
                            if batch.prompt_logprob_spans else None)
         if not batch.sample_req_ids:
             if not self.samples:
                 return None
-            if prompt_logprobs:
-                return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[],
-                                         prompt_logprobs=prompt_logprobs)
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[],
+                                     prompt_logprobs=prompt_logprobs or {})
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
         if logits is None:  # another tensor rank samples
             return None

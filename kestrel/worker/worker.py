@@ -60,6 +60,7 @@ class Worker:
                     self.attn_backend.describe())
         self.runner = ModelRunner(config, self.model, self.attn_backend, self._load_draft_model())
         self.memory_profile: MemoryProfile | None = None
+        self.profiler: torch.profiler.profile | None = None  # between /start_profile and /stop_profile
 
     def _load_draft_model(self) -> DraftModelProposer | None:
         """The draft model of speculative method draft_model, with its own attention backend (its head
@@ -75,6 +76,26 @@ class Worker:
         model.load_weights(weight_reader(source))
         logger.info("loaded the draft model %s in %.1f s", source.name, time.perf_counter() - start)
         return DraftModelProposer(config, model, attn)
+
+    def profile(self, start: bool) -> None:
+        """Start or stop a torch profiler trace of this worker's process; a stopped trace is written
+        to --torch-profiler-dir (one file per worker, for TensorBoard or Perfetto). Asked while already
+        in that state, nothing happens."""
+        folder = self.config.torch_profiler_dir
+        if folder is None:
+            raise RuntimeError("profiling is off: no --torch-profiler-dir")
+        if start and self.profiler is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            write = torch.profiler.tensorboard_trace_handler(folder, worker_name=f"kestrel_rank{self.rank}")
+            self.profiler = torch.profiler.profile(activities=activities, on_trace_ready=write)
+            self.profiler.start()
+            logger.info("torch profiler started; the trace goes to %s", folder)
+        elif not start and self.profiler is not None:
+            profiler, self.profiler = self.profiler, None
+            profiler.stop()
+            logger.info("torch profiler stopped; trace written to %s", folder)
 
     def determine_num_kv_blocks(self) -> int:
         profile = profile_cuda if self.device.type == "cuda" else profile_cpu

@@ -184,6 +184,34 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         req = parse_body(DetokenizeRequest, await read_json(request, max_body_bytes))
         return await serving["tokenization"].detokenize(req)
 
+    @app.get("/v1/requests/{request_id}/trace")
+    async def request_trace(request_id: str):
+        # The OpenAI response id (chatcmpl-..., cmpl-...): a completion with several prompts has a
+        # trace per prompt.
+        if engine.traces is None:
+            return error_response("request traces are off; start the server with --request-trace-buffer N to "
+                                  "keep the last N requests' traces", 404)
+        traces = engine.traces.find(request_id)
+        if not traces:
+            return error_response(f"no trace of request {request_id!r}: the server keeps the traces of the last "
+                                  f"{engine.traces.capacity} requests", 404)
+        return {"id": request_id, "object": "request.trace", "requests": [t.to_dict() for t in traces]}
+
+    @app.post("/start_profile")
+    async def start_profile():
+        return _profile(True)
+
+    @app.post("/stop_profile")
+    async def stop_profile():
+        return _profile(False)
+
+    def _profile(start: bool):
+        # As vLLM's: only when the server was started with a folder for the traces.
+        if engine.config.torch_profiler_dir is None:
+            return error_response("profiling is off; start the server with --torch-profiler-dir DIR", 404)
+        engine.profile(start)
+        return Response(status_code=200)
+
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         # As vLLM's: so that repeated benchmark runs do not hit the blocks of the run before.

@@ -35,12 +35,14 @@ from kestrel.sampling_params import SamplingParams
 class OpenAIServingChat(OpenAIServing):
 
     async def chat(self, req: ChatCompletionRequest, admission: Admission):
+        received = time.monotonic()
         self.check_model(req.model)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", 400,
                            "top_logprobs")
         ids = await self.in_tokenizer_thread(self.chat_prompt_ids, req.messages, req.add_generation_prompt,
                                              req.chat_template_kwargs, self.max_model_len)
+        timeline = [("received", received), ("tokenized", time.monotonic())]
         max_tokens, param = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
@@ -54,11 +56,12 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self.stream_response(self._chat_stream(req, prompt, params, request_id, created, len(ids), top,
-                                                          include_usage, admission))
+                                                          include_usage, admission, timeline), [request_id])
         final = None
-        async for out in self.generate(prompt, params, request_id, False, admission):
+        async for out in self.generate(prompt, params, request_id, False, admission, timeline):
             final = out
         self.observe(final)
+        self.trace_event([request_id], "response_built")
         choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                                         logprobs=self.chat_logprobs(c, top) if req.logprobs else None,
                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason)
@@ -82,14 +85,15 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _chat_stream(self, req: ChatCompletionRequest, prompt: dict, params: SamplingParams,
                            request_id: str, created: int, prompt_len: int, top: int,
-                           include_usage: bool, admission: Admission) -> AsyncIterator[str]:
+                           include_usage: bool, admission: Admission,
+                           timeline: list[tuple[str, float]]) -> AsyncIterator[str]:
         def chunk(choice: ChatStreamChoice) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[choice]))
 
         for i in range(params.n):
             yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
         completion_tokens = 0
-        async for out in self.generate(prompt, params, request_id, True, admission):
+        async for out in self.generate(prompt, params, request_id, True, admission, timeline):
             for c in out.outputs:
                 if not c.text and not c.token_ids and c.finish_reason is None:
                     continue

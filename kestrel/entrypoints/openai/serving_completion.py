@@ -33,10 +33,12 @@ Job = tuple[str, dict, Any, str | None, list[int]]
 class OpenAIServingCompletion(OpenAIServing):
 
     async def completions(self, req: CompletionRequest, admission: Admission):
+        received = time.monotonic()
         self.check_model(req.model)
         if req.logprobs is not None and req.logprobs < 0:
             raise APIError(f"logprobs must be non-negative, got {req.logprobs}", 400, "logprobs")
         prompts = await self.in_tokenizer_thread(self.completion_prompts, req.prompt)
+        timeline = [("received", received), ("tokenized", time.monotonic())]
         request_id = random_id("cmpl")
         jobs: list[Job] = []
         for i, (text, ids) in enumerate(prompts):
@@ -51,9 +53,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self.stream_response(self._completion_stream(req, jobs, request_id, created, n, include_usage,
-                                                                admission))
+                                                                admission, timeline), [job[0] for job in jobs])
 
-        iters = [self.generate(p, sp, rid, False, admission) for rid, p, sp, _, _ in jobs]
+        iters = [self.generate(p, sp, rid, False, admission, timeline) for rid, p, sp, _, _ in jobs]
         finals: dict[int, RequestOutput] = {}
         async for i, out in merge(iters):
             finals[i] = out
@@ -71,6 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(CompletionChoice(index=i * n + c.index, text=prefix + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        self.trace_event([job[0] for job in jobs], "response_built")
         return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                   usage=usage).model_dump()
 
@@ -124,8 +127,9 @@ class OpenAIServingCompletion(OpenAIServing):
         return out, offset
 
     async def _completion_stream(self, req: CompletionRequest, jobs: list[Job], request_id: str, created: int,
-                                 n: int, include_usage: bool, admission: Admission) -> AsyncIterator[str]:
-        iters = [self.generate(p, sp, rid, True, admission) for rid, p, sp, _, _ in jobs]
+                                 n: int, include_usage: bool, admission: Admission,
+                                 timeline: list[tuple[str, float]]) -> AsyncIterator[str]:
+        iters = [self.generate(p, sp, rid, True, admission, timeline) for rid, p, sp, _, _ in jobs]
         offsets: dict[int, int] = {}
         started: set[int] = set()
         completion_tokens = 0

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from kestrel.engine.exceptions import EngineDeadError, EngineStoppedError
+from kestrel.engine.tracing import API_SERVER
 from kestrel.entrypoints.openai.metrics import ServerMetrics
 from kestrel.entrypoints.openai.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingFields
 from kestrel.outputs import RequestOutput
@@ -349,8 +350,10 @@ class OpenAIServing:
             raise APIError(str(e), 400) from None
 
     async def generate(self, prompt: dict, params: SamplingParams, request_id: str, stream: bool,
-                       admission: Admission) -> AsyncIterator[RequestOutput]:
-        outputs = self.engine.generate(prompt, params, request_id, stream=stream)
+                       admission: Admission, timeline: list[tuple[str, float]] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """`timeline`: the handler's events for the request's trace (received, tokenized)."""
+        outputs = self.engine.generate(prompt, params, request_id, stream=stream, timeline=timeline)
         # The engine adds the request (and counts it as waiting) in its first step, which runs in
         # the same turn of the event loop as this line: the admission hands its place over without
         # a gap in which another request could slip past the limit.
@@ -362,6 +365,13 @@ class OpenAIServing:
             await outputs.aclose()
 
     # -- output -----------------------------------------------------------------------------------
+
+    def trace_event(self, request_ids: list[str], name: str) -> None:
+        """Add an API-server event to these requests' traces (when request traces are on)."""
+        for request_id in request_ids:
+            trace = self.engine.trace_of(request_id)
+            if trace is not None:
+                trace.add(API_SERVER, name)
 
     def token_text(self, tid: int, lp) -> str:
         if lp is not None and lp.decoded_token is not None:
@@ -375,8 +385,9 @@ class OpenAIServing:
             num_tokens = sum(len(c.token_ids) for c in out.outputs)
         self.metrics.observe_finished(out.metrics, num_tokens, [c.finish_reason for c in out.outputs])
 
-    def stream_response(self, events: AsyncIterator[str]) -> StreamingResponse:
-        """An SSE response; an error after the headers went out is one error event, then [DONE]."""
+    def stream_response(self, events: AsyncIterator[str], request_ids: list[str] = ()) -> StreamingResponse:
+        """An SSE response; an error after the headers went out is one error event, then [DONE].
+        `request_ids`: the engine requests it streams, whose traces get the last byte's time."""
         async def body() -> AsyncIterator[str]:
             try:
                 async for event in events:
@@ -390,6 +401,7 @@ class OpenAIServing:
             finally:
                 await events.aclose()
             yield "data: [DONE]\n\n"
+            self.trace_event(request_ids, "last_byte")
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
