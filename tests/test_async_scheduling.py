@@ -9,43 +9,32 @@ too early or a dropped result shows up as a mismatch.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import deque
 
 import pytest
-from test_scheduler import EOS, FakeWorker, hash_token, prompt, reference_outputs
+from test_scheduler import EOS, Harness, prompt, reference_outputs
 
-from kestrel.config import ParallelConfig, SchedulerConfig, SpeculativeConfig
-from kestrel.core.kv_cache_manager import KVCacheManager
-from kestrel.core.request import Request, RequestStatus
+from kestrel.config import ParallelConfig, SpeculativeConfig
+from kestrel.core.request import RequestStatus
 from kestrel.core.scheduler import Scheduler
 from kestrel.engine.arg_utils import check_async_scheduling
 from kestrel.messages import FinishReason, SchedulerOutput
-from kestrel.sampling_params import SamplingParams
 
 
-class AsyncHarness:
-    def __init__(self, num_blocks=64, block_size=4, max_num_seqs=16, max_num_batched_tokens=64,
-                 max_model_len=256, enable_caching=True, token_fn=hash_token) -> None:
-        self.kv = KVCacheManager(num_blocks, block_size, enable_caching)
-        self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len, async_scheduling=True)
+class AsyncHarness(Harness):
+    """test_scheduler's harness with async scheduling on, stepped as a batch queue two deep."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.config = dataclasses.replace(self.config, async_scheduling=True)
         self.sched = Scheduler(self.config, self.kv)
-        self.worker = FakeWorker(block_size, token_fn)
         self.in_flight: deque = deque()
-        self.tokens: dict[str, list[int]] = {}
-        self.finish: dict[str, tuple[FinishReason, int | str | None]] = {}
         self.sampled_by_worker: dict[str, int] = {}
         self.outputs: list[SchedulerOutput] = []
         self.placeholder_steps = 0  # steps that scheduled a request whose last step was still in flight
         self.preempted_in_flight: list[str] = []  # requests preempted while a step of theirs ran
-
-    def add(self, rid: str, tokens: list[int], **params) -> Request:
-        params.setdefault("max_tokens", 8)
-        request = Request(rid, list(tokens), SamplingParams(**params), eos_token_id=EOS)
-        self.sched.add_request(request)
-        self.tokens[rid] = []
-        return request
 
     def submit(self) -> SchedulerOutput:
         """Schedule a step and run it on the fake worker (it has every earlier step's tokens)."""
