@@ -62,14 +62,7 @@ class AsyncHarness(Harness):
 
     def apply_oldest(self) -> None:
         so, ro = self.in_flight.popleft()
-        out = self.sched.update_from_output(so, ro)
-        self.kv.check_invariants()
-        for o in out.outputs:
-            assert o.request_id not in self.finish, f"output after {o.request_id} finished"
-            self.tokens[o.request_id].extend(o.new_token_ids)
-            if o.finished:
-                self.finish[o.request_id] = (o.finish_reason, o.stop_reason)
-                assert self.kv.get_block_ids(o.request_id) == []
+        self.record(self.sched.update_from_output(so, ro))
 
     def step(self) -> None:
         """What EngineCore.step_with_batch_queue does with a queue of two."""

@@ -131,7 +131,10 @@ class Harness:
                     if rid in self.sched.requests
                     and self.sched.requests[rid].num_computed_tokens == self.sched.requests[rid].num_tokens]
         assert [rid for rid in ro.req_ids if rid in self.sched.requests] == expected
-        out = self.sched.update_from_output(so, ro)
+        return self.record(self.sched.update_from_output(so, ro))
+
+    def record(self, out: EngineCoreOutputs) -> EngineCoreOutputs:
+        """Keep a step's outputs: tokens in order, nothing after a request's end, whose blocks are free."""
         self.kv.check_invariants()
         for o in out.outputs:
             assert o.request_id not in self.finish, f"output after {o.request_id} finished"
