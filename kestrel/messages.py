@@ -106,6 +106,19 @@ class SpecDecodingStats(msgspec.Struct, array_like=True):
             per_pos[j] += n
 
 
+class StepStats(msgspec.Struct, array_like=True):
+    """One engine step: its batch, and where its wall time went (seconds). `total_s` runs from the
+    start of scheduling to the step's outputs; the phases are scheduling (engine core) and the
+    worker's `StepTimings`, the rest being the engine core's bookkeeping and the transfers."""
+    num_reqs: int = 0
+    num_tokens: int = 0
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    total_s: float = 0.0
+
+
 class SchedulerStats(msgspec.Struct, array_like=True):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -116,6 +129,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_prompt_tokens: int = 0      # computed in this step
     num_generation_tokens: int = 0  # sampled in this step
     spec_decoding: SpecDecodingStats | None = None  # None without speculative decoding
+    step: StepStats | None = None  # None in a report that ran no step
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

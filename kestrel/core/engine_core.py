@@ -40,7 +40,6 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.batch_queue_size = 2 if config.scheduler.async_scheduling else executor.max_concurrent_batches
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput, StepTrace | None]] = deque()
-        self.trace_requests = config.scheduler.trace_requests
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request.from_engine_core_request(request))
@@ -82,9 +81,7 @@ class EngineCore:
         return self._update(scheduler_output, future.result(), step)
 
     def _schedule(self) -> tuple[SchedulerOutput, StepTrace | None]:
-        """The next step, and (with request traces on) when it started and how long scheduling took."""
-        if not self.trace_requests:
-            return self.scheduler.schedule(), None
+        """The next step, with when it started and how long scheduling took."""
         start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         return scheduler_output, StepTrace(start, time.monotonic() - start)

@@ -64,15 +64,28 @@ from kestrel.messages import (
     SchedulerOutput,
     SchedulerStats,
     SpecDecodingStats,
+    StepStats,
 )
 
 
 @dataclass(frozen=True)
 class StepTrace:
     """When a step started (monotonic clock) and how long scheduling it took: the engine core's part of
-    the step's time, for request traces."""
+    the step's time, for its `StepStats` and for request traces."""
     start: float
     schedule_s: float
+
+
+def step_stats(so: SchedulerOutput, ro: ModelRunnerOutput, step: StepTrace | None) -> StepStats:
+    """The step's batch and time split (times are zero where the step was not timed)."""
+    stats = StepStats(num_reqs=len(so.num_scheduled_tokens), num_tokens=so.total_num_scheduled_tokens)
+    if step is not None:
+        stats.schedule_s = step.schedule_s
+        stats.total_s = time.monotonic() - step.start
+    timings = ro.timings
+    if timings is not None:
+        stats.prepare_s, stats.forward_s, stats.sample_s = timings.prepare_s, timings.forward_s, timings.sample_s
+    return stats
 
 
 class Scheduler:
@@ -276,10 +289,10 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                            step: StepTrace | None = None) -> EngineCoreOutputs:
-        """Apply a step's results. `step`: its start and scheduling time, with request traces on."""
+        """Apply a step's results. `step`: its start and scheduling time (None: the step is not timed)."""
         outputs: list[EngineCoreOutput] = []
         num_generated = 0
-        if step is not None:
+        if step is not None and self.config.trace_requests:
             self._trace_step(scheduler_output, runner_output, step)
         self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         prompt_logprobs = self._take_prompt_logprobs(runner_output)
@@ -331,8 +344,8 @@ class Scheduler:
                 new_prompt_logprobs=rows,
                 trace=request.take_trace(),
             ))
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(num_generated),
-                                 timestamp=time.monotonic())
+        stats = self.make_stats(num_generated, step_stats(scheduler_output, runner_output, step))
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=stats, timestamp=time.monotonic())
 
     def _trace_step(self, so: SchedulerOutput, ro: ModelRunnerOutput, step: StepTrace) -> None:
         """A `step` event for every live request the step computed tokens for."""
@@ -403,7 +416,7 @@ class Scheduler:
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
-    def make_stats(self, num_generated: int = 0) -> SchedulerStats:
+    def make_stats(self, num_generated: int = 0, step: StepStats | None = None) -> SchedulerStats:
         queries, hits = self.kv.take_prefix_cache_stats()
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
@@ -415,6 +428,7 @@ class Scheduler:
             num_prompt_tokens=self._step_prompt_tokens,
             num_generation_tokens=num_generated,
             spec_decoding=self._take_spec_stats(),
+            step=step,
         )
         self._step_preemptions = self._step_prompt_tokens = 0
         return stats

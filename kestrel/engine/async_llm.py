@@ -44,7 +44,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineStoppedError"]
 
-COUNTER_KEYS = ("prompt_tokens", "generation_tokens", "preemptions", "prefix_cache_queries", "prefix_cache_hits")
+COUNTER_KEYS = ("prompt_tokens", "generation_tokens", "preemptions", "prefix_cache_queries", "prefix_cache_hits",
+                # engine steps: how many, the requests and tokens in them, and where their time went (s)
+                "steps", "step_requests", "step_tokens", "busy_s", "schedule_s", "prepare_s", "forward_s",
+                "sample_s")
 
 
 class AsyncLLM:
@@ -58,7 +61,7 @@ class AsyncLLM:
         size = config.parallel.data_parallel_size
         # Per engine core, as it last reported, and its cumulative counters (COUNTER_KEYS).
         self.core_stats: list[SchedulerStats | None] = [None] * size
-        self.core_counters: list[dict[str, int]] = [dict.fromkeys(COUNTER_KEYS, 0) for _ in range(size)]
+        self.core_counters: list[dict[str, float]] = [dict.fromkeys(COUNTER_KEYS, 0) for _ in range(size)]
         self.core_spec_decoding: list[SpecDecodingStats] = [SpecDecodingStats() for _ in range(size)]
         # One stats line per engine core, as vLLM logs them ("Engine 0: ..." when there are several).
         self.stat_loggers = [LoggingStatLogger.from_config(config, f"Engine {i}" if size > 1 else None)
@@ -99,9 +102,19 @@ class AsyncLLM:
         return merge_gauges(self.core_stats)
 
     @property
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, float]:
         """Every engine core's counters summed."""
         return {key: sum(c[key] for c in self.core_counters) for key in COUNTER_KEYS}
+
+    @property
+    def core_num_kv_blocks(self) -> list[int]:
+        """Each engine core's KV-cache pool, in blocks."""
+        return [core.num_kv_blocks for core in self.engine_cores.cores]
+
+    @property
+    def num_open_requests(self) -> int:
+        """Requests accepted whose final output has not been taken yet."""
+        return len(self._streams)
 
     def profile(self, start: bool) -> None:
         """Start or stop the torch profiler in every engine core's workers (--torch-profiler-dir)."""
@@ -158,6 +171,16 @@ class AsyncLLM:
         c["prefix_cache_hits"] += stats.prefix_cache_hits
         if stats.spec_decoding is not None:
             self.core_spec_decoding[index].add(stats.spec_decoding)
+        step = stats.step
+        if step is not None:
+            c["steps"] += 1
+            c["step_requests"] += step.num_reqs
+            c["step_tokens"] += step.num_tokens
+            c["busy_s"] += step.total_s
+            c["schedule_s"] += step.schedule_s
+            c["prepare_s"] += step.prepare_s
+            c["forward_s"] += step.forward_s
+            c["sample_s"] += step.sample_s
 
     def _on_failure(self, core: EngineCoreProcess, failure: EngineCoreFailure) -> None:
         # Each request's state ends as the engine core ended it (FinishReason.ERROR); their streams

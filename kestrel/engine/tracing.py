@@ -141,5 +141,10 @@ class TraceStore:
         prefix = response_id + "-"
         return [t for rid, t in self._traces.items() if rid.startswith(prefix) and rid[len(prefix):].isdigit()]
 
+    def recent(self, limit: int) -> list[RequestTrace]:
+        """The last `limit` requests' traces, newest first."""
+        newest = reversed(self._traces.values())
+        return [trace for trace, _ in zip(newest, range(max(limit, 0)))]
+
     def __len__(self) -> int:
         return len(self._traces)

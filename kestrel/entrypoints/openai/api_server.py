@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kestrel
+from kestrel.entrypoints.openai.dashboard import dashboard_router
 from kestrel.entrypoints.openai.metrics import ServerMetrics
 from kestrel.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -106,6 +107,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
 
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.include_router(dashboard_router(engine, metrics))
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):

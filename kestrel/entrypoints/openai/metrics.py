@@ -5,11 +5,16 @@ Gauges and counters are read from the engine at scrape time, one series per engi
 `AsyncLLM.core_counters` (cumulative). Latency histograms are observed by the server as requests
 finish, over all cores. Each app has its own registry, so several servers can live in one process
 (tests).
+
+Beside vLLM's families, the engine steps (`engine_steps_total`, the requests and tokens in them,
+`engine_busy_seconds_total`, `engine_step_seconds_total{phase}`), the KV pool in blocks, the
+configuration (`*_config_info`, value 1, the settings as labels) and the API server process's CPU
+(`process_cpu_seconds_total`): what `/dashboard` draws and `kestrel doctor` reads.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kestrel.outputs import RequestMetrics
@@ -30,6 +35,16 @@ SPEC_DECODE_COUNTERS = (
     ("spec_decode_num_draft_tokens", "Draft tokens verified.", "num_draft_tokens"),
     ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "num_accepted_tokens"),
 )
+
+# Engine-step counters: metric name (without _total) -> key of AsyncLLM.core_counters.
+STEP_COUNTERS = {
+    "engine_steps": ("steps", "Engine steps run."),
+    "engine_step_requests": ("step_requests", "Requests in the engine steps, summed (over steps: the mean batch)."),
+    "engine_step_tokens": ("step_tokens", "Tokens computed in the engine steps, summed."),
+    "engine_busy_seconds": ("busy_s", "Wall time of the engine steps, from scheduling to outputs (seconds)."),
+}
+# Where a step's time went: phase label -> key of AsyncLLM.core_counters.
+STEP_PHASES = {"schedule": "schedule_s", "prepare_inputs": "prepare_s", "forward": "forward_s", "sample": "sample_s"}
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -57,8 +72,65 @@ class EngineCollector:
             for engine, counters in enumerate(core_counters):
                 c.add_metric([self.model_name, str(engine)], float(counters.get(key, 0)))
             yield c
-        if getattr(getattr(self.engine, "config", None), "speculative", None) is not None:
-            yield from self.collect_spec_decoding(labels)
+        yield from self.collect_steps(labels, core_counters)
+        config = getattr(self.engine, "config", None)
+        if config is not None:
+            yield from self.collect_kv_blocks(labels, core_stats)
+            yield from self.collect_config_info(config)
+            if config.speculative is not None:
+                yield from self.collect_spec_decoding(labels)
+
+    def collect_steps(self, labels: list[str], core_counters: list[dict[str, float]]):
+        for name, (key, doc) in STEP_COUNTERS.items():
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            for engine, counters in enumerate(core_counters):
+                c.add_metric([self.model_name, str(engine)], float(counters.get(key, 0)))
+            yield c
+        c = CounterMetricFamily(PREFIX + "engine_step_seconds",
+                                "Time of the engine steps by phase: scheduling, building inputs, forward, sampling "
+                                "(seconds).", labels=labels + ["phase"])
+        for engine, counters in enumerate(core_counters):
+            for phase, key in STEP_PHASES.items():
+                c.add_metric([self.model_name, str(engine), phase], float(counters.get(key, 0)))
+        yield c
+
+    def collect_kv_blocks(self, labels: list[str], core_stats: list):
+        """The KV pool in blocks: in use (by running requests) and free (cached-but-unused ones included)."""
+        g = GaugeMetricFamily(PREFIX + "kv_cache_blocks", "KV-cache blocks, by state (used, free).",
+                              labels=labels + ["state"])
+        for engine, total in enumerate(self.engine.core_num_kv_blocks):
+            stats = core_stats[engine] if engine < len(core_stats) else None
+            used = round(stats.kv_cache_usage * total) if stats is not None else 0
+            g.add_metric([self.model_name, str(engine), "used"], float(used))
+            g.add_metric([self.model_name, str(engine), "free"], float(total - used))
+        yield g
+
+    def collect_config_info(self, config):
+        """The settings a diagnosis points at, as labels of gauges of value 1 (as vLLM's cache_config_info)."""
+        sched, cache, parallel = config.scheduler, config.cache, config.parallel
+        infos = {
+            "cache_config_info": {"block_size": cache.block_size, "enable_prefix_caching": cache.enable_prefix_caching,
+                                  "kv_cache_dtype": cache.kv_cache_dtype,
+                                  "num_gpu_blocks": sum(self.engine.core_num_kv_blocks)},
+            "scheduler_config_info": {"max_num_seqs": sched.max_num_seqs,
+                                      "max_num_batched_tokens": sched.max_num_batched_tokens,
+                                      "max_model_len": sched.max_model_len,
+                                      "enable_chunked_prefill": sched.enable_chunked_prefill,
+                                      "async_scheduling": sched.async_scheduling},
+            "model_config_info": {"dtype": str(config.model.dtype).removeprefix("torch."),
+                                  "quantization": config.model.quantization or "none",
+                                  "enforce_eager": config.enforce_eager,
+                                  "attention_backend": config.attention_backend,
+                                  "device": str(config.device.device),
+                                  "tensor_parallel_size": parallel.tensor_parallel_size,
+                                  "pipeline_parallel_size": parallel.pipeline_parallel_size,
+                                  "data_parallel_size": parallel.data_parallel_size},
+        }
+        for name, values in infos.items():
+            g = GaugeMetricFamily(PREFIX + name, f"Configuration: {name.removesuffix('_info').replace('_', ' ')}.",
+                                  labels=["model_name", *values])
+            g.add_metric([self.model_name, *(str(v) for v in values.values())], 1.0)
+            yield g
 
     def collect_spec_decoding(self, labels: list[str]):
         """vLLM's speculative-decoding counters: drafts, draft tokens, accepted tokens (also by position)."""
@@ -84,6 +156,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.registry.register(EngineCollector(engine, model_name))
+        ProcessCollector(registry=self.registry)  # this (API server) process: process_cpu_seconds_total, ...
 
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(PREFIX + name, doc, ["model_name"], buckets=LATENCY_BUCKETS,
