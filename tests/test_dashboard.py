@@ -18,8 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_process import Server
 
-from kestrel.entrypoints.openai.dashboard import histogram_quantile, snapshot
-from kestrel.entrypoints.openai.metrics import ServerMetrics
+from kestrel.entrypoints.openai.dashboard import snapshot
+from kestrel.entrypoints.openai.metrics import ServerMetrics, histogram_quantile
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # As the workplace's probe starts it: the closed network refuses Google's background connections.

@@ -3,6 +3,7 @@
     kestrel generate "PROMPT" [--chat] [--max-tokens N] [--temperature T] [engine flags]
     kestrel chat [engine flags]
     kestrel serve [MODEL] [--host H] [--port P] [--api-key K] [--served-model-name N] [engine flags]
+    kestrel doctor [URL] [--window S] [--json]
     kestrel bench {throughput,latency,serve,parity,speculative} [options] [engine flags]
 
 Engine flags are named as vLLM names them and map one-to-one onto `EngineArgs` fields; they are
@@ -21,6 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from kestrel.engine.arg_utils import ENGINE_FLAGS, add_engine_flags, engine_kwargs, parse_bytes
+from kestrel.entrypoints import doctor as doctor_cli
 from kestrel.entrypoints.llm import LLM
 from kestrel.sampling_params import SamplingParams
 
@@ -125,6 +127,11 @@ def build_parser(include_bench: bool = True) -> argparse.ArgumentParser:
                        help="uvicorn's log level (default: warning)")
     add_engine_flags(serve)
     serve.set_defaults(handler=run_serve)
+
+    doctor = commands.add_parser("doctor", help="which box limits a running server, with the evidence and the "
+                                                "flag to change")
+    doctor_cli.add_cli_args(doctor)
+    doctor.set_defaults(handler=doctor_cli.main)
 
     bench = commands.add_parser("bench", help="benchmarks: throughput, latency, serve, parity, speculative")
     if include_bench:

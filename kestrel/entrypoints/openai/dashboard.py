@@ -27,7 +27,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 
-from kestrel.entrypoints.openai.metrics import PREFIX, STEP_PHASES, ServerMetrics
+from kestrel.entrypoints.openai.metrics import PREFIX, STEP_PHASES, ServerMetrics, histogram_quantile
 
 UPDATE_INTERVAL_S = 0.5
 QUANTILES = (0.5, 0.9, 0.99)
@@ -45,27 +45,6 @@ ENGINE_COUNTERS = {"prompt_tokens_total": "prompt_tokens_total",
                    "step_tokens_total": "engine_step_tokens_total",
                    "busy_seconds_total": "engine_busy_seconds_total"}
 Samples = dict[str, list[tuple[dict[str, str], float]]]
-
-
-def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
-    """Prometheus's `histogram_quantile` over cumulative (upper bound, count) buckets, +Inf last:
-    linear within the bucket where the q-th observation falls; the highest finite bound when it falls
-    in +Inf; None without observations."""
-    buckets = sorted(buckets)
-    total = buckets[-1][1] if buckets else 0.0
-    if total <= 0:
-        return None
-    rank = q * total
-    lower_bound, lower_count = 0.0, 0.0
-    for bound, count in buckets:
-        if count >= rank:
-            if bound == float("inf"):
-                return lower_bound
-            if count == lower_count:
-                return bound
-            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
-        lower_bound, lower_count = bound, count
-    return lower_bound
 
 
 def collect_samples(metrics: ServerMetrics) -> Samples:

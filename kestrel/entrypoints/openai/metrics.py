@@ -190,3 +190,24 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Prometheus's `histogram_quantile` over cumulative (upper bound, count) buckets, +Inf last:
+    linear within the bucket where the q-th observation falls; the highest finite bound when it falls
+    in +Inf; None without observations."""
+    buckets = sorted(buckets)
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return None
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    return lower_bound
