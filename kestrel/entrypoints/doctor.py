@@ -123,7 +123,9 @@ def figures_of(before: Reading, after: Reading) -> Figures:
         tokens_per_step=per_step(delta("engine_step_tokens_total")),
         step_ms=step_ms,
         phase_ms={p: v / steps for p, v in phases.items()} if steps > 0 else {},
-        engine_busy=busy / dt / max(1.0, float(len(after.samples.get(PREFIX + "engine_steps_total", [1])))),
+        # A step's time runs from its scheduling to its outputs, so steps at the window's edges can
+        # add up to a little more than the window.
+        engine_busy=min(1.0, busy / dt / max(1, len(after.samples.get(PREFIX + "engine_steps_total", [1])))),
         api_cpu=delta("process_cpu_seconds_total") / dt,
         ttft_p50=window_quantile(before, after, "time_to_first_token_seconds"),
         itl_p50=window_quantile(before, after, "inter_token_latency_seconds"),
