@@ -212,3 +212,48 @@ class ModelCard(OpenAIBase):
 class ModelList(OpenAIBase):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class VersionResponse(OpenAIBase):
+    version: str
+
+
+class TokenizeResponse(OpenAIBase):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(OpenAIBase):
+    prompt: str
+
+
+class RequestTraceEvent(OpenAIBase):
+    """One event of a request's trace; an event carries attributes of its own beside these (a step's
+    batch and time split, the engine core's index)."""
+    box: str
+    name: str
+    t_ms: float
+
+
+class TraceSummary(OpenAIBase):
+    ttft_ms: float | None
+    e2e_ms: float | None
+    queue_ms: float
+    steps: int
+    prefill_chunks: int
+    preemptions: int
+    finished: bool
+
+
+class EngineRequestTrace(OpenAIBase):
+    request_id: str
+    events: list[RequestTraceEvent]
+    boxes_ms: dict[str, float]
+    summary: TraceSummary
+
+
+class RequestTraceResponse(OpenAIBase):
+    id: str
+    object: Literal["request.trace"] = "request.trace"
+    requests: list[EngineRequestTrace]
