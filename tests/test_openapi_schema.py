@@ -11,7 +11,9 @@ import jsonschema
 import pytest
 
 from kestrel.engine.tracing import API_SERVER, ENGINE_CORE, RequestTrace
+from kestrel.entrypoints.openai import protocol
 from kestrel.entrypoints.openai.api_server import build_app
+from kestrel.entrypoints.openai.serving_engine import APIError, parse_body
 
 REQUEST_BODIES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest",
                   "/tokenize": "TokenizeRequest", "/detokenize": "DetokenizeRequest"}
@@ -118,6 +120,8 @@ def test_metrics_are_documented_as_text(document):
     ("CompletionRequest", {"max_tokens": 8}, False),                       # no prompt
     ("CompletionRequest", {"prompt": "Hello", "max_tokens": "8"}, False),  # a string for an integer
     ("CompletionRequest", {"prompt": "Hello", "temperature": False}, False),
+    ("CompletionRequest", {"prompt": "Hello", "n": True}, False),
+    ("CompletionRequest", {"prompt": "Hello", "echo": 1}, False),
     ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True}, True),
     ("ChatCompletionRequest", {"messages": []}, False),
     ("ChatCompletionRequest", {"messages": [{"role": "robot", "content": "Hi"}]}, False),
@@ -125,8 +129,15 @@ def test_metrics_are_documented_as_text(document):
     ("DetokenizeRequest", {"tokens": [1, 2, 3]}, True),
     ("DetokenizeRequest", {"tokens": ["a"]}, False),
 ])
-def test_a_request_schema_describes_what_the_server_accepts(document, model, body, valid):
+def test_a_request_schema_accepts_the_types_the_server_accepts(document, model, body, valid):
     assert validator(document, model).is_valid(body) == valid
+    try:
+        parse_body(getattr(protocol, model), body)
+        accepted = True
+    except APIError as e:
+        assert e.status == 400
+        accepted = False
+    assert accepted == valid
 
 
 def test_a_real_trace_matches_the_documented_trace_response(document):

@@ -1,7 +1,9 @@
 """Request and response bodies of the OpenAI-compatible API, with OpenAI's field names.
 
 Unknown fields are ignored (clients send many we do not use). Value checks that belong to sampling
-live in `SamplingParams.validate()`; here only the shapes and types are checked.
+live in `SamplingParams.validate()`; here only the shapes and types are checked, strictly, as the
+OpenAPI document (/openapi.json) describes them: `"n": true`, `"max_tokens": "16"` or
+`"temperature": false` is a 400, as OpenAI's, not 1, 16 or 0.
 """
 
 from __future__ import annotations
@@ -34,13 +36,17 @@ class ErrorResponse(OpenAIBase):
     error: ErrorInfo
 
 
+class OpenAIRequest(OpenAIBase):
+    model_config = ConfigDict(strict=True)
+
+
 # ---- requests -------------------------------------------------------------------------------------
 
-class StreamOptions(OpenAIBase):
+class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
 
-class SamplingFields(OpenAIBase):
+class SamplingFields(OpenAIRequest):
     """Sampling parameters shared by completions and chat completions."""
     model: str | None = None
     temperature: float | None = None
@@ -73,7 +79,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
 
 
-class ChatMessage(OpenAIBase):
+class ChatMessage(OpenAIRequest):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -89,7 +95,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(OpenAIBase):
+class TokenizeRequest(OpenAIRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -97,7 +103,7 @@ class TokenizeRequest(OpenAIBase):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(OpenAIBase):
+class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
     tokens: list[int]
 
