@@ -121,6 +121,8 @@ def test_metrics_are_documented_as_text(document):
     ("CompletionRequest", {"prompt": "Hello", "max_tokens": "8"}, False),  # a string for an integer
     ("CompletionRequest", {"prompt": "Hello", "temperature": False}, False),
     ("CompletionRequest", {"prompt": "Hello", "n": True}, False),
+    ("CompletionRequest", {"prompt": [1.0, 2], "max_tokens": 8.0}, True),  # JSON Schema's integers
+    ("CompletionRequest", {"prompt": [1.5]}, False),
     ("CompletionRequest", {"prompt": "Hello", "echo": 1}, False),
     ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True}, True),
     ("ChatCompletionRequest", {"messages": []}, False),
@@ -138,6 +140,19 @@ def test_a_request_schema_accepts_the_types_the_server_accepts(document, model, 
         assert e.status == 400
         accepted = False
     assert accepted == valid
+
+
+@pytest.mark.parametrize("changes, valid", [
+    ({"n": 128, "logprobs": 20, "top_p": 1, "top_k": -1, "temperature": 0, "presence_penalty": -2}, True),
+    ({"prompt": [[0, 1]], "stop": ["\n"], "stop_token_ids": [0], "min_tokens": 0, "max_tokens": 1}, True),
+    ({"n": 0}, False), ({"n": 129}, False), ({"logprobs": 21}, False), ({"top_p": 0}, False),
+    ({"top_k": -2}, False), ({"temperature": -0.5}, False), ({"frequency_penalty": 2.5}, False),
+    ({"repetition_penalty": 0}, False), ({"max_tokens": 0}, False), ({"min_tokens": -1}, False),
+    ({"stop": ""}, False), ({"stop": ["a", ""]}, False), ({"stop_token_ids": [-1]}, False),
+    ({"prompt": ""}, False), ({"prompt": []}, False), ({"prompt": [[]]}, False), ({"prompt": [-1]}, False),
+])
+def test_the_completion_schema_states_the_bounds_the_server_checks(document, changes, valid):
+    assert validator(document, "CompletionRequest").is_valid({"prompt": "Hello", **changes}) == valid
 
 
 def test_a_real_trace_matches_the_documented_trace_response(document):
