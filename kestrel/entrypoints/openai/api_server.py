@@ -25,19 +25,34 @@ from concurrent.futures import ThreadPoolExecutor
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kestrel
 from kestrel.entrypoints.openai.dashboard import dashboard_router
 from kestrel.entrypoints.openai.metrics import ServerMetrics
+from kestrel.entrypoints.openai.openapi import (
+    GENERATION_ERRORS,
+    add_models,
+    error_responses,
+    json_or_event_stream,
+    request_body,
+)
 from kestrel.entrypoints.openai.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    RequestTraceResponse,
     TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
 from kestrel.entrypoints.openai.serving_chat import OpenAIServingChat
 from kestrel.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -149,44 +164,52 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         finally:
             admission.release()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
+              responses={200: json_or_event_stream(CompletionResponse, CompletionChunk),
+                         **error_responses(*GENERATION_ERRORS)})
     async def completions(request: Request):
         req = parse_body(CompletionRequest, await read_json(request, max_body_bytes))
         result = await unless_disconnected(request, run(serving["completion"].completions, req))
         return result if isinstance(result, Response) else JSONResponse(result)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
+              responses={200: json_or_event_stream(ChatCompletionResponse, ChatCompletionChunk),
+                         **error_responses(*GENERATION_ERRORS)})
     async def chat_completions(request: Request):
         req = parse_body(ChatCompletionRequest, await read_json(request, max_body_bytes))
         result = await unless_disconnected(request, run(serving["chat"].chat, req))
         return result if isinstance(result, Response) else JSONResponse(result)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(401)})
     async def models():
         return ModelList(data=[ModelCard(id=served_model_name, root=engine.model_name,
                                          max_model_len=serving["completion"].max_model_len)]).model_dump()
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "The engine is running"}, **error_responses(503)})
     async def health():
         if engine.is_running:
             return Response(status_code=200)
         return error_response(str(engine.not_running_error()), 503)
 
-    @app.get("/version")
+    @app.get("/version", responses={200: {"model": VersionResponse}})
     async def version():
         return {"version": kestrel.__version__}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest),
+              responses={200: {"model": TokenizeResponse}, **error_responses(400, 404, 413)})
     async def tokenize(request: Request):
         req = parse_body(TokenizeRequest, await read_json(request, max_body_bytes))
         return await serving["tokenization"].tokenize(req)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest),
+              responses={200: {"model": DetokenizeResponse}, **error_responses(400, 404, 413)})
     async def detokenize(request: Request):
         req = parse_body(DetokenizeRequest, await read_json(request, max_body_bytes))
         return await serving["tokenization"].detokenize(req)
 
-    @app.get("/v1/requests/{request_id}/trace")
+    @app.get("/v1/requests/{request_id}/trace",
+             responses={200: {"model": RequestTraceResponse}, **error_responses(401, 404)})
     async def request_trace(request_id: str):
         # The OpenAI response id (chatcmpl-..., cmpl-...): a completion with several prompts has a
         # trace per prompt.
@@ -199,11 +222,14 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
                                   f"{engine.traces.capacity} requests", 404)
         return {"id": request_id, "object": "request.trace", "requests": [t.to_dict() for t in traces]}
 
-    @app.post("/start_profile")
+    @app.post("/start_profile", response_class=Response,
+              responses={200: {"description": "The profiler started"}, **error_responses(404)})
     async def start_profile():
         return _profile(True)
 
-    @app.post("/stop_profile")
+    @app.post("/stop_profile", response_class=Response,
+              responses={200: {"description": "The profiler stopped; its trace is in --torch-profiler-dir"},
+                         **error_responses(404)})
     async def stop_profile():
         return _profile(False)
 
@@ -214,17 +240,21 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         engine.profile(start)
         return Response(status_code=200)
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", response_class=Response,
+              responses={200: {"description": "The prefix cache is empty"}})
     async def reset_prefix_cache():
         # As vLLM's: so that repeated benchmark runs do not hit the blocks of the run before.
         engine.reset_prefix_cache()
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus metrics, in its text format"}})
     async def prometheus_metrics():
         from prometheus_client import CONTENT_TYPE_LATEST
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    add_models(app, requests=[CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest],
+               chunks=[CompletionChunk, ChatCompletionChunk])
     return app
 
 

@@ -1,16 +1,23 @@
 """Request and response bodies of the OpenAI-compatible API, with OpenAI's field names.
 
 Unknown fields are ignored (clients send many we do not use). Value checks that belong to sampling
-live in `SamplingParams.validate()`; here only the shapes and types are checked.
+live in `SamplingParams.validate()`; here only the shapes and types are checked, strictly, as the
+OpenAPI document (/openapi.json) describes them: `"n": true`, `"max_tokens": "16"` or
+`"temperature": false` is a 400, as OpenAI's, not 1, 16 or 0 (`16.0` is 16: JSON has one kind of
+number, and JSON Schema calls it an integer). The document also states what the server checks
+of the values beyond their types (`restricted`: bounds, non-empty prompts), with messages of its own.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+MAX_N = 128          # samples per prompt
+MAX_LOGPROBS = 20    # top logprobs per token, as vLLM's default max_logprobs
 
 
 def random_id(prefix: str) -> str:
@@ -36,26 +43,55 @@ class ErrorResponse(OpenAIBase):
 
 # ---- requests -------------------------------------------------------------------------------------
 
-class StreamOptions(OpenAIBase):
+class OpenAIRequest(OpenAIBase):
+    model_config = ConfigDict(strict=True)
+
+
+def integral_float_as_int(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# An integer of a request: a JSON number without a fraction (16 or 16.0), never a bool or a string.
+Int = Annotated[int, BeforeValidator(integral_float_as_int)]
+
+
+def restricted(default: Any, **keywords_by_type: dict[str, Any]) -> Any:
+    """A field whose values the OpenAPI document restricts beyond their type: `keywords_by_type` (JSON
+    Schema keywords by JSON type, e.g. integer={"minimum": 1}) go into each subschema of that type,
+    inside unions and arrays too. In the document only: the server checks these itself, with messages
+    of its own (`SamplingParams.validate`, serving_*.py), and test_openapi_fuzz's invalid requests
+    check that it does."""
+    def add(schema: Any) -> None:
+        if isinstance(schema, dict):
+            schema.update(keywords_by_type.get(schema.get("type"), {}))
+            for child in [*schema.get("anyOf", []), schema.get("items")]:
+                add(child)
+
+    return Field(default, json_schema_extra=add)
+
+
+NON_NEGATIVE = {"minimum": 0}
+
+class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
 
-class SamplingFields(OpenAIBase):
+class SamplingFields(OpenAIRequest):
     """Sampling parameters shared by completions and chat completions."""
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    temperature: float | None = restricted(None, number=NON_NEGATIVE)
+    top_p: float | None = restricted(None, number={"exclusiveMinimum": 0, "maximum": 1})
+    top_k: Int | None = restricted(None, integer={"minimum": -1})  # 0 or -1: no top-k
+    min_p: float | None = restricted(None, number={"minimum": 0, "maximum": 1})
+    n: Int = restricted(1, integer={"minimum": 1, "maximum": MAX_N})
+    stop: str | list[str] | None = restricted(None, string={"minLength": 1})
+    stop_token_ids: list[Int] | None = restricted(None, integer=NON_NEGATIVE)
+    seed: Int | None = None
+    presence_penalty: float | None = restricted(None, number={"minimum": -2, "maximum": 2})
+    frequency_penalty: float | None = restricted(None, number={"minimum": -2, "maximum": 2})
+    repetition_penalty: float | None = restricted(None, number={"exclusiveMinimum": 0})
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Int = restricted(0, integer=NON_NEGATIVE)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -63,33 +99,38 @@ class SamplingFields(OpenAIBase):
     user: str | None = None
 
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
+PromptInput = str | list[str] | list[Int] | list[list[Int]]
 
 
 class CompletionRequest(SamplingFields):
-    prompt: PromptInput
-    max_tokens: int | None = None
-    logprobs: int | None = None
+    # Text, texts, token ids or lists of token ids; nothing empty.
+    prompt: PromptInput = restricted(..., string={"minLength": 1}, array={"minItems": 1}, integer=NON_NEGATIVE)
+    max_tokens: Int | None = restricted(None, integer={"minimum": 1})
+    logprobs: Int | None = restricted(None, integer={"minimum": 0, "maximum": MAX_LOGPROBS})
     echo: bool = False
 
 
-class ChatMessage(OpenAIBase):
+# The one kind of content part served (serving_engine.message_text).
+TEXT_PART = {"required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+
+
+class ChatMessage(OpenAIRequest):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]] | None = restricted(None, object=TEXT_PART)
     name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = restricted(None, integer={"minimum": 1})
+    max_completion_tokens: Int | None = restricted(None, integer={"minimum": 1})
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = restricted(None, integer={"minimum": 0, "maximum": MAX_LOGPROBS})
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(OpenAIBase):
+class TokenizeRequest(OpenAIRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -97,9 +138,9 @@ class TokenizeRequest(OpenAIBase):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(OpenAIBase):
+class DetokenizeRequest(OpenAIRequest):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int] = restricted(..., integer=NON_NEGATIVE)
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -212,3 +253,48 @@ class ModelCard(OpenAIBase):
 class ModelList(OpenAIBase):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class VersionResponse(OpenAIBase):
+    version: str
+
+
+class TokenizeResponse(OpenAIBase):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(OpenAIBase):
+    prompt: str
+
+
+class RequestTraceEvent(OpenAIBase):
+    """One event of a request's trace; an event carries attributes of its own beside these (a step's
+    batch and time split, the engine core's index)."""
+    box: str
+    name: str
+    t_ms: float
+
+
+class TraceSummary(OpenAIBase):
+    ttft_ms: float | None
+    e2e_ms: float | None
+    queue_ms: float
+    steps: int
+    prefill_chunks: int
+    preemptions: int
+    finished: bool
+
+
+class EngineRequestTrace(OpenAIBase):
+    request_id: str
+    events: list[RequestTraceEvent]
+    boxes_ms: dict[str, float]
+    summary: TraceSummary
+
+
+class RequestTraceResponse(OpenAIBase):
+    id: str
+    object: Literal["request.trace"] = "request.trace"
+    requests: list[EngineRequestTrace]

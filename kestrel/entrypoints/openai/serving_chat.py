@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 
 from kestrel.entrypoints.openai.protocol import (
+    MAX_LOGPROBS,
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -21,7 +22,6 @@ from kestrel.entrypoints.openai.protocol import (
     random_id,
 )
 from kestrel.entrypoints.openai.serving_engine import (
-    MAX_LOGPROBS,
     Admission,
     APIError,
     OpenAIServing,

@@ -26,14 +26,19 @@ from pydantic import BaseModel, ValidationError
 from kestrel.engine.exceptions import EngineDeadError, EngineStoppedError
 from kestrel.engine.tracing import API_SERVER
 from kestrel.entrypoints.openai.metrics import ServerMetrics
-from kestrel.entrypoints.openai.protocol import ChatMessage, ErrorInfo, ErrorResponse, SamplingFields
+from kestrel.entrypoints.openai.protocol import (
+    MAX_LOGPROBS,
+    MAX_N,
+    ChatMessage,
+    ErrorInfo,
+    ErrorResponse,
+    SamplingFields,
+)
 from kestrel.outputs import RequestOutput
 from kestrel.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MAX_N = 128          # samples per prompt
-MAX_LOGPROBS = 20    # top logprobs per token, as vLLM's default max_logprobs
 INT64_MAX = 2**63 - 1
 # Bodies larger than this are parsed off the event loop (json.loads of 8 MiB takes tens of ms).
 PARSE_IN_THREAD_BYTES = 1 << 20
