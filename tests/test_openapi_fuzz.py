@@ -47,7 +47,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 BODY_ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
                ("POST", "/detokenize")]
 OTHER_ROUTES = [("GET", "/v1/models"), ("GET", "/health"), ("GET", "/version"),
-                ("GET", "/v1/requests/{request_id}/trace"), ("POST", "/start_profile"), ("POST", "/stop_profile"),
+                ("GET", "/v1/requests/{request_id}/trace"), ("GET", "/v1/requests"),
+                ("POST", "/start_profile"), ("POST", "/stop_profile"),
                 ("POST", "/reset_prefix_cache"), ("GET", "/metrics")]
 FUZZED = ([(method, path, GenerationMode.POSITIVE) for method, path in BODY_ROUTES + OTHER_ROUTES]
           + [(method, path, GenerationMode.NEGATIVE) for method, path in BODY_ROUTES])

@@ -27,6 +27,7 @@ RESPONSES = {
     ("post", "/tokenize"): ("TokenizeResponse", {400, 404, 413}),
     ("post", "/detokenize"): ("DetokenizeResponse", {400, 404, 413}),
     ("get", "/v1/requests/{request_id}/trace"): ("RequestTraceResponse", {401, 404}),
+    ("get", "/v1/requests"): ("RecentRequestList", {400, 401}),
     ("post", "/start_profile"): (None, {404}),
     ("post", "/stop_profile"): (None, {404}),
     ("post", "/reset_prefix_cache"): (None, set()),

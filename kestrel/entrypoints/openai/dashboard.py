@@ -28,6 +28,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 
 from kestrel.entrypoints.openai.metrics import PREFIX, STEP_PHASES, ServerMetrics, histogram_quantile
+from kestrel.entrypoints.openai.openapi import error_responses
+from kestrel.entrypoints.openai.protocol import RecentRequestList
 
 UPDATE_INTERVAL_S = 0.5
 QUANTILES = (0.5, 0.9, 0.99)
@@ -133,7 +135,8 @@ def dashboard_router(engine, metrics: ServerMetrics) -> APIRouter:
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    @router.get("/v1/requests")
+    @router.get("/v1/requests", response_model=None,
+                responses={200: {"model": RecentRequestList}, **error_responses(400, 401)})
     async def recent_requests(limit: int = 50) -> dict[str, Any]:
         """The last requests the server keeps traces of (--request-trace-buffer N), newest first."""
         return request_list(engine, min(max(limit, 0), 1000))

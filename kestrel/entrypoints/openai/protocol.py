@@ -298,3 +298,14 @@ class RequestTraceResponse(OpenAIBase):
     id: str
     object: Literal["request.trace"] = "request.trace"
     requests: list[EngineRequestTrace]
+
+
+class RecentRequest(TraceSummary):
+    id: str
+    boxes_ms: dict[str, float]
+
+
+class RecentRequestList(OpenAIBase):
+    object: Literal["list"] = "list"
+    traces: bool  # False: request traces are off (--request-trace-buffer N), the list is empty
+    data: list[RecentRequest]
