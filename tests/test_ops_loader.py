@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kestrel import ops
 from kestrel.ops import _build_key, cpu_kernels, cpu_kernels_isa, cpu_kernels_source, extension_build_dir
 
 pytestmark = pytest.mark.skipif(cpu_kernels_source() is None or cpu_kernels() is None,
@@ -51,3 +52,11 @@ def test_the_build_key_follows_the_source(tmp_path):
     before = _build_key(a)
     (tmp_path / "shared.h").write_text("#pragma once")       # a header beside the source counts too
     assert _build_key(a) != before
+
+
+def test_the_build_compiles_its_own_copy_of_the_source():
+    # build.ninja names no checkout's path, so two checkouts of one version share a build without
+    # rebuilding each other's module (torch rebuilds whenever build.ninja changes).
+    ninja = (_build_dir() / "build.ninja").read_text()
+    assert str(Path(ops.__file__).parent) not in ninja
+    assert f"compile {_build_dir() / 'cpu_kernels.cpp'}" in ninja

@@ -9,9 +9,10 @@ aborted in the engine core that owns it, so its KV blocks return to that core's 
 
 If a step fails, that engine core sends an `EngineCoreFailure` (the exception's message, and every
 request it held ended with `FinishReason.ERROR`) and exits; if a core's process dies, its output task
-sees it within `DEATH_POLL_S`. Either way, as vLLM treats any core's death, the whole engine is dead:
-every open stream ends at once with `EngineDeadError`, `is_running` turns False, and
-`wait_until_errored()` returns, so that the server can exit.
+sees it at once (the event loop watches the process's sentinel, no polling). Either way, as vLLM
+treats any core's death, the whole engine is dead: every open stream ends at once with
+`EngineDeadError`, `is_running` turns False, and `wait_until_errored()` returns, so that the server
+can exit.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ import zmq.asyncio
 from kestrel.config import EngineArgs, EngineConfig
 from kestrel.core import core_process
 from kestrel.engine.arg_utils import create_engine_config
-from kestrel.engine.core_client import DEATH_POLL_S, EngineCoreProcess, EngineCoreProcesses, merge_gauges
+from kestrel.engine.core_client import EngineCoreProcess, EngineCoreProcesses, merge_gauges
 from kestrel.engine.exceptions import EngineDeadError, EngineStoppedError
 from kestrel.engine.output_processor import OutputProcessor
 from kestrel.engine.processor import Processor, PromptType
 from kestrel.engine.stat_logger import LoggingStatLogger
 from kestrel.engine.tracing import API_SERVER, RequestTrace, TraceStore
-from kestrel.messages import EngineCoreFailure, SchedulerStats, SpecDecodingStats
+from kestrel.messages import EngineCoreFailure, EngineCoreOutputs, SchedulerStats, SpecDecodingStats
 from kestrel.model.loader import ModelSource
 from kestrel.outputs import CompletionOutput, RequestOutput
 from kestrel.sampling_params import SamplingParams
@@ -137,28 +138,34 @@ class AsyncLLM:
                 for index, core in enumerate(self.engine_cores.cores)]
 
     async def _drain_outputs(self, index: int, core: EngineCoreProcess, output: zmq.asyncio.Socket) -> None:
-        while self._error is None:
-            if not await output.poll(timeout=int(DEATH_POLL_S * 1000)):
-                if not core.is_alive():
+        exited = _exit_of(core)
+        try:
+            while self._error is None:
+                message = await _next_message(output, exited)
+                if message is None:
                     self._set_errored(EngineDeadError(f"{core.label} died (exit code {core.exitcode})"))
-                continue
-            kind, payload = await output.recv_multipart()
-            if kind == core_process.DEAD:
-                self._on_failure(core, core_process.decode_failure(payload))
-                continue
-            if kind != core_process.OUTPUTS:
-                continue
-            outputs = core_process.decode_outputs(payload)
-            self.engine_cores.record_outputs(index, outputs)
-            if outputs.scheduler_stats is not None:
-                self._record_stats(index, outputs.scheduler_stats)
-            processed = self.output_processor.process_outputs(outputs.outputs)
-            if processed.reqs_to_abort:
-                self.engine_cores.abort_requests(processed.reqs_to_abort)
-            for out in processed.request_outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put_nowait(out)
+                    return
+                self._on_message(index, core, *message)
+        finally:
+            exited.cancel()
+
+    def _on_message(self, index: int, core: EngineCoreProcess, kind: bytes, payload: bytes) -> None:
+        if kind == core_process.DEAD:
+            self._on_failure(core, core_process.decode_failure(payload))
+        elif kind == core_process.OUTPUTS:
+            self._on_outputs(index, core_process.decode_outputs(payload))
+
+    def _on_outputs(self, index: int, outputs: EngineCoreOutputs) -> None:
+        self.engine_cores.record_outputs(index, outputs)
+        if outputs.scheduler_stats is not None:
+            self._record_stats(index, outputs.scheduler_stats)
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if processed.reqs_to_abort:
+            self.engine_cores.abort_requests(processed.reqs_to_abort)
+        for out in processed.request_outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
 
     def _record_stats(self, index: int, stats: SchedulerStats) -> None:
         self.core_stats[index] = stats
@@ -319,6 +326,42 @@ class AsyncLLM:
         self.engine_cores.shutdown()
         if self.span_exporter is not None:
             self.span_exporter.shutdown()  # sends the spans still batched
+
+
+# After an engine core's process exits, how long its last messages (its failure report) may take to
+# come through the socket; they are handled before its death is. One killed by a signal sent nothing.
+EXIT_DRAIN_MS = 100
+
+
+def _exit_of(core: EngineCoreProcess) -> asyncio.Future:
+    """A future that the event loop resolves as soon as the core's process ends (its sentinel turns
+    readable), with how long to wait for its last messages (ms); cancel it to stop watching."""
+    loop = asyncio.get_running_loop()
+    exited = loop.create_future()
+    sentinel = core.process.sentinel
+
+    def on_exit() -> None:
+        loop.remove_reader(sentinel)  # the sentinel stays readable: watch it once
+        if not exited.done():
+            exited.set_result(0 if (core.exitcode or 0) < 0 else EXIT_DRAIN_MS)
+
+    loop.add_reader(sentinel, on_exit)
+    exited.add_done_callback(lambda _: loop.remove_reader(sentinel))
+    return exited
+
+
+async def _next_message(output: zmq.asyncio.Socket, exited: asyncio.Future) -> list[bytes] | None:
+    """An engine core's next message, or None once its process has ended (`exited`) and every
+    message it sent has been read."""
+    if not exited.done():
+        ready = asyncio.ensure_future(output.poll())
+        await asyncio.wait((ready, exited), return_when=asyncio.FIRST_COMPLETED)
+        if ready.done():
+            return await output.recv_multipart()
+        ready.cancel()
+    if await output.poll(timeout=exited.result()):
+        return await output.recv_multipart()
+    return None
 
 
 async def _next_output(queue: asyncio.Queue) -> tuple[RequestOutput | None, Exception | None]:

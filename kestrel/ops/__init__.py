@@ -16,6 +16,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -30,6 +31,9 @@ ISA_CFLAGS = {
     "avx512": ("-O3", "-march=native", "-fopenmp", "-DKESTREL_VEC_AVX512"),
     "avx2": ("-O3", "-march=x86-64-v3", "-mtune=native", "-fopenmp", "-DKESTREL_VEC_AVX2"),
 }
+# Part of every build key since builds compile copies of the sources (_staged_source): a build
+# directory from before then names a checkout's source path in its build.ninja.
+_LAYOUT = "sources staged in the build directory"
 # A first build takes ~100 s on 2 cores; a wait far past that means something is wrong.
 _BUILD_WAIT_S = float(os.environ.get("KESTREL_KERNEL_BUILD_WAIT_S", "900"))
 
@@ -77,7 +81,7 @@ def _build_key(source: Path, cflags: tuple[str, ...] = _CFLAGS) -> str:
     digest = hashlib.sha256(source.read_bytes())
     for header in sorted(source.parent.glob("*.h")):  # included by the kernels
         digest.update(header.read_bytes())
-    for part in (*cflags, *_LDFLAGS, torch.__version__, " ".join(sorted(_cpu_flags()))):
+    for part in (*cflags, *_LDFLAGS, torch.__version__, " ".join(sorted(_cpu_flags())), _LAYOUT):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -121,8 +125,22 @@ def load_cpu_extension(source_name: str, isa: str | None = None):
             raise TimeoutError(f"another process has been building {build_dir} for over "
                                f"{_BUILD_WAIT_S:.0f} s")
         (build_dir / "lock").unlink(missing_ok=True)
-        return load(name=name, sources=[str(source)], build_directory=str(build_dir),
+        staged = _staged_source(source, build_dir)
+        return load(name=name, sources=[str(staged)], build_directory=str(build_dir),
                     extra_cflags=list(cflags), extra_ldflags=list(_LDFLAGS), verbose=False)
+
+
+def _staged_source(source: Path, build_dir: Path) -> Path:
+    """`source` and the headers beside it, copied into `build_dir` (once: a copy's new mtime would make
+    ninja rebuild), for the build to compile. torch rebuilds whenever build.ninja changes, and
+    build.ninja names the source's path: two checkouts of one kernel version share its build
+    directory, and compiling from their own paths they rebuilt each other's module on every load."""
+    for path in (source, *source.parent.glob("*.h")):
+        staged, partial = build_dir / path.name, build_dir / f"{path.name}.partial"
+        if not staged.exists():
+            shutil.copyfile(path, partial)
+            os.replace(partial, staged)
+    return build_dir / source.name
 
 
 def _load_or_none(source_name: str, what: str, usable: bool, isa: str | None = None):
