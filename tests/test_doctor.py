@@ -107,6 +107,14 @@ def post_completion(url: str, prompt: str, max_tokens: int) -> Callable[[httpx.C
     return send
 
 
+def diagnosis(server: Server, clients: int, request: Callable[[httpx.Client, int], None]) -> str:
+    """The doctor's output under that load; the server is stopped afterwards."""
+    try:
+        return under_load(server, clients, request)
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny")
@@ -124,10 +132,7 @@ def tiny_server(model: str, *flags: str) -> Server:
 @pytest.mark.timeout(300)
 def test_a_tiny_kv_pool_is_kv_cache_memory(tiny_model):
     server = tiny_server(tiny_model, "--max-model-len", "192", "--num-kv-blocks", "14")
-    try:
-        out = under_load(server, 6, post_completion(server.url, "Once upon a time", 100))
-    finally:
-        server.stop()
+    out = diagnosis(server, 6, post_completion(server.url, "Once upon a time", 100))
     assert "limiting box: kv_cache_manager" in out, out
     assert "preemptions" in out and "--kv-cache-memory" in out
 
@@ -160,10 +165,7 @@ def test_long_prompts_in_small_chunks_are_the_prefill_budget(tiny_model):
     server = tiny_server(tiny_model, "--max-model-len", "512", "--kv-cache-memory", "16MiB",
                          "--max-num-batched-tokens", "32")
     prompt = " ".join(f"word{i}" for i in range(120))
-    try:
-        out = under_load(server, 1, post_completion(server.url, prompt, 1))
-    finally:
-        server.stop()
+    out = diagnosis(server, 1, post_completion(server.url, prompt, 1))
     assert "limiting box: scheduler" in out and "chunked-prefill" in out, out
     assert "--max-num-batched-tokens" in out
 
@@ -173,9 +175,6 @@ def test_long_prompts_in_small_chunks_are_the_prefill_budget(tiny_model):
 def test_a_float32_eager_model_one_request_at_a_time_is_the_model_runner():
     server = Server("--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--kv-cache-memory", "64MiB")
     server.wait_ready()
-    try:
-        out = under_load(server, 1, post_completion(server.url, "Once upon a time", 64))
-    finally:
-        server.stop()
+    out = diagnosis(server, 1, post_completion(server.url, "Once upon a time", 64))
     assert "limiting box: model_runner" in out, out
     assert "--enforce-eager" in out and "--dtype bfloat16" in out
