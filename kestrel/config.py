@@ -46,6 +46,7 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     quantization: str | None = None  # None, or "int8": the decoder projections in int8 (W8A8)
+    tokenizer: str | None = None     # the tokenizer's path when it is not the model's
 
     def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
         """K and V of one token in every layer: in the model's dtype, or int8 plus a float32 scale per

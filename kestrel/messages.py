@@ -187,6 +187,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True):
     # Draft tokens to verify this step, per request: the last of its `num_scheduled_tokens` are these
     # (after the one sampled token that starts them).
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # Structured outputs: the token bitmask of the constrained requests that sample this step (int32
+    # words, ceil(vocab / 32) per row, xgrammar's layout), one row per sampled position (1 + drafts),
+    # and each such request's first row.
+    grammar_bitmask: bytes = b""
+    structured_output_rows: dict[str, int] = msgspec.field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -21,7 +21,9 @@ from kestrel.config import EngineConfig
 from kestrel.core.kv_cache_manager import KVCacheManager
 from kestrel.core.request import Request, RequestStatus
 from kestrel.core.scheduler import Scheduler, StepTrace
+from kestrel.core.structured_output import StructuredOutputManager
 from kestrel.messages import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from kestrel.model.loader import load_tokenizer, resolve_model
 from kestrel.worker.executor import Executor
 
 logger = logging.getLogger(__name__)
@@ -37,7 +39,11 @@ class EngineCore:
         cache = config.cache
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, cache.block_size)
         self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        model = config.model
+        self.structured_output = StructuredOutputManager(
+            lambda: load_tokenizer(resolve_model(model.tokenizer or model.model)), model.vocab_size,
+            model.eos_token_id)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured_output)
         self.batch_queue_size = 2 if config.scheduler.async_scheduling else executor.max_concurrent_batches
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput, StepTrace | None]] = deque()
 
@@ -65,7 +71,8 @@ class EngineCore:
         return self._update(scheduler_output, runner_output, step)
 
     def step_with_batch_queue(self) -> EngineCoreOutputs | None:
-        if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
+        if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests() \
+                and not self._needs_results_first():
             scheduler_output, step = self._schedule()
             # An output that schedules nothing still goes out when it carries news for the workers
             # (finished or preempted requests to drop); the scheduler does not repeat them.
@@ -79,6 +86,12 @@ class EngineCore:
             return None
         future, scheduler_output, step = self.batch_queue.popleft()
         return self._update(scheduler_output, future.result(), step)
+
+    def _needs_results_first(self) -> bool:
+        """Under async scheduling, a running constrained request's next bitmask needs the token of its
+        step in flight: while one runs, steps do not overlap (the scheduler would leave it out)."""
+        return (bool(self.batch_queue) and self.config.scheduler.async_scheduling
+                and self.scheduler.has_constrained_running())
 
     def _schedule(self) -> tuple[SchedulerOutput, StepTrace | None]:
         """The next step, with when it started and how long scheduling took."""
@@ -109,4 +122,5 @@ class EngineCore:
         self.executor.collective_rpc("profile", (start,))
 
     def shutdown(self) -> None:
+        self.structured_output.shutdown()
         self.executor.shutdown()

@@ -63,6 +63,8 @@ class Request:
         # Draft tokens proposed after its last step, to verify in its next one. Never part of
         # `all_token_ids` (nor of a block hash) until the model accepts them.
         self.spec_token_ids: list[int] = []
+        # A constrained request's grammar and matcher (`RequestGrammar`, core/structured_output.py).
+        self.grammar = None
         # Under async scheduling: tokens being sampled by steps that have not come back yet. The request
         # may be scheduled again as if they were known (the worker has them by the time it runs).
         self.num_output_placeholders = 0

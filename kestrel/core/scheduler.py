@@ -53,11 +53,13 @@ from dataclasses import dataclass
 from kestrel.config import SchedulerConfig
 from kestrel.core.kv_cache_manager import KVCacheManager
 from kestrel.core.request import Request, RequestStatus
+from kestrel.core.structured_output import StructuredOutputManager
 from kestrel.messages import (
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
     EventType,
+    FinishReason,
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
@@ -89,9 +91,14 @@ def step_stats(so: SchedulerOutput, ro: ModelRunnerOutput, step: StepTrace | Non
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 structured_output: StructuredOutputManager | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.structured_output = structured_output
+        # Requests that ended outside a step (a grammar that did not compile): reported with the next
+        # step's outputs.
+        self._ended_outside_step: list[EngineCoreOutput] = []
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -113,6 +120,10 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.max_tokens is None:
             request.max_tokens = self.config.max_model_len - request.num_prompt_tokens
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("this engine core has no structured-output support")
+            self.structured_output.submit(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -130,7 +141,12 @@ class Scheduler:
             self._free_request(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._ended_outside_step)
+
+    def has_constrained_running(self) -> bool:
+        """Whether a running request is constrained: its next step's bitmask needs this step's token,
+        so async scheduling must apply a step's results before planning the next."""
+        return any(r.grammar is not None for r in self.running)
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -184,8 +200,11 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, num_scheduled, new_reqs)
 
+        grammar_rows: list[tuple[Request, list[int]]] = []
         for request_id, n in num_scheduled.items():
             request = self.requests[request_id]
+            if request.grammar is not None and n >= self._num_left(request):  # it samples this step
+                grammar_rows.append((request, spec_tokens.get(request_id, [])))
             self._step_prompt_tokens += max(0, min(request.num_computed_tokens + n, request.num_prompt_tokens)
                                             - request.num_computed_tokens)
             if self.config.async_scheduling and n == self._num_left(request):
@@ -193,6 +212,8 @@ class Scheduler:
             request.num_computed_tokens += n
         if not self.config.async_scheduling:
             self.in_flight.update(num_scheduled)
+        grammar_bitmask, structured_output_rows = (self.structured_output.bitmask(grammar_rows)
+                                                   if grammar_rows else (b"", {}))
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -202,6 +223,8 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
             scheduled_spec_decode_tokens=spec_tokens,
+            grammar_bitmask=grammar_bitmask,
+            structured_output_rows=structured_output_rows,
         )
         self.finished_req_ids = set()
         return output
@@ -222,6 +245,8 @@ class Scheduler:
         if not self.config.async_scheduling:
             return request.request_id not in self.in_flight
         pending = request.num_output_placeholders
+        if request.grammar is not None:
+            return pending == 0  # its bitmask needs the token in flight
         return pending == 0 or (request.num_output_tokens + pending < request.max_tokens
                                 and request.num_tokens + pending < self.config.max_model_len)
 
@@ -236,8 +261,14 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
                        new_reqs: list[NewRequestData]) -> int:
+        compiling: list[Request] = []  # constrained requests passed over: they keep their places
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.grammar is not None and not self._grammar_ready(request):
+                if request.is_finished:
+                    continue
+                compiling.append(self.waiting.popleft())
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if not self.config.enable_chunked_prefill and num_new > budget:
@@ -268,7 +299,23 @@ class Scheduler:
             ))
             num_scheduled[request.request_id] = num_new
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         return budget
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether a constrained request's grammar is compiled; one that failed to compile is ended
+        (removed from the waiting queue, its output queued for the next step's outputs)."""
+        try:
+            return self.structured_output.is_ready(request)
+        except ValueError as exc:
+            self.waiting.popleft()
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.stop_reason = str(exc)
+            self._free_request(request)
+            self._ended_outside_step.append(EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[], finish_reason=FinishReason.ABORT,
+                stop_reason=str(exc), events=request.take_events()))
+            return False
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -290,7 +337,7 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                            step: StepTrace | None = None) -> EngineCoreOutputs:
         """Apply a step's results. `step`: its start and scheduling time (None: the step is not timed)."""
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._ended_outside_step = self._ended_outside_step, []
         num_generated = 0
         if step is not None and self.config.trace_requests:
             self._trace_step(scheduler_output, runner_output, step)
@@ -315,6 +362,8 @@ class Scheduler:
                 if self._check_stop(request):
                     break
             num_generated += len(new_token_ids)
+            if request.grammar is not None:
+                request.grammar.accept(new_token_ids)
             if request.is_finished and self.config.trace_requests:
                 request.add_trace("finished", reason=str(request.status.finish_reason),
                                   output_tokens=request.num_output_tokens)
@@ -322,7 +371,8 @@ class Scheduler:
                 self.running.remove(request)
                 self._free_request(request)
             elif proposals:
-                request.spec_token_ids = proposals[i]
+                request.spec_token_ids = (proposals[i] if request.grammar is None
+                                          else request.grammar.valid_prefix(proposals[i]))
             outputs.append(EngineCoreOutput(
                 request_id=request_id,
                 new_token_ids=new_token_ids,

@@ -172,6 +172,8 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, A
     model = model_config_from_hf(hf_config, model=args.model, dtype=dtype, max_model_len=args.max_model_len,
                                  eos_token_id=eos, bos_token_id=_first(getattr(hf_config, "bos_token_id", None)),
                                  quantization=args.quantization)
+    if args.tokenizer:
+        model = dataclasses.replace(model, tokenizer=args.tokenizer)
     check_shardable(model, parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     config = EngineConfig(
         model=model,

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kestrel.config import ModelConfig
+from kestrel.core.structured_output import check_structured_outputs
 from kestrel.messages import EngineCoreRequest
 from kestrel.sampling_params import SamplingParams
 
@@ -59,6 +60,8 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.structured_outputs is not None:
+            check_structured_outputs(params.structured_outputs)
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt_ids(ids)
         arrival_time = arrival_time if arrival_time is not None else time.time()

@@ -133,7 +133,8 @@ def build_parser(include_bench: bool = True) -> argparse.ArgumentParser:
     doctor_cli.add_cli_args(doctor)
     doctor.set_defaults(handler=doctor_cli.main)
 
-    bench = commands.add_parser("bench", help="benchmarks: throughput, latency, serve, parity, speculative")
+    bench = commands.add_parser("bench", help="benchmarks: throughput, latency, serve, parity, speculative, "
+                                                  "structured")
     if include_bench:
         add_bench_commands(bench)
     return parser
@@ -144,6 +145,7 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     from kestrel.bench import parity as bench_parity
     from kestrel.bench import serve as bench_serve
     from kestrel.bench import speculative as bench_speculative
+    from kestrel.bench import structured as bench_structured
     from kestrel.bench import throughput as bench_throughput
 
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -169,6 +171,11 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     bench_speculative.add_cli_args(speculative_parser)
     add_engine_flags(speculative_parser)
     speculative_parser.set_defaults(handler=lambda args: bench_speculative.main(args, engine_kwargs(args)))
+    structured_parser = benches.add_parser("structured", help="a JSON schema's cost per decode step against none, "
+                                                              "and its compile time")
+    bench_structured.add_cli_args(structured_parser)
+    add_engine_flags(structured_parser)
+    structured_parser.set_defaults(handler=lambda args: bench_structured.main(args, engine_kwargs(args)))
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

@@ -55,6 +55,16 @@ class SamplingMetadata:
     min_tokens_token_ids: torch.Tensor | None
     # Largest top-N logprobs asked by any row; None when no row asks for logprobs.
     max_num_logprobs: int | None
+    # Structured outputs: [R, ceil(V / 32)] int32 bitmask (xgrammar's layout) of the allowed tokens of
+    # logits rows `token_bitmask_rows` [R] int64; None when no row is constrained.
+    token_bitmask: torch.Tensor | None = None
+    token_bitmask_rows: torch.Tensor | None = None
+
+    def constrain(self, bitmask: torch.Tensor, rows: list[int]) -> SamplingMetadata:
+        """This metadata with logits rows `rows` limited to the tokens of `bitmask`'s rows."""
+        self.token_bitmask = bitmask
+        self.token_bitmask_rows = torch.tensor(rows, dtype=torch.int64, device=bitmask.device)
+        return self
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],

@@ -1,7 +1,8 @@
 """The vectorized sampler: logits [B, V] of one step → one token per row, plus logprobs if asked.
 
-Order, as in vLLM V1: raw logprobs → min_tokens mask → penalties → greedy argmax, or for random
-rows temperature → min_p → top_k → top_p → sample by the exponential race.
+Order, as in vLLM V1: raw logprobs → the grammar's bitmask (structured outputs) → min_tokens mask →
+penalties → greedy argmax, or for random rows temperature → min_p → top_k → top_p → sample by the
+exponential race.
 """
 
 from __future__ import annotations
@@ -48,14 +49,35 @@ def prepare_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[to
     # A batch that only takes the argmax (all greedy, no penalties, no min_tokens) changes nothing,
     # and skips the copy ([B, V] floats, ~10 MB at 52 rows of a 49k vocabulary, a fresh allocation
     # each step).
-    if metadata.all_greedy and metadata.no_penalties and metadata.min_tokens_rows is None:
+    if (metadata.all_greedy and metadata.no_penalties and metadata.min_tokens_rows is None
+            and metadata.token_bitmask is None):
         logits = logits.float()
     else:
         logits = logits.to(torch.float32, copy=True)
     raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
+    apply_token_bitmask(logits, metadata)
     apply_min_tokens(logits, metadata)
     apply_penalties(logits, metadata)
     return logits, raw_logprobs
+
+
+_BIT_POSITIONS = torch.arange(32, dtype=torch.int32)
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, V] bool from an [R, ceil(V / 32)] int32 bitmask: token t is allowed when bit t % 32 of word
+    t // 32 is set."""
+    bits = (bitmask.unsqueeze(-1) >> _BIT_POSITIONS.to(bitmask.device)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_token_bitmask(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """-inf on the tokens a constrained row's grammar does not allow next (structured outputs)."""
+    if metadata.token_bitmask is not None:
+        rows = metadata.token_bitmask_rows
+        allowed = allowed_tokens(metadata.token_bitmask, logits.shape[-1])
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

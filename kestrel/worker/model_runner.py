@@ -210,14 +210,35 @@ class ModelRunner:
             self._send_intermediate(hidden)
             return None
         forwarded = time.perf_counter()
-        output = self._sample(batch, hidden)
+        output = self._sample(batch, hidden, self._grammar_constraint(so, batch))
         if output is not None:
             output.timings = StepTimings(prepared - start, forwarded - prepared, time.perf_counter() - forwarded)
         return output
 
-    def _sample(self, batch: BatchInputs, hidden: torch.Tensor) -> ModelRunnerOutput | None:
-        """Logits of the rows that sample (and of prompt-logprob rows), sampled or verified; the next
-        drafts. None on a tensor rank that does not sample."""
+    def _grammar_constraint(self, so: SchedulerOutput, batch: BatchInputs
+                            ) -> tuple[torch.Tensor, list[int]] | None:
+        """Structured outputs: (the bitmask rows of the constrained requests, the logits rows they
+        apply to), or None when no request that samples is constrained."""
+        if not so.structured_output_rows:
+            return None
+        width = (self.vocab_size + 31) // 32
+        bitmask = torch.frombuffer(bytearray(so.grammar_bitmask), dtype=torch.int32).view(-1, width)
+        logits_rows: list[int] = []
+        mask_rows: list[int] = []
+        row = 0
+        for req_id, drafts in zip(batch.sample_req_ids, batch.sample_drafts):
+            num_rows = len(drafts) + 1
+            first = so.structured_output_rows.get(req_id)
+            if first is not None:
+                logits_rows.extend(range(row, row + num_rows))
+                mask_rows.extend(range(first, first + num_rows))
+            row += num_rows
+        return bitmask[mask_rows].to(self.device), logits_rows
+
+    def _sample(self, batch: BatchInputs, hidden: torch.Tensor,
+                constraint: tuple[torch.Tensor, list[int]] | None = None) -> ModelRunnerOutput | None:
+        """Logits of the rows that sample (and of prompt-logprob rows), sampled or verified, within the
+        grammars of constrained requests; the next drafts. None on a tensor rank that does not sample."""
         prompt_logprobs = (self._compute_prompt_logprobs(hidden, batch.prompt_logprob_spans)
                            if batch.prompt_logprob_spans else None)
         if not batch.sample_req_ids:
@@ -230,12 +251,14 @@ class ModelRunner:
             return None
         states = [self.requests[r] for r in batch.sample_req_ids]
         if any(batch.sample_drafts):
-            output = self._verify_drafts(states, logits, batch.sample_drafts)
+            output = self._verify_drafts(states, logits, batch.sample_drafts, constraint)
         else:
             metadata = SamplingMetadata.build(
                 [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
                 [s.output_token_ids for s in states], [s.eos_token_id for s in states],
                 self.vocab_size, self.device)
+            if constraint is not None:
+                metadata.constrain(*constraint)
             output = self._make_output(states, self.sampler(logits, metadata))
         if prompt_logprobs:
             output.prompt_logprobs = prompt_logprobs
@@ -254,7 +277,8 @@ class ModelRunner:
         return drafts
 
     def _verify_drafts(self, states: list[CachedRequestState], logits: torch.Tensor,
-                       drafts: list[list[int]]) -> ModelRunnerOutput:
+                       drafts: list[list[int]],
+                       constraint: tuple[torch.Tensor, list[int]] | None = None) -> ModelRunnerOutput:
         """The rejection sampler over each request's 1 + k rows; the request's tokens keep what it
         accepted and sampled, instead of the drafts."""
         params, prompts, outputs, eos = [], [], [], []
@@ -266,6 +290,8 @@ class ModelRunner:
                 outputs.append(known_outputs + request_drafts[:j])
                 eos.append(state.eos_token_id)
         metadata = SamplingMetadata.build(params, prompts, outputs, eos, self.vocab_size, self.device)
+        if constraint is not None:
+            metadata.constrain(*constraint)
         verified = self.rejection_sampler(logits, metadata, drafts, self._draft_probs(states, drafts))
         logprobs: list[Logprobs | None] = [None] * len(states)
         if verified.logprobs is not None:

@@ -76,6 +76,29 @@ class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIRequest):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIRequest):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(OpenAIRequest):
+    """vLLM's `structured_outputs` (extra body): exactly one of a JSON schema, any JSON object, a
+    regular expression, a list of choices or an EBNF grammar."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class SamplingFields(OpenAIRequest):
     """Sampling parameters shared by completions and chat completions."""
     model: str | None = None
@@ -97,6 +120,8 @@ class SamplingFields(OpenAIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
 
 PromptInput = str | list[str] | list[Int] | list[list[Int]]

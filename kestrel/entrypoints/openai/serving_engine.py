@@ -35,7 +35,7 @@ from kestrel.entrypoints.openai.protocol import (
     SamplingFields,
 )
 from kestrel.outputs import RequestOutput
-from kestrel.sampling_params import SamplingParams
+from kestrel.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -143,11 +143,37 @@ def sampling_params_from(req: SamplingFields, max_tokens: int | None, logprobs: 
         raise APIError(f"n must be at most {MAX_N}, got {req.n}", 400, "n")
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         raise APIError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}", 400, "logprobs")
+    kw["structured_outputs"] = structured_outputs_from(req)
     params = SamplingParams(**kw)
     try:
         params.validate()
     except ValueError as e:
         raise APIError(str(e), 400, str(e).split(" ", 1)[0]) from None
+    return params
+
+
+def structured_outputs_from(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's output constraint, from vLLM's `structured_outputs` or OpenAI's `response_format`
+    (not both)."""
+    fmt, so = req.response_format, req.structured_outputs
+    from_format = None
+    if fmt is not None and fmt.type == "json_object":
+        from_format = StructuredOutputsParams(json_object=True)
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError("response_format of type json_schema needs json_schema.schema", 400, "response_format")
+        from_format = StructuredOutputsParams(json=json.dumps(fmt.json_schema.schema_))
+    if so is None:
+        return from_format
+    if from_format is not None:
+        raise APIError("set either response_format or structured_outputs, not both", 400, "structured_outputs")
+    schema = so.json_ if isinstance(so.json_, str) or so.json_ is None else json.dumps(so.json_)
+    params = StructuredOutputsParams(json=schema, json_object=bool(so.json_object), regex=so.regex,
+                                     choice=so.choice, grammar=so.grammar)
+    try:
+        params.kind_and_spec()
+    except ValueError as e:
+        raise APIError(str(e), 400, "structured_outputs") from None
     return params
 
 
