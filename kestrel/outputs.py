@@ -51,3 +51,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: list | None = field(default=None)
+    # Tokens generated for the request by all its samples: with best_of > n, more than `outputs` hold.
+    num_generated_tokens: int | None = None

@@ -15,6 +15,8 @@ import msgspec
 GREEDY_TEMPERATURE = 1e-5
 # Most top-N logprobs per prompt token (vLLM's default max_logprobs).
 MAX_PROMPT_LOGPROBS = 20
+# logit_bias values are clamped to this range, as OpenAI documents it and vLLM does.
+MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingType(IntEnum):
@@ -69,12 +71,36 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     include_stop_str_in_output: bool = False
     # Constrained decoding (JSON schema, regex, choice, grammar); None: unconstrained.
     structured_outputs: StructuredOutputsParams | None = None
+    # Samples generated per prompt, of which the `n` with the highest cumulative logprob are returned
+    # (OpenAI's completions `best_of`); None: n. Never streamed when larger than n.
+    best_of: int | None = None
+    # Added to the logits of these token ids before sampling (clamped to [-100, 100]).
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words never generated: the last token of a word's tokenization is banned whenever the output
+    # ends with the tokens before it. The front end (processor.py) tokenizes each word, with and
+    # without a leading space as vLLM does, into `bad_words_token_ids`, which the sampler uses.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias:
+            # OpenAI's keys are token ids as strings; values beyond ±100 are clamped, as vLLM does.
+            bias = {}
+            for token, value in self.logit_bias.items():
+                try:
+                    bias[int(token)] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(value)))
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias keys must be token ids and values numbers, got "
+                                     f"{token!r}: {value!r}") from None
+            self.logit_bias = bias
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -122,6 +148,34 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             bad("stop", "must be non-empty strings")
         if self.structured_outputs is not None:
             self.structured_outputs.kind_and_spec()
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+            bad("best_of", f"must be an integer >= n ({self.n})")
+        if self.logit_bias is not None and any(not isinstance(t, int) or t < 0 for t in self.logit_bias):
+            bad("logit_bias", "keys must be non-negative token ids")
+        if self.logit_bias is not None and any(v != v for v in self.logit_bias.values()):
+            bad("logit_bias", "values must be numbers")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids", "must not be empty")
+            if any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
+                bad("allowed_token_ids", "must be non-negative integers")
+        if self.bad_words is not None and any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            bad("bad_words", "must be non-empty strings")
+
+    def validate_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError naming the field whose token ids fall outside a vocabulary of `vocab_size`
+        (the front end checks this, where the vocabulary is known)."""
+        for field, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
+                           ("bad_words", [t for seq in self.bad_words_token_ids or () for t in seq])):
+            out_of_range = sorted({t for t in ids if not 0 <= t < vocab_size})
+            if out_of_range:
+                raise ValueError(f"{field} has token ids out of range for a vocabulary of {vocab_size}: "
+                                 f"{out_of_range[:10]}")
+
+    @property
+    def num_samples(self) -> int:
+        """Samples generated: best_of when set, else n."""
+        return self.n if self.best_of is None else self.best_of
 
     def clone(self, **changes) -> SamplingParams:
         return msgspec.structs.replace(self, **changes)

@@ -55,12 +55,16 @@ FUZZED = ([(method, path, GenerationMode.POSITIVE) for method, path in BODY_ROUT
 
 
 def fewer_samples(case: schemathesis.Case) -> schemathesis.Case:
-    """A valid generating request cut down to `n` and a number of prompts of at most MAX_SAMPLES."""
+    """A valid generating request cut down to `n`, `best_of` and a number of prompts of at most
+    MAX_SAMPLES."""
     body = case.body
     if isinstance(body, dict):
         n = body.get("n")
         if isinstance(n, int | float) and not isinstance(n, bool) and n > MAX_SAMPLES:
             body["n"] = 1 + int(n) % MAX_SAMPLES
+        best_of = body.get("best_of")
+        if isinstance(best_of, int | float) and not isinstance(best_of, bool) and best_of > MAX_SAMPLES:
+            body["best_of"] = MAX_SAMPLES
         prompt = body.get("prompt")
         if isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt):
             body["prompt"] = prompt[:MAX_SAMPLES]

@@ -369,3 +369,137 @@ def test_logprobs_raw_even_with_min_tokens_mask():
     assert out.logprobs[0].tolist() == pytest.approx([float(raw[1]), float(raw[2])])
     assert out.sampled_ranks.tolist() == [2]
     assert math.isfinite(out.logprobs[0, 1])
+
+
+# ------------------------------------------------------------------------------------------
+# allowed_token_ids, bad words, logit bias (issue 21)
+# ------------------------------------------------------------------------------------------
+
+
+def test_a_batch_without_the_logits_settings_builds_and_copies_nothing(monkeypatch):
+    md = build_metadata([GREEDY, SamplingParams(temperature=0.0, stop_token_ids=[3])], 10)
+    assert md.allowed_rows is None and md.disallowed_mask is None
+    assert md.bad_words_rows is None and md.bad_words_token_ids is None
+    assert md.logit_bias_rows is None and md.logit_bias_token_ids is None and md.logit_bias_values is None
+    assert not md.changes_logits
+    # The caller's float32 logits are read as they are: no copy, and none of the steps runs.
+    from kestrel.sample import sampler as sampler_module
+    seen = []
+    monkeypatch.setattr(torch.Tensor, "index_put_", lambda *a, **k: seen.append("index_put_"))
+    logits = torch.randn(2, 10)
+    prepared, _ = sampler_module.prepare_logits(logits, md)
+    assert prepared.data_ptr() == logits.data_ptr() and seen == []
+    # A bad word whose prefix the output does not end with asks nothing of this step either.
+    md = build_metadata([GREEDY.clone(bad_words_token_ids=[[4, 5]])], 10, outputs=[[1, 2]])
+    assert md.bad_words_rows is None and not md.changes_logits
+
+
+def test_allowed_token_ids_restrict_greedy_and_random_rows():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 20)
+    before = logits.clone()
+    allowed = [3, 7, 11]
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed), GREEDY,
+              SamplingParams(temperature=1.0, allowed_token_ids=[5]),
+              SamplingParams(temperature=1.0, allowed_token_ids=allowed)]
+    md = build_metadata(params, 20)
+    assert md.allowed_rows.tolist() == [0, 2, 3] and md.disallowed_mask.shape == (3, 20)
+    for _ in range(20):
+        out = Sampler()(logits, md).sampled_token_ids.tolist()
+        assert out[0] == allowed[int(before[0, allowed].argmax())]
+        assert out[1] == int(before[1].argmax())  # the row without the setting is untouched
+        assert out[2] == 5 and out[3] in allowed
+    assert torch.equal(logits, before)
+
+
+def test_allowed_token_ids_keep_the_relative_probabilities():
+    torch.manual_seed(3)
+    draws = 4000
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    out = run_sampler(logits_from_probs(probs.tolist(), draws),
+                      [SamplingParams(allowed_token_ids=[1, 3])] * draws)
+    assert_frequencies_match(out.sampled_token_ids, torch.tensor([0.0, 1 / 3, 0.0, 2 / 3]))
+
+
+def test_bad_words_ban_the_last_token_after_a_matching_prefix():
+    row = [0.0, 1.0, 2.0, 3.0, 9.0, 8.0, 7.0]  # 4 best, then 5, then 6
+    single = SamplingParams(temperature=0.0, bad_words_token_ids=[[4]])
+    double = SamplingParams(temperature=0.0, bad_words_token_ids=[[1, 2, 4], [3, 5]])
+    cases = [  # (params, output, expected token)
+        (single, [], 5),            # a one-token word is always banned
+        (single, [4, 4], 5),
+        (double, [], 4),            # no prefix generated yet
+        (double, [1, 2], 5),        # 1 2 → 4 banned
+        (double, [2, 1, 2], 5),
+        (double, [1, 3], 4),        # the prefix must be the output's tail
+        (double, [1, 2, 3], 4),     # 3 → 5 banned, and 4 allowed again (the tail is 2 3)
+        (GREEDY, [1, 2], 4),
+    ]
+    out = run_sampler(torch.tensor([row] * len(cases)), [c[0] for c in cases], outputs=[c[1] for c in cases])
+    assert out.sampled_token_ids.tolist() == [c[2] for c in cases]
+
+
+def test_bad_words_on_random_rows_never_sample_the_banned_token():
+    torch.manual_seed(5)
+    draws = 500
+    params = SamplingParams(bad_words_token_ids=[[7, 1], [2]])
+    out = run_sampler(torch.zeros(draws, 4), [params] * draws, outputs=[[7]] * draws)
+    assert set(out.sampled_token_ids.tolist()) == {0, 3}
+
+
+def test_logit_bias_adds_to_the_logits_per_row():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]] * 3)
+    params = [SamplingParams(temperature=0.0, logit_bias={0: 100.0}),
+              SamplingParams(temperature=0.0, logit_bias={"3": -100, "1": 2.5}),  # OpenAI's string keys
+              GREEDY]
+    md = build_metadata(params, 4)
+    assert md.logit_bias_rows.tolist() == [0, 1, 1] and md.logit_bias_token_ids.tolist() == [0, 3, 1]
+    assert md.logit_bias_values.tolist() == [100.0, -100.0, 2.5]
+    assert Sampler()(logits, md).sampled_token_ids.tolist() == [0, 1, 3]
+    # The biased logits themselves: +bias on the named tokens only.
+    from kestrel.sample.sampler import prepare_logits
+    prepared, _ = prepare_logits(logits, md)
+    assert prepared[1].tolist() == [0.0, 3.5, 2.0, -97.0]
+    assert torch.equal(prepared[2], logits[2])
+
+
+def test_logit_bias_shifts_random_draws():
+    torch.manual_seed(9)
+    draws = 4000
+    # Uniform over 4 tokens, token 2 biased by log(3): probabilities 1/6, 1/6, 1/2, 1/6.
+    out = run_sampler(torch.zeros(draws, 4), [SamplingParams(logit_bias={2: math.log(3)})] * draws)
+    assert_frequencies_match(out.sampled_token_ids, torch.tensor([1 / 6, 1 / 6, 1 / 2, 1 / 6]))
+
+
+def test_logit_bias_is_clamped_and_checked():
+    assert SamplingParams(logit_bias={"5": 1000, 6: -1e9}).logit_bias == {5: 100.0, 6: -100.0}
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={"five": 1.0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0}).validate()
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[]).validate()
+    with pytest.raises(ValueError, match="bad_words"):
+        SamplingParams(bad_words=[" "]).validate()
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=3, best_of=2).validate()
+    for field, params in (("logit_bias", SamplingParams(logit_bias={10: 1.0})),
+                          ("allowed_token_ids", SamplingParams(allowed_token_ids=[1, 10])),
+                          ("bad_words", SamplingParams(bad_words=["x"], bad_words_token_ids=[[1, 10]]))):
+        params.validate()
+        params.validate_vocab(11)
+        with pytest.raises(ValueError, match=f"^{field} has token ids out of range.*\\[10\\]"):
+            params.validate_vocab(10)
+
+
+def test_order_allowed_then_bad_words_then_bias_then_min_tokens_and_raw_logprobs():
+    """Every setting at once on one row, and the logprobs stay the model's."""
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0, 0.0]])
+    params = SamplingParams(temperature=0.0, logprobs=1, allowed_token_ids=[0, 1, 2, 3],  # 4, 5 out
+                            bad_words_token_ids=[[1]],       # 1 out
+                            logit_bias={3: 1.5, 4: 100.0},   # 3 → 3.5; 4 stays out
+                            min_tokens=1)                    # EOS (0) out
+    out = run_sampler(logits, [params], eos=[0])
+    assert out.sampled_token_ids.tolist() == [3]
+    raw = torch.log_softmax(logits, dim=-1)[0]
+    assert out.logprobs[0].tolist() == pytest.approx([float(raw[3]), float(raw[0])])

@@ -140,6 +140,28 @@ def test_sampling_filters_hold_on_verified_rows():
     assert all(len(t) == 1 for t in out.token_ids)  # p(4) = 0 after top_k: never accepted
 
 
+def test_bad_words_logit_bias_and_allowed_token_ids_hold_on_verified_rows():
+    """Each verified row is prepared with the drafts before it counted as output: a draft that
+    completes a bad word is rejected, and logit_bias and allowed_token_ids apply to every row."""
+    logits = torch.full((3, V), 0.0)
+    logits[:, 5] = 3.0  # the target's argmax everywhere: 5
+    greedy = SamplingParams(temperature=0.0)
+    # Drafts 5, 5: the second completes the bad word [5, 5] → rejected, the best other token (0) replaces it.
+    # (The model runner builds row j's output as the known output plus drafts[:j].)
+    out = RejectionSampler()(logits, metadata_for([greedy.clone(bad_words_token_ids=[[5, 5]])] * 3,
+                                                  [[], [5], [5, 5]]), [[5, 5]])
+    assert out.token_ids == [[5, 0]]
+    out = RejectionSampler()(logits, metadata_for([greedy.clone(logit_bias={2: 10.0})] * 3), [[2, 5]])
+    assert out.token_ids == [[2, 2]]
+    out = RejectionSampler()(logits, metadata_for([greedy.clone(allowed_token_ids=[1, 3])] * 3), [[1, 5]])
+    assert out.token_ids == [[1, 1]]
+    # Random rows: the banned token is never accepted nor drawn.
+    params = SamplingParams(temperature=1.0, bad_words_token_ids=[[4]], allowed_token_ids=[3, 4, 6])
+    logits = torch.zeros(2 * 300, V)
+    out = RejectionSampler()(logits, metadata_for([params] * 600), [[4]] * 300)
+    assert {t for tokens in out.token_ids for t in tokens} <= {3, 6}
+
+
 def test_seeded_rows_do_not_depend_on_the_batch():
     torch.manual_seed(1)
     logits = torch.randn(4, V)

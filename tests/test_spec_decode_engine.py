@@ -118,7 +118,11 @@ def texts_of(llm: LLM, prompts, params) -> list[tuple[str, list[int], str | None
     SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, frequency_penalty=0.4, presence_penalty=0.3,
                    repetition_penalty=1.1),                                    # drafts count as output
     SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, min_tokens=20, stop_token_ids=[11]),
-], ids=["max-tokens", "stop-string", "penalties", "min-tokens"])
+    # Drafts count as output for bad words (issue 21); bias and allowed ids apply to every verified row.
+    SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, bad_words=[" green", "perimeter"]),
+    SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logit_bias={"28": 2.0, "30": -3.0}),
+    SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, allowed_token_ids=list(range(100, 5000))),
+], ids=["max-tokens", "stop-string", "penalties", "min-tokens", "bad-words", "logit-bias", "allowed-token-ids"])
 def test_sampling_parameters_keep_their_meaning(plain, speculative, params):
     assert texts_of(speculative, TEXTS, params) == texts_of(plain, TEXTS, params)
 

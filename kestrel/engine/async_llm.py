@@ -249,6 +249,9 @@ class AsyncLLM:
         received, tokenized), when request traces are on."""
         if not self.is_running:
             raise self.not_running_error()
+        if stream and isinstance(params, SamplingParams) and params.num_samples > params.n:
+            raise ValueError(f"best_of ({params.best_of}) > n ({params.n}) cannot be streamed: the best samples "
+                             "are known only at the end")
         self._ensure_output_task()
         request_id = request_id or uuid.uuid4().hex
         arrival = time.time()

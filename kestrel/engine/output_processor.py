@@ -11,7 +11,7 @@ see processor.py) and are exposed on `RequestOutput.prompt_logprobs` once the wh
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kestrel.engine.detokenizer import IncrementalDetokenizer
 from kestrel.engine.tracing import API_SERVER, ENGINE_CORE, RequestTrace
@@ -34,8 +34,10 @@ class RequestState:
         self.params = params
         self.tokenizer = tokenizer
         self.child_index = {cid: i for i, cid in enumerate(child_ids)}
-        self.completions = [CompletionOutput(i, "", [], 0.0 if params.logprobs is not None else None,
-                                             [] if params.logprobs is not None else None)
+        # best_of > n: the children are ranked by cumulative logprob, tracked even if not asked for.
+        self.ranked = len(child_ids) > params.n
+        tracked = params.logprobs is not None or self.ranked
+        self.completions = [CompletionOutput(i, "", [], 0.0 if tracked else None, [] if tracked else None)
                             for i in range(len(child_ids))]
         self.detokenizers = [IncrementalDetokenizer(tokenizer, params) for _ in child_ids]
         self.metrics = RequestMetrics(arrival_time=arrival_time)
@@ -62,8 +64,21 @@ class RequestState:
         return [None, *rows]
 
     def to_output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.completions,
-                             self.finished, self.num_cached_tokens, self.metrics, self.prompt_logprobs)
+        num_generated = sum(len(c.token_ids) for c in self.completions)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.best_completions(),
+                             self.finished, self.num_cached_tokens, self.metrics, self.prompt_logprobs,
+                             num_generated)
+
+    def best_completions(self) -> list[CompletionOutput]:
+        """Every sample; with best_of > n, the n with the highest cumulative logprob (so far, until
+        all are finished), best first and indexed 0..n-1, as vLLM and OpenAI's best_of. Their
+        logprobs are dropped if the request did not ask for them."""
+        if not self.ranked:
+            return self.completions
+        ranked = sorted(self.completions, key=lambda c: -c.cumulative_logprob)[:self.params.n]
+        asked = self.params.logprobs is not None
+        return [replace(c, index=i, cumulative_logprob=c.cumulative_logprob if asked else None,
+                        logprobs=c.logprobs if asked else None) for i, c in enumerate(ranked)]
 
     def update(self, out: EngineCoreOutput) -> bool:
         """Apply one engine-core output; True if the child ended here by a stop string (so the

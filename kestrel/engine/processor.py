@@ -53,6 +53,21 @@ class Processor:
         if bad is not None:
             raise ValueError(f"token id {bad} is out of range for a vocabulary of {cfg.vocab_size}")
 
+    def bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids, as vLLM's `update_from_tokenizer`: the word as written (leading
+        spaces stripped), and with one leading space when that tokenizes to as many tokens with a
+        different first token (a word-start token, so that the word is banned mid-text too)."""
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError(f"bad_words entries must tokenize to at least one token, got {word!r}")
+            sequences.append(list(plain))
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(list(spaced))
+        return sequences
+
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: float | None = None, priority: int = 0
                 ) -> tuple[str | None, list[int], list[EngineCoreRequest]]:
@@ -62,17 +77,29 @@ class Processor:
         params.validate()
         if params.structured_outputs is not None:
             check_structured_outputs(params.structured_outputs)
+        if params.bad_words:
+            params = params.clone(bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
+        params.validate_vocab(self.model_config.vocab_size)
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt_ids(ids)
         arrival_time = arrival_time if arrival_time is not None else time.time()
         eos = self.model_config.eos_token_id
-        if params.n == 1:
+        num_samples = params.num_samples
+        if num_samples == 1:
+            if params.best_of is not None:
+                params = params.clone(best_of=None)
             return text, ids, [EngineCoreRequest(request_id, ids, params, eos, arrival_time, priority)]
+        # With best_of > n, the samples are ranked by cumulative logprob: each needs its sampled
+        # token's logprob (logprobs=0), which the output processor drops if the user did not ask.
+        logprobs = params.logprobs
+        if num_samples > params.n and logprobs is None:
+            logprobs = 0
         children = []
-        for i in range(params.n):
+        for i in range(num_samples):
             # Each sample draws its own randomness; a seeded request stays reproducible. Prompt
             # logprobs are the same for every sample: only the first child computes them.
-            child = params.clone(n=1, seed=None if params.seed is None else params.seed + i,
+            child = params.clone(n=1, best_of=None, logprobs=logprobs,
+                                 seed=None if params.seed is None else params.seed + i,
                                  prompt_logprobs=params.prompt_logprobs if i == 0 else None)
             children.append(EngineCoreRequest(child_request_id(request_id, i), ids, child, eos,
                                               arrival_time, priority))

@@ -55,10 +55,30 @@ class SamplingMetadata:
     min_tokens_token_ids: torch.Tensor | None
     # Largest top-N logprobs asked by any row; None when no row asks for logprobs.
     max_num_logprobs: int | None
+    # allowed_token_ids: the rows that have them [R] int64, and [R, V] bool, True on the tokens those
+    # rows may not sample.
+    allowed_rows: torch.Tensor | None = None
+    disallowed_mask: torch.Tensor | None = None
+    # bad_words: (row, token) pairs whose logits are -inf this step (the output ends with all but the
+    # last token of a bad word).
+    bad_words_rows: torch.Tensor | None = None
+    bad_words_token_ids: torch.Tensor | None = None
+    # logit_bias: (row, token, bias) triples added to the logits.
+    logit_bias_rows: torch.Tensor | None = None
+    logit_bias_token_ids: torch.Tensor | None = None
+    logit_bias_values: torch.Tensor | None = None
     # Structured outputs: [R, ceil(V / 32)] int32 bitmask (xgrammar's layout) of the allowed tokens of
     # logits rows `token_bitmask_rows` [R] int64; None when no row is constrained.
     token_bitmask: torch.Tensor | None = None
     token_bitmask_rows: torch.Tensor | None = None
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether any step before sampling changes the logits (a greedy batch where none does takes
+        the argmax of the caller's tensor as it is)."""
+        return not (self.all_greedy and self.no_penalties and self.min_tokens_rows is None
+                    and self.allowed_rows is None and self.bad_words_rows is None and self.logit_bias_rows is None
+                    and self.token_bitmask is None)
 
     def constrain(self, bitmask: torch.Tensor, rows: list[int]) -> SamplingMetadata:
         """This metadata with logits rows `rows` limited to the tokens of `bitmask`'s rows."""
@@ -100,6 +120,9 @@ class SamplingMetadata:
         min_tokens_rows, min_tokens_token_ids = _min_tokens_mask(
             params, output_token_ids, eos_token_ids, vocab_size, device)
         asked = [p.logprobs for p in params if p.logprobs is not None]
+        allowed_rows, disallowed_mask = _allowed_token_ids_mask(params, vocab_size, device)
+        bad_words_rows, bad_words_token_ids = _bad_words_mask(params, output_token_ids, device)
+        bias_rows, bias_token_ids, bias_values = _logit_bias(params, device)
 
         return cls(
             vocab_size=vocab_size,
@@ -125,6 +148,13 @@ class SamplingMetadata:
             min_tokens_rows=min_tokens_rows,
             min_tokens_token_ids=min_tokens_token_ids,
             max_num_logprobs=max(asked) if asked else None,
+            allowed_rows=allowed_rows,
+            disallowed_mask=disallowed_mask,
+            bad_words_rows=bad_words_rows,
+            bad_words_token_ids=bad_words_token_ids,
+            logit_bias_rows=bias_rows,
+            logit_bias_token_ids=bias_token_ids,
+            logit_bias_values=bias_values,
         )
 
 
@@ -161,3 +191,53 @@ def _min_tokens_mask(params: list[SamplingParams], output_token_ids: list[list[i
         return None, None
     return (torch.tensor(rows, dtype=torch.int64, device=device),
             torch.tensor(token_ids, dtype=torch.int64, device=device))
+
+
+def _allowed_token_ids_mask(params: list[SamplingParams], vocab_size: int, device: torch.device
+                            ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(rows with allowed_token_ids, [rows, V] True on each such row's tokens outside its list)."""
+    rows = [row for row, p in enumerate(params) if p.allowed_token_ids]
+    if not rows:
+        return None, None
+    mask = torch.ones(len(rows), vocab_size, dtype=torch.bool)
+    mask_rows = [i for i, row in enumerate(rows) for _ in params[row].allowed_token_ids]
+    allowed = [t for row in rows for t in params[row].allowed_token_ids]
+    mask[mask_rows, allowed] = False
+    return (torch.tensor(rows, dtype=torch.int64, device=device), mask.to(device))
+
+
+def _bad_words_mask(params: list[SamplingParams], output_token_ids: list[list[int]], device: torch.device
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(rows, token ids) to mask, as vLLM V1: a bad word's last token, on rows whose output ends
+    with the word's other tokens (a one-token word is always masked)."""
+    rows: list[int] = []
+    token_ids: list[int] = []
+    for row, p in enumerate(params):
+        if not p.bad_words_token_ids:
+            continue
+        output = output_token_ids[row]
+        for word in p.bad_words_token_ids:
+            prefix_len = len(word) - 1
+            if prefix_len > len(output):
+                continue
+            if prefix_len == 0 or output[-prefix_len:] == word[:-1]:
+                rows.append(row)
+                token_ids.append(word[-1])
+    if not rows:
+        return None, None
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(token_ids, dtype=torch.int64, device=device))
+
+
+def _logit_bias(params: list[SamplingParams], device: torch.device
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(rows, token ids, biases) of every row's logit_bias."""
+    rows = [row for row, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return None, None, None
+    flat_rows = [row for row in rows for _ in params[row].logit_bias]
+    token_ids = [t for row in rows for t in params[row].logit_bias]
+    values = [v for row in rows for v in params[row].logit_bias.values()]
+    return (torch.tensor(flat_rows, dtype=torch.int64, device=device),
+            torch.tensor(token_ids, dtype=torch.int64, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device))

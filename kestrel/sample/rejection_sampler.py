@@ -3,8 +3,9 @@ and one more token per request, distributed exactly as the target model alone wo
 
 A request with k drafts has k + 1 consecutive logits rows: row j (j < k) is the target's
 distribution for the position of draft j, row k the one after the last draft. Every row is prepared
-as the plain sampler prepares its row (min_tokens, penalties, temperature, min_p, top_k, top_p), with
-the drafts before it counted as output tokens, so each sampling parameter keeps its meaning.
+as the plain sampler prepares its row (allowed_token_ids, bad words, logit bias, min_tokens, penalties,
+temperature, min_p, top_k, top_p), with the drafts before it counted as output tokens, so each sampling
+parameter keeps its meaning (a draft that would complete a bad word is rejected).
 
 - Greedy rows accept draft j while it is the target's argmax; the first mismatch is replaced by the
   argmax, and after k accepted drafts the argmax of row k follows them: the same tokens as without

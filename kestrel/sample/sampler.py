@@ -1,8 +1,8 @@
 """The vectorized sampler: logits [B, V] of one step → one token per row, plus logprobs if asked.
 
-Order, as in vLLM V1: raw logprobs → the grammar's bitmask (structured outputs) → min_tokens mask →
-penalties → greedy argmax, or for random rows temperature → min_p → top_k → top_p → sample by the
-exponential race.
+Order, as in vLLM V1: raw logprobs → the grammar's bitmask (structured outputs) → allowed_token_ids
+mask → bad words mask → logit bias → min_tokens mask → penalties → greedy argmax, or for random rows
+temperature → min_p → top_k → top_p → sample by the exponential race.
 """
 
 from __future__ import annotations
@@ -44,18 +44,19 @@ class Sampler(torch.nn.Module):
 
 
 def prepare_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(float32 logits with min_tokens and penalties applied, raw logprobs if any row asks). The
-    caller's tensor is never changed."""
-    # A batch that only takes the argmax (all greedy, no penalties, no min_tokens) changes nothing,
-    # and skips the copy ([B, V] floats, ~10 MB at 52 rows of a 49k vocabulary, a fresh allocation
-    # each step).
-    if (metadata.all_greedy and metadata.no_penalties and metadata.min_tokens_rows is None
-            and metadata.token_bitmask is None):
-        logits = logits.float()
-    else:
+    """(float32 logits with grammars' bitmasks, allowed_token_ids, bad words, logit bias, min_tokens and
+    penalties applied, raw logprobs if any row asks). The caller's tensor is never changed."""
+    # A batch that only takes the argmax (all greedy, nothing that changes the logits) skips the
+    # copy ([B, V] floats, ~10 MB at 52 rows of a 49k vocabulary, a fresh allocation each step).
+    if metadata.changes_logits:
         logits = logits.to(torch.float32, copy=True)
+    else:
+        logits = logits.float()
     raw_logprobs = logits.log_softmax(dim=-1) if metadata.max_num_logprobs is not None else None
     apply_token_bitmask(logits, metadata)
+    apply_allowed_token_ids(logits, metadata)
+    apply_bad_words(logits, metadata)
+    apply_logit_bias(logits, metadata)
     apply_min_tokens(logits, metadata)
     apply_penalties(logits, metadata)
     return logits, raw_logprobs
@@ -77,6 +78,26 @@ def apply_token_bitmask(logits: torch.Tensor, metadata: SamplingMetadata) -> tor
         rows = metadata.token_bitmask_rows
         allowed = allowed_tokens(metadata.token_bitmask, logits.shape[-1])
         logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+def apply_allowed_token_ids(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """-inf outside allowed_token_ids, on the rows that have them."""
+    if metadata.allowed_rows is not None:
+        rows = metadata.allowed_rows
+        logits[rows] = logits[rows].masked_fill_(metadata.disallowed_mask, float("-inf"))
+    return logits
+
+
+def apply_bad_words(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """-inf on the token that would complete a bad word."""
+    if metadata.bad_words_rows is not None:
+        logits[metadata.bad_words_rows, metadata.bad_words_token_ids] = float("-inf")
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """logit_bias added to its tokens' logits."""
+    if metadata.logit_bias_rows is not None:
+        logits.index_put_((metadata.logit_bias_rows, metadata.logit_bias_token_ids), metadata.logit_bias_values,
+                          accumulate=True)
     return logits
 
 

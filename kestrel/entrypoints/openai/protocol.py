@@ -117,6 +117,10 @@ class SamplingFields(OpenAIRequest):
     min_tokens: Int = restricted(0, integer=NON_NEGATIVE)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Token id (as a string, as OpenAI's) → bias added to its logit, clamped to [-100, 100].
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[Int] | None = restricted(None, integer=NON_NEGATIVE, array={"minItems": 1})
+    bad_words: list[str] | None = restricted(None, string={"minLength": 1})
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -133,6 +137,9 @@ class CompletionRequest(SamplingFields):
     max_tokens: Int | None = restricted(None, integer={"minimum": 1})
     logprobs: Int | None = restricted(None, integer={"minimum": 0, "maximum": MAX_LOGPROBS})
     echo: bool = False
+    # Samples generated per prompt, of which the n with the highest cumulative logprob are returned;
+    # at least n, and not streamed when more than n.
+    best_of: Int | None = restricted(None, integer={"minimum": 1, "maximum": MAX_N})
 
 
 # The one kind of content part served (serving_engine.message_text).

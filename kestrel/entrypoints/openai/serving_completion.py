@@ -37,6 +37,11 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(req.model)
         if req.logprobs is not None and req.logprobs < 0:
             raise APIError(f"logprobs must be non-negative, got {req.logprobs}", 400, "logprobs")
+        if req.best_of is not None and req.best_of < req.n:
+            raise APIError(f"best_of must be at least n ({req.n}), got {req.best_of}", 400, "best_of")
+        if req.stream and req.best_of is not None and req.best_of > req.n:
+            raise APIError(f"best_of ({req.best_of}) > n ({req.n}) cannot be streamed: the best samples are known "
+                           "only at the end", 400, "best_of")
         prompts = await self.in_tokenizer_thread(self.completion_prompts, req.prompt)
         timeline = [("received", received), ("tokenized", time.monotonic())]
         request_id = random_id("cmpl")
@@ -63,9 +68,10 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, (_, _, _, text, ids) in enumerate(jobs):
             out = finals[i]
             usage.prompt_tokens += len(ids)
-            self.observe(out)
+            # Every sample's tokens, those best_of generated and dropped too (as OpenAI bills them).
+            usage.completion_tokens += out.num_generated_tokens
+            self.observe(out, out.num_generated_tokens)
             for c in sorted(out.outputs, key=lambda c: c.index):
-                usage.completion_tokens += len(c.token_ids)
                 prefix = self.echo_text(text, ids) if req.echo else ""
                 logprobs = None
                 if req.logprobs is not None:

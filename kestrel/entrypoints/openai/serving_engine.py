@@ -44,6 +44,7 @@ INT64_MAX = 2**63 - 1
 PARSE_IN_THREAD_BYTES = 1 << 20
 
 T = TypeVar("T")
+VOCAB_CHECKED_FIELDS = ("logit_bias", "allowed_token_ids", "bad_words")
 
 
 # ---- errors ---------------------------------------------------------------------------------------
@@ -128,7 +129,9 @@ def sampling_params_from(req: SamplingFields, max_tokens: int | None, logprobs: 
                               skip_special_tokens=req.skip_special_tokens,
                               include_stop_str_in_output=req.include_stop_str_in_output,
                               stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-                              stop_token_ids=list(req.stop_token_ids or []))
+                              stop_token_ids=list(req.stop_token_ids or []),
+                              logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids,
+                              bad_words=req.bad_words, best_of=getattr(req, "best_of", None))
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         value = getattr(req, name)
@@ -141,11 +144,13 @@ def sampling_params_from(req: SamplingFields, max_tokens: int | None, logprobs: 
             raise APIError(f"{name} is out of range, got {value!r}", 400, name)
     if req.n > MAX_N:
         raise APIError(f"n must be at most {MAX_N}, got {req.n}", 400, "n")
+    if kw["best_of"] is not None and kw["best_of"] > MAX_N:
+        raise APIError(f"best_of must be at most {MAX_N}, got {kw['best_of']}", 400, "best_of")
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         raise APIError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}", 400, "logprobs")
     kw["structured_outputs"] = structured_outputs_from(req)
-    params = SamplingParams(**kw)
     try:
+        params = SamplingParams(**kw)
         params.validate()
     except ValueError as e:
         raise APIError(str(e), 400, str(e).split(" ", 1)[0]) from None
@@ -378,7 +383,10 @@ class OpenAIServing:
         try:
             self.engine.processor.process(request_id, prompt, params)
         except ValueError as e:
-            raise APIError(str(e), 400) from None
+            # A sampling field the vocabulary rules out (logit_bias, allowed_token_ids, bad_words)
+            # is named by its message's first word.
+            field = str(e).split(" ", 1)[0]
+            raise APIError(str(e), 400, field if field in VOCAB_CHECKED_FIELDS else None) from None
 
     async def generate(self, prompt: dict, params: SamplingParams, request_id: str, stream: bool,
                        admission: Admission, timeline: list[tuple[str, float]] | None = None
