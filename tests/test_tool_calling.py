@@ -262,6 +262,27 @@ def test_required_schema_is_vllms_array_of_name_and_parameters():
         jsonschema.validate([{"name": "f", "parameters": {"p": "x"}}], schema)
 
 
+def test_the_constraints_compile_with_xgrammar_and_admit_what_the_parsers_read():
+    xgrammar = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    def grammar(fields: dict):
+        params = SamplingParams()
+        constrain(plan_tools(request(tools=TOOLS, **fields), ToolSettings()), params)
+        return xgrammar.Grammar.from_json_schema(params.structured_outputs.json)
+
+    required = grammar({"tool_choice": "required"})
+    good = '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}, ' \
+           '{"name": "get_time", "parameters": {"city": "Berlin"}}]'
+    assert accepts(required, good)
+    assert calls(RequiredCallsOutput().extract(good))[1] == ("get_time", '{"city": "Berlin"}')
+    for bad in ["[]", '[{"name": "get_time", "parameters": {"city": "Rome"}}]', '{"name": "get_time"}']:
+        assert not accepts(required, bad)
+    assert not accepts(grammar({"tool_choice": "required", "parallel_tool_calls": False}), good)
+    named = grammar({"tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+    assert accepts(named, '{"city": "London"}') and not accepts(named, '{"city": "London", "unit": "celsius"}')
+
+
 def tool_of(tool: dict):
     return request(tools=[tool]).tools[0]
 

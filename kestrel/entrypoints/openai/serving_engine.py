@@ -310,9 +310,10 @@ class OpenAIServing:
         more than `limit` tokens is a 400. `tools`: the request's, for the template."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError("this model's tokenizer has no chat template; use /v1/completions", 400, "messages")
-        conversation = [{"role": m.role, "content": message_text(m), **message_extras(m)} for m in messages]
-        conversation, tools = for_template(self.tokenizer.chat_template, conversation, tools, self.tool_format)
+        conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
         try:
+            conversation, tools = for_template(self.tokenizer.chat_template, [
+                {**c, **message_extras(m)} for c, m in zip(conversation, messages)], tools, self.tool_format)
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
                                                       tokenize=False, tools=tools, **(kwargs or {}))
         except APIError:

@@ -153,7 +153,10 @@ def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
 
 def constrain(plan: ToolPlan, params: SamplingParams) -> None:
     """For "required" and a named function: the output constrained to the calls' schema."""
-    constraint = plan.constraint()
+    try:
+        constraint = plan.constraint()
+    except RecursionError:
+        raise APIError("a tool's parameters are nested too deeply", 400, "tools") from None
     if constraint is None:
         return
     if params.structured_outputs is not None:

@@ -362,7 +362,10 @@ class CallReader:
         raw = self.text[call.args_start:call.args_end]
         if not call.args_is_string:
             return raw
-        value = json.loads(raw)
+        try:
+            value = json.loads(raw)
+        except RecursionError:  # an array nested past the parser's depth: the model's text as it is
+            return raw
         return "{}" if value is None else value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 

@@ -37,8 +37,8 @@ def message_extras(message: Any) -> dict[str, Any]:
 def arguments_object(arguments: str) -> Any:
     try:
         return json.loads(arguments)
-    except ValueError:
-        return arguments  # not JSON: the template gets the text
+    except (ValueError, RecursionError):
+        return arguments  # not JSON (or nested past the parser): the template gets the text
 
 
 @functools.lru_cache(maxsize=16)
