@@ -2,7 +2,8 @@
 
     kestrel generate "PROMPT" [--chat] [--max-tokens N] [--temperature T] [engine flags]
     kestrel chat [engine flags]
-    kestrel serve [MODEL] [--host H] [--port P] [--api-key K] [--served-model-name N] [engine flags]
+    kestrel serve [MODEL] [--host H] [--port P] [--api-key K] [--served-model-name N]
+                  [--enable-auto-tool-choice --tool-call-parser NAME] [engine flags]
     kestrel doctor [URL] [--window S] [--json]
     kestrel bench {throughput,latency,serve,parity,speculative} [options] [engine flags]
 
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from kestrel.engine.arg_utils import ENGINE_FLAGS, add_engine_flags, engine_kwargs, parse_bytes
 from kestrel.entrypoints import doctor as doctor_cli
 from kestrel.entrypoints.llm import LLM
+from kestrel.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from kestrel.sampling_params import SamplingParams
 
 __all__ = ["ENGINE_FLAGS", "build_parser", "engine_kwargs", "main", "parse_args", "parse_bytes"]
@@ -122,6 +124,11 @@ def build_parser(include_bench: bool = True) -> argparse.ArgumentParser:
                        help="largest request body accepted, e.g. 8MiB (default: 8MiB)")
     serve.add_argument("--max-queued-requests", type=int, default=None,
                        help="answer 429 while this many accepted requests have no output yet (default: no limit)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser')
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="the format of the model's tool calls: hermes (Qwen, Hermes, SmolLM2), llama3_json "
+                            "(Llama 3.1/3.2) (default: none)")
     serve.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (default: warning)")

@@ -67,6 +67,7 @@ from kestrel.entrypoints.openai.serving_engine import (
     validation_message,
 )
 from kestrel.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from kestrel.entrypoints.openai.serving_tools import ToolSettings
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,9 @@ class GuardMiddleware:
 
 
 def build_app(engine, served_model_name: str | None = None, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_queued_requests: int | None = None) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_queued_requests: int | None = None,
+              tool_settings: ToolSettings | None = None) -> FastAPI:
+    """`tool_settings`: --enable-auto-tool-choice and --tool-call-parser (serving_tools.py)."""
     served_model_name = served_model_name or engine.model_name
     app = FastAPI(title="Kestrel OpenAI-compatible server", version=kestrel.__version__)
     metrics = ServerMetrics(engine, served_model_name)
@@ -118,6 +121,10 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     serving = {"completion": OpenAIServingCompletion(engine, served_model_name, metrics, tokenizer_pool),
                "chat": OpenAIServingChat(engine, served_model_name, metrics, tokenizer_pool),
                "tokenization": OpenAIServingTokenization(engine, served_model_name, metrics, tokenizer_pool)}
+    if tool_settings is not None:
+        serving["chat"].tool_settings = tool_settings
+        for endpoint in serving.values():
+            endpoint.tool_format = tool_settings.parser or endpoint.tool_format
     queue_limit = QueueLimit(engine, max_queued_requests)
     app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
 
@@ -272,10 +279,13 @@ def run_server(args) -> int:
             raise ValueError(f"two models given: {tag!r} and --model {kwargs['model']!r}")
         kwargs["model"] = tag
     api_key = args.api_key if args.api_key is not None else os.environ.get("KESTREL_API_KEY") or None
+    tool_settings = ToolSettings(getattr(args, "enable_auto_tool_choice", False),
+                                 getattr(args, "tool_call_parser", None))
     engine = AsyncLLM.from_engine_args(EngineArgs(**kwargs))
     try:
         app = build_app(engine, args.served_model_name or engine.model_name, api_key=api_key,
-                        max_body_bytes=args.max_body_bytes, max_queued_requests=args.max_queued_requests)
+                        max_body_bytes=args.max_body_bytes, max_queued_requests=args.max_queued_requests,
+                        tool_settings=tool_settings)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=5)
         server = _Server(config, engine)

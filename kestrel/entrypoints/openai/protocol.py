@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
 
 MAX_N = 128          # samples per prompt
 MAX_LOGPROBS = 20    # top logprobs per token, as vLLM's default max_logprobs
@@ -146,10 +146,50 @@ class CompletionRequest(SamplingFields):
 TEXT_PART = {"required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
 
 
+# ---- tools (serving_tools.py) ----
+# A function's name, as OpenAI restricts it.
+FUNCTION_NAME = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+class FunctionDefinition(OpenAIRequest):
+    name: str = FUNCTION_NAME
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIRequest):
+    name: str
+
+
+class NamedToolChoice(OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCallParam(OpenAIRequest):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallParam(OpenAIRequest):
+    """A call of an earlier assistant message, sent back with the conversation."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(OpenAIRequest):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = restricted(None, object=TEXT_PART)
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -160,12 +200,17 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Int | None = restricted(None, integer={"minimum": 0, "maximum": MAX_LOGPROBS})
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    # Default: "none" without tools, "auto" with them.
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(OpenAIRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None  # with messages: given to the chat template, as on chat completions
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -221,9 +266,21 @@ class ChatChoiceLogprobs(OpenAIBase):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(OpenAIBase):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIBase):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(OpenAIBase):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(OpenAIBase):
@@ -243,9 +300,32 @@ class ChatCompletionResponse(OpenAIBase):
     usage: UsageInfo
 
 
+def without_nones(self, handler) -> dict[str, Any]:
+    """As OpenAI streams a call's pieces: only the fields a piece has (a client merging the pieces
+    would take a null `type` for a new value)."""
+    return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(OpenAIBase):
+    name: str | None = None
+    arguments: str | None = None
+    serialize = model_serializer(mode="wrap")(without_nones)
+
+
+class DeltaToolCall(OpenAIBase):
+    """A piece of a streamed call: the first has its id, type and name (and arguments ""), the next
+    ones fragments of its arguments."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+    serialize = model_serializer(mode="wrap")(without_nones)
+
+
 class DeltaMessage(OpenAIBase):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(OpenAIBase):

@@ -28,11 +28,20 @@ from kestrel.entrypoints.openai.serving_engine import (
     sampling_params_from,
     sse,
 )
+from kestrel.entrypoints.openai.serving_tools import (
+    ToolPlan,
+    ToolSettings,
+    ToolStream,
+    constrain,
+    plan_tools,
+    tool_message,
+)
 from kestrel.outputs import CompletionOutput
 from kestrel.sampling_params import SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
+    tool_settings = ToolSettings()  # build_app sets the server's
 
     async def chat(self, req: ChatCompletionRequest, admission: Admission):
         received = time.monotonic()
@@ -40,8 +49,9 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", 400,
                            "top_logprobs")
+        tools = plan_tools(req, self.tool_settings)
         ids = await self.in_tokenizer_thread(self.chat_prompt_ids, req.messages, req.add_generation_prompt,
-                                             req.chat_template_kwargs, self.max_model_len)
+                                             req.chat_template_kwargs, self.max_model_len, tools.template_tools())
         timeline = [("received", received), ("tokenized", time.monotonic())]
         max_tokens, param = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
@@ -49,6 +59,7 @@ class OpenAIServingChat(OpenAIServing):
         top = req.top_logprobs or 0
         params = sampling_params_from(req, self.resolve_max_tokens(max_tokens, len(ids), param),
                                       top if req.logprobs else None)
+        constrain(tools, params)
         request_id = random_id("chatcmpl")
         prompt = {"prompt_token_ids": ids}
         self.validate(request_id, prompt, params)
@@ -56,16 +67,19 @@ class OpenAIServingChat(OpenAIServing):
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self.stream_response(self._chat_stream(req, prompt, params, request_id, created, len(ids), top,
-                                                          include_usage, admission, timeline), [request_id])
+                                                          include_usage, admission, timeline, tools), [request_id])
         final = None
         async for out in self.generate(prompt, params, request_id, False, admission, timeline):
             final = out
         self.observe(final)
         self.trace_event([request_id], "response_built")
-        choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                        logprobs=self.chat_logprobs(c, top) if req.logprobs else None,
-                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for c in sorted(final.outputs, key=lambda c: c.index)]
+        choices = []
+        for c in sorted(final.outputs, key=lambda c: c.index):
+            content, tool_calls = tool_message(tools, c.text)
+            choices.append(ChatCompletionChoice(
+                index=c.index, message=ChatResponseMessage(content=content, tool_calls=tool_calls),
+                logprobs=self.chat_logprobs(c, top) if req.logprobs else None,
+                finish_reason=tools.finish_reason(c.finish_reason, bool(tool_calls)), stop_reason=c.stop_reason))
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                       usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
@@ -86,21 +100,29 @@ class OpenAIServingChat(OpenAIServing):
     async def _chat_stream(self, req: ChatCompletionRequest, prompt: dict, params: SamplingParams,
                            request_id: str, created: int, prompt_len: int, top: int,
                            include_usage: bool, admission: Admission,
-                           timeline: list[tuple[str, float]]) -> AsyncIterator[str]:
+                           timeline: list[tuple[str, float]], tools: ToolPlan) -> AsyncIterator[str]:
         def chunk(choice: ChatStreamChoice) -> str:
             return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[choice]))
 
         for i in range(params.n):
             yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
         completion_tokens = 0
+        tool_streams = [ToolStream(tools) for _ in range(params.n)]
         async for out in self.generate(prompt, params, request_id, True, admission, timeline):
             for c in out.outputs:
                 if not c.text and not c.token_ids and c.finish_reason is None:
                     continue
                 completion_tokens += len(c.token_ids)
+                stream = tool_streams[c.index]
+                text, tool_calls = stream.step(c.text, c.finish_reason is not None)
+                if stream.parser is not None and not text and not tool_calls and c.finish_reason is None \
+                        and not req.logprobs:
+                    continue  # text the tool parser holds back until it knows what it is
+                content = text if (text or (c.finish_reason is None and not tool_calls)) else None
                 yield chunk(ChatStreamChoice(
-                    index=c.index, delta=DeltaMessage(content=c.text if (c.text or c.finish_reason is None) else None),
-                    logprobs=self.chat_logprobs(c, top) if req.logprobs else None, finish_reason=c.finish_reason))
+                    index=c.index, delta=DeltaMessage(content=content, tool_calls=tool_calls or None),
+                    logprobs=self.chat_logprobs(c, top) if req.logprobs else None,
+                    finish_reason=tools.finish_reason(c.finish_reason, stream.called)))
             if out.finished:
                 self.observe(out, completion_tokens)
         if include_usage:

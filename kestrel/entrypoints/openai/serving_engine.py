@@ -34,6 +34,8 @@ from kestrel.entrypoints.openai.protocol import (
     ErrorResponse,
     SamplingFields,
 )
+from kestrel.entrypoints.openai.tool_parsers import HermesToolParser, ToolParser
+from kestrel.entrypoints.openai.tool_parsers.template import for_template, message_extras
 from kestrel.outputs import RequestOutput
 from kestrel.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -300,6 +302,10 @@ class OpenAIServing:
     """Model checks, prompt tokenizing (in `tokenizer_pool`, never on the event loop), the hand-over
     to the engine, metrics, and SSE responses, for the endpoint classes built on it."""
 
+    # The format of tools in a prompt whose chat template does not take them (tool_parsers/template.py):
+    # the server's --tool-call-parser's.
+    tool_format: type[ToolParser] = HermesToolParser
+
     def __init__(self, engine, served_model_name: str, metrics: ServerMetrics,
                  tokenizer_pool: ThreadPoolExecutor) -> None:
         self.engine = engine
@@ -329,15 +335,18 @@ class OpenAIServing:
             raise APIError(f"token id {bad} is out of range for a vocabulary of {self.vocab_size}", 400, param)
 
     def chat_prompt_ids(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                        kwargs: dict[str, Any] | None = None, limit: int | None = None) -> list[int]:
+                        kwargs: dict[str, Any] | None = None, limit: int | None = None,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The chat template applied and tokenized (blocking: call through `in_tokenizer_thread`);
-        more than `limit` tokens is a 400."""
+        more than `limit` tokens is a 400. `tools`: the request's, for the template."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError("this model's tokenizer has no chat template; use /v1/completions", 400, "messages")
         conversation = [{"role": m.role, "content": message_text(m)} for m in messages]
         try:
+            conversation, tools = for_template(self.tokenizer.chat_template, [
+                {**c, **message_extras(m)} for c, m in zip(conversation, messages)], tools, self.tool_format)
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False, **(kwargs or {}))
+                                                      tokenize=False, tools=tools, **(kwargs or {}))
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001 - a template error is the caller's input

@@ -15,7 +15,9 @@ class OpenAIServingTokenization(OpenAIServing):
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of 'prompt' and 'messages'", 400, "prompt")
         if req.messages is not None:
-            ids = await self.in_tokenizer_thread(self.chat_prompt_ids, req.messages, req.add_generation_prompt)
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            ids = await self.in_tokenizer_thread(self.chat_prompt_ids, req.messages, req.add_generation_prompt,
+                                                 tools=tools)
         else:
             ids = await self.in_tokenizer_thread(self.prompt_ids, req.prompt, req.add_special_tokens)
         return {"tokens": list(ids), "count": len(ids), "max_model_len": self.max_model_len}
