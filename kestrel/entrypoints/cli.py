@@ -122,6 +122,16 @@ def build_parser(include_bench: bool = True) -> argparse.ArgumentParser:
                        help="largest request body accepted, e.g. 8MiB (default: 8MiB)")
     serve.add_argument("--max-queued-requests", type=int, default=None,
                        help="answer 429 while this many accepted requests have no output yet (default: no limit)")
+    serve.add_argument("--max-logprobs", type=int, default=20,
+                       help="most top logprobs a request may ask for, per token (-1: the whole vocabulary; "
+                            "default: 20, as vLLM's)")
+    serve.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="write tokens in logprobs as 'token_id:N' (as vLLM's; a request can ask with "
+                            "return_tokens_as_token_ids)")
+    serve.add_argument("--enable-server-load-tracking", action="store_true",
+                       help="accepted for vLLM compatibility: /load always reports the requests being served")
+    serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                       help="serve GET /tokenizer_info (the tokenizer's configuration and chat template)")
     serve.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (default: warning)")

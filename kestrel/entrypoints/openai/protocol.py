@@ -74,6 +74,8 @@ NON_NEGATIVE = {"minimum": 0}
 
 class StreamOptions(OpenAIRequest):
     include_usage: bool = False
+    # vLLM's: usage on every chunk (of the choices' tokens so far), not only on a last one.
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(OpenAIRequest):
@@ -97,6 +99,11 @@ class SamplingFields(OpenAIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's: top-N logprobs of each prompt token (-1: the whole vocabulary, within --max-logprobs),
+    # returned as `prompt_logprobs` (of the choice, or of the chat response).
+    prompt_logprobs: Int | None = restricted(None, integer={"minimum": -1})
+    # vLLM's: tokens in logprobs as "token_id:123" (also --return-tokens-as-token-ids for every request).
+    return_tokens_as_token_ids: bool | None = None
 
 
 PromptInput = str | list[str] | list[Int] | list[list[Int]]
@@ -105,7 +112,8 @@ PromptInput = str | list[str] | list[Int] | list[list[Int]]
 class CompletionRequest(SamplingFields):
     # Text, texts, token ids or lists of token ids; nothing empty.
     prompt: PromptInput = restricted(..., string={"minLength": 1}, array={"minItems": 1}, integer=NON_NEGATIVE)
-    max_tokens: Int | None = restricted(None, integer={"minimum": 1})
+    # 16 when absent, as OpenAI's and vLLM's; null: to the end of the context.
+    max_tokens: Int | None = restricted(16, integer={"minimum": 1})
     logprobs: Int | None = restricted(None, integer={"minimum": 0, "maximum": MAX_LOGPROBS})
     echo: bool = False
 
@@ -115,7 +123,9 @@ TEXT_PART = {"required": ["type", "text"], "properties": {"type": {"const": "tex
 
 
 class ChatMessage(OpenAIRequest):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # "system", "user", "assistant", "developer", "tool", or any other role the chat template knows
+    # (vLLM accepts custom roles and leaves them to the template).
+    role: str
     content: str | list[dict[str, Any]] | None = restricted(None, object=TEXT_PART)
     name: str | None = None
 
@@ -125,9 +135,14 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Int | None = restricted(None, integer={"minimum": 1})
     max_completion_tokens: Int | None = restricted(None, integer={"minimum": 1})
     logprobs: bool = False
-    top_logprobs: Int | None = restricted(None, integer={"minimum": 0, "maximum": MAX_LOGPROBS})
+    # -1: the whole vocabulary (vLLM's), within --max-logprobs.
+    top_logprobs: Int | None = restricted(None, integer={"minimum": -1})
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the last (assistant) message is left open and the model continues it (with
+    # add_generation_prompt false); `echo` puts that message's text before the generated one.
+    continue_final_message: bool = False
+    echo: bool = False
 
 
 class TokenizeRequest(OpenAIRequest):
@@ -136,6 +151,9 @@ class TokenizeRequest(OpenAIRequest):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False  # also the tokens as the tokenizer's strings (`token_strs`)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIRequest):
@@ -151,6 +169,13 @@ class UsageInfo(OpenAIBase):
     total_tokens: int = 0
 
 
+class PromptLogprob(OpenAIBase):
+    """vLLM's: one token of a prompt position's `prompt_logprobs` (keyed by token id)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionLogprobs(OpenAIBase):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -164,6 +189,7 @@ class CompletionChoice(OpenAIBase):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(OpenAIBase):
@@ -209,6 +235,7 @@ class ChatCompletionResponse(OpenAIBase):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class DeltaMessage(OpenAIBase):
@@ -263,6 +290,11 @@ class TokenizeResponse(OpenAIBase):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None
+
+
+class LoadResponse(OpenAIBase):
+    server_load: int  # requests being served (vLLM's /load)
 
 
 class DetokenizeResponse(OpenAIBase):
