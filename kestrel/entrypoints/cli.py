@@ -128,6 +128,8 @@ def build_parser(include_bench: bool = True) -> argparse.ArgumentParser:
     serve.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help="write tokens in logprobs as 'token_id:N' (as vLLM's; a request can ask with "
                             "return_tokens_as_token_ids)")
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage.prompt_tokens_details.cached_tokens in responses (as vLLM's)")
     serve.add_argument("--enable-server-load-tracking", action="store_true",
                        help="accepted for vLLM compatibility: /load always reports the requests being served")
     serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",

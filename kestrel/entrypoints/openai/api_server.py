@@ -112,7 +112,7 @@ class GuardMiddleware:
 def build_app(engine, served_model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_queued_requests: int | None = None,
               max_logprobs: int = 20, return_tokens_as_token_ids: bool = False,
-              enable_tokenizer_info_endpoint: bool = False) -> FastAPI:
+              enable_tokenizer_info_endpoint: bool = False, enable_prompt_tokens_details: bool = False) -> FastAPI:
     served_model_name = served_model_name or engine.model_name
     app = FastAPI(title="Kestrel OpenAI-compatible server", version=kestrel.__version__)
     metrics = ServerMetrics(engine, served_model_name)
@@ -124,6 +124,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
                "tokenization": OpenAIServingTokenization(engine, served_model_name, metrics, tokenizer_pool)}
     for s in serving.values():
         s.max_logprobs, s.return_tokens_as_token_ids = max_logprobs, return_tokens_as_token_ids
+        s.enable_prompt_tokens_details = enable_prompt_tokens_details
     queue_limit = QueueLimit(engine, max_queued_requests)
     load = {"server_load": 0}  # generation requests being served, streams until their last byte (/load)
     app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
@@ -325,7 +326,8 @@ def run_server(args) -> int:
                         max_body_bytes=args.max_body_bytes, max_queued_requests=args.max_queued_requests,
                         max_logprobs=getattr(args, "max_logprobs", 20),
                         return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
-                        enable_tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint", False))
+                        enable_tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint", False),
+                        enable_prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=5)
         server = _Server(config, engine)

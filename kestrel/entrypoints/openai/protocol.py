@@ -73,9 +73,9 @@ def restricted(default: Any, **keywords_by_type: dict[str, Any]) -> Any:
 NON_NEGATIVE = {"minimum": 0}
 
 class StreamOptions(OpenAIRequest):
-    include_usage: bool = False
+    include_usage: bool | None = False
     # vLLM's: usage on every chunk (of the choices' tokens so far), not only on a last one.
-    continuous_usage_stats: bool = False
+    continuous_usage_stats: bool | None = False
 
 
 class SamplingFields(OpenAIRequest):
@@ -163,10 +163,16 @@ class DetokenizeRequest(OpenAIRequest):
 
 # ---- responses ------------------------------------------------------------------------------------
 
+class PromptTokensDetails(OpenAIBase):
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+
 class UsageInfo(OpenAIBase):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # With --enable-prompt-tokens-details (vLLM's), else absent.
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class PromptLogprob(OpenAIBase):

@@ -76,7 +76,8 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                       usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
-                                                      total_tokens=len(ids) + completion_tokens),
+                                                      total_tokens=len(ids) + completion_tokens,
+                                                      prompt_tokens_details=self.prompt_tokens_details([final])),
                                       prompt_logprobs=(self.prompt_logprobs_out(final.prompt_logprobs, as_ids)
                                                        if req.prompt_logprobs is not None else None)).model_dump()
 

@@ -82,6 +82,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     prompt_logprobs=(self.prompt_logprobs_out(out.prompt_logprobs, as_ids)
                                      if req.prompt_logprobs is not None else None)))
         usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+        usage.prompt_tokens_details = self.prompt_tokens_details(list(finals.values()))
         self.trace_event([job[0] for job in jobs], "response_built")
         return CompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                   usage=usage).model_dump()

@@ -32,6 +32,7 @@ from kestrel.entrypoints.openai.protocol import (
     ChatMessage,
     ErrorInfo,
     ErrorResponse,
+    PromptTokensDetails,
     SamplingFields,
 )
 from kestrel.outputs import RequestOutput
@@ -290,6 +291,7 @@ class OpenAIServing:
     # --return-tokens-as-token-ids.
     max_logprobs: int = MAX_LOGPROBS
     return_tokens_as_token_ids: bool = False
+    enable_prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
 
     def __init__(self, engine, served_model_name: str, metrics: ServerMetrics,
                  tokenizer_pool: ThreadPoolExecutor) -> None:
@@ -420,6 +422,11 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(str(e), 400, "prompt_logprobs") from None
         return params
+
+    def prompt_tokens_details(self, outs: list[RequestOutput]) -> PromptTokensDetails | None:
+        if not self.enable_prompt_tokens_details:
+            return None
+        return PromptTokensDetails(cached_tokens=sum(out.num_cached_tokens for out in outs))
 
     def tokens_as_ids(self, req: SamplingFields) -> bool:
         return bool(req.return_tokens_as_token_ids or self.return_tokens_as_token_ids)
