@@ -34,7 +34,7 @@ from kestrel.engine.core_client import EngineCoreProcess, EngineCoreProcesses, m
 from kestrel.engine.exceptions import EngineDeadError, EngineStoppedError
 from kestrel.engine.output_processor import OutputProcessor
 from kestrel.engine.processor import Processor, PromptType
-from kestrel.engine.stat_logger import LoggingStatLogger
+from kestrel.engine.stat_logger import IterationTokens, LoggingStatLogger
 from kestrel.engine.tracing import API_SERVER, RequestTrace, TraceStore
 from kestrel.messages import EngineCoreFailure, EngineCoreOutputs, SchedulerStats, SpecDecodingStats
 from kestrel.model.loader import ModelSource
@@ -64,6 +64,7 @@ class AsyncLLM:
         self.core_stats: list[SchedulerStats | None] = [None] * size
         self.core_counters: list[dict[str, float]] = [dict.fromkeys(COUNTER_KEYS, 0) for _ in range(size)]
         self.core_spec_decoding: list[SpecDecodingStats] = [SpecDecodingStats() for _ in range(size)]
+        self.iteration_tokens = IterationTokens()  # tokens per engine step, over all cores
         # One stats line per engine core, as vLLM logs them ("Engine 0: ..." when there are several).
         self.stat_loggers = [LoggingStatLogger.from_config(config, f"Engine {i}" if size > 1 else None)
                              for i in range(size)]
@@ -169,6 +170,7 @@ class AsyncLLM:
 
     def _record_stats(self, index: int, stats: SchedulerStats) -> None:
         self.core_stats[index] = stats
+        self.iteration_tokens.record(stats)
         self.stat_loggers[index].record(stats)
         c = self.core_counters[index]
         c["prompt_tokens"] += stats.num_prompt_tokens

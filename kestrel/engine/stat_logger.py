@@ -109,3 +109,34 @@ class LoggingStatLogger:
         return (f", Spec decode: mean acceptance length {1 + s.num_accepted_tokens / s.num_drafts:.2f}, "
                 f"accepted {s.num_accepted_tokens}/{s.num_draft_tokens} draft tokens "
                 f"({100 * s.num_accepted_tokens / max(s.num_draft_tokens, 1):.1f}%), per position: {per_pos}")
+
+
+# vLLM's buckets of `iteration_tokens_total`: the tokens of one engine step.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class IterationTokens:
+    """The histogram of tokens per engine step (prompt tokens computed plus tokens sampled), as
+    vLLM's `iteration_tokens_total`, over every engine core: cumulative bucket counts, sum, count."""
+
+    def __init__(self, buckets: tuple[int, ...] = ITERATION_TOKEN_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # per bucket (not cumulative), +Inf last
+        self.sum = 0
+        self.count = 0
+
+    def record(self, stats: SchedulerStats) -> None:
+        tokens = stats.num_prompt_tokens + stats.num_generation_tokens
+        if stats.step is None or tokens <= 0:
+            return
+        self.sum += tokens
+        self.count += 1
+        self.counts[next((i for i, b in enumerate(self.buckets) if tokens <= b), len(self.buckets))] += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(upper bound, cumulative count) per bucket, "+Inf" last, as Prometheus exposes them."""
+        out, total = [], 0
+        for bound, n in zip([*map(str, self.buckets), "+Inf"], self.counts):
+            total += n
+            out.append((bound, total))
+        return out

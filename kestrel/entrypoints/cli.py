@@ -129,6 +129,18 @@ def build_parser(include_bench: bool = True) -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="the format of the model's tool calls: hermes (Qwen, Hermes, SmolLM2), llama3_json "
                             "(Llama 3.1/3.2) (default: none)")
+    serve.add_argument("--max-logprobs", type=int, default=20,
+                       help="most top logprobs a request may ask for, per token (-1: the whole vocabulary; "
+                            "default: 20, as vLLM's)")
+    serve.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="write tokens in logprobs as 'token_id:N' (as vLLM's; a request can ask with "
+                            "return_tokens_as_token_ids)")
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage.prompt_tokens_details.cached_tokens in responses (as vLLM's)")
+    serve.add_argument("--enable-server-load-tracking", action="store_true",
+                       help="accepted for vLLM compatibility: /load always reports the requests being served")
+    serve.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                       help="serve GET /tokenizer_info (the tokenizer's configuration and chat template)")
     serve.add_argument("--uvicorn-log-level", default="warning",
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (default: warning)")

@@ -26,6 +26,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kestrel
@@ -47,6 +48,7 @@ from kestrel.entrypoints.openai.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadResponse,
     ModelCard,
     ModelList,
     RequestTraceResponse,
@@ -110,6 +112,8 @@ class GuardMiddleware:
 
 def build_app(engine, served_model_name: str | None = None, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_queued_requests: int | None = None,
+              max_logprobs: int = 20, return_tokens_as_token_ids: bool = False,
+              enable_tokenizer_info_endpoint: bool = False, enable_prompt_tokens_details: bool = False,
               tool_settings: ToolSettings | None = None) -> FastAPI:
     """`tool_settings`: --enable-auto-tool-choice and --tool-call-parser (serving_tools.py)."""
     served_model_name = served_model_name or engine.model_name
@@ -125,7 +129,11 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         serving["chat"].tool_settings = tool_settings
         for endpoint in serving.values():
             endpoint.tool_format = tool_settings.parser or endpoint.tool_format
+    for s in serving.values():
+        s.max_logprobs, s.return_tokens_as_token_ids = max_logprobs, return_tokens_as_token_ids
+        s.enable_prompt_tokens_details = enable_prompt_tokens_details
     queue_limit = QueueLimit(engine, max_queued_requests)
+    load = {"server_load": 0}  # generation requests being served, streams until their last byte (/load)
     app.state.engine, app.state.serving, app.state.metrics = engine, serving, metrics
 
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
@@ -176,16 +184,47 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
                          **error_responses(*GENERATION_ERRORS)})
     async def completions(request: Request):
         req = parse_body(CompletionRequest, await read_json(request, max_body_bytes))
-        result = await unless_disconnected(request, run(serving["completion"].completions, req))
-        return result if isinstance(result, Response) else JSONResponse(result)
+        return await counted(request, serving["completion"].completions, req)
+
+    async def counted(request: Request, handler, req) -> Response:
+        """Run a generation handler, counted in /load's server_load until its response is sent."""
+        load["server_load"] += 1
+        try:
+            result = await unless_disconnected(request, run(handler, req))
+        except BaseException:
+            load["server_load"] -= 1
+            raise
+        response = result if isinstance(result, Response) else JSONResponse(result)
+
+        def done() -> None:
+            load["server_load"] -= 1
+        response.background = BackgroundTask(done)
+        return response
 
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
               responses={200: json_or_event_stream(ChatCompletionResponse, ChatCompletionChunk),
                          **error_responses(*GENERATION_ERRORS)})
     async def chat_completions(request: Request):
         req = parse_body(ChatCompletionRequest, await read_json(request, max_body_bytes))
-        result = await unless_disconnected(request, run(serving["chat"].chat, req))
-        return result if isinstance(result, Response) else JSONResponse(result)
+        return await counted(request, serving["chat"].chat, req)
+
+    @app.post("/invocations", openapi_extra=request_body(CompletionRequest),
+              responses={200: json_or_event_stream(ChatCompletionResponse, ChatCompletionChunk),
+                         **error_responses(*GENERATION_ERRORS)})
+    async def invocations(request: Request):
+        """vLLM's (SageMaker's) one route: a chat completion if the body has `messages`, else a
+        completion if it has `prompt`."""
+        body = await read_json(request, max_body_bytes)
+        if isinstance(body, dict) and "messages" in body:
+            return await counted(request, serving["chat"].chat, parse_body(ChatCompletionRequest, body))
+        if isinstance(body, dict) and "prompt" in body:
+            return await counted(request, serving["completion"].completions, parse_body(CompletionRequest, body))
+        raise APIError("/invocations takes a chat completion request (with 'messages') or a completion request "
+                       "(with 'prompt')", 400)
+
+    @app.get("/load", responses={200: {"model": LoadResponse}})
+    async def server_load():
+        return {"server_load": load["server_load"]}
 
     @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(401)})
     async def models():
@@ -208,6 +247,15 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
     async def tokenize(request: Request):
         req = parse_body(TokenizeRequest, await read_json(request, max_body_bytes))
         return await serving["tokenization"].tokenize(req)
+
+    @app.get("/tokenizer_info", responses={200: {"description": "The tokenizer's configuration"},
+                                           **error_responses(404)})
+    async def tokenizer_info():
+        # As vLLM's: off unless asked for (it shows the chat template and special tokens).
+        if not enable_tokenizer_info_endpoint:
+            return error_response("/tokenizer_info is off; start the server with --enable-tokenizer-info-endpoint",
+                                  404)
+        return serving["tokenization"].tokenizer_info()
 
     @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest),
               responses={200: {"model": DetokenizeResponse}, **error_responses(400, 404, 413)})
@@ -285,6 +333,10 @@ def run_server(args) -> int:
     try:
         app = build_app(engine, args.served_model_name or engine.model_name, api_key=api_key,
                         max_body_bytes=args.max_body_bytes, max_queued_requests=args.max_queued_requests,
+                        max_logprobs=getattr(args, "max_logprobs", 20),
+                        return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
+                        enable_tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint", False),
+                        enable_prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
                         tool_settings=tool_settings)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=5)

@@ -15,7 +15,7 @@ configuration (`*_config_info`, value 1, the settings as labels) and the API ser
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from kestrel.outputs import RequestMetrics
 
@@ -46,6 +46,25 @@ STEP_COUNTERS = {
 # Where a step's time went: phase label -> key of AsyncLLM.core_counters.
 STEP_PHASES = {"schedule": "schedule_s", "prepare_inputs": "prepare_s", "forward": "forward_s", "sample": "sample_s"}
 
+# Per-request histograms, as vLLM's: its n, and (1-2-5 up to max_model_len) its token counts.
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+# Phases of a request from its first scheduling (prefill, decode, both: inference), as vLLM's.
+REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                        120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def buckets_1_2_5(limit: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's build_1_2_5_buckets)."""
+    out, exponent = [], 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10 ** exponent
+            if value > limit:
+                return out
+            out.append(value)
+        exponent += 1
+
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 
@@ -73,6 +92,13 @@ class EngineCollector:
                 c.add_metric([self.model_name, str(engine)], float(counters.get(key, 0)))
             yield c
         yield from self.collect_steps(labels, core_counters)
+        iteration_tokens = getattr(self.engine, "iteration_tokens", None)
+        if iteration_tokens is not None:
+            h = HistogramMetricFamily(PREFIX + "iteration_tokens_total",
+                                      "Tokens per engine step (prompt tokens computed plus tokens sampled).",
+                                      labels=["model_name"])
+            h.add_metric([self.model_name], iteration_tokens.cumulative(), float(iteration_tokens.sum))
+            yield h
         config = getattr(self.engine, "config", None)
         if config is not None:
             yield from self.collect_kv_blocks(labels, core_stats)
@@ -167,17 +193,48 @@ class ServerMetrics:
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")
         self.queue = hist("request_queue_time_seconds",
                           "Time a request waited before it was first scheduled.")
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        config = getattr(engine, "config", None)
+        max_len = config.model.max_model_len if config is not None else 1 << 20
+        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of each finished request.",
+                                       buckets_1_2_5(max_len))
+        self.generation_tokens = histogram("request_generation_tokens",
+                                           "Tokens generated for each finished request.", buckets_1_2_5(max_len))
+        self.params_n = histogram("request_params_n", "The n of each finished request.", PARAMS_N_BUCKETS)
+        self.params_max_tokens = histogram("request_params_max_tokens", "The max_tokens of each finished request.",
+                                           buckets_1_2_5(max_len))
+        self.inference_time = histogram("request_inference_time_seconds",
+                                        "Time from a request's first scheduling to its last token.",
+                                        REQUEST_TIME_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "Time from a request's first scheduling to its first token.",
+                                      REQUEST_TIME_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds",
+                                     "Time from a request's first token to its last.", REQUEST_TIME_BUCKETS)
         from prometheus_client import Counter
         self._success = Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
 
     def observe_finished(self, metrics: RequestMetrics | None, num_output_tokens: int,
-                         finish_reasons: list[str]) -> None:
+                         finish_reasons: list[str], num_prompt_tokens: int | None = None, n: int | None = None,
+                         max_tokens: int | None = None) -> None:
         """Record one finished request (one choice set of one prompt)."""
         for reason in finish_reasons:
             self._success.labels(self.model_name, reason or "unknown").inc()
+        if num_prompt_tokens is not None:
+            self.prompt_tokens.observe(num_prompt_tokens)
+            self.generation_tokens.observe(num_output_tokens)
+        if n is not None:
+            self.params_n.observe(n)
+        if max_tokens is not None:
+            self.params_max_tokens.observe(max_tokens)
         if metrics is None:
             return
+        self.observe_phases(metrics)
         arrival, first, done = metrics.arrival_time, metrics.first_token_time, metrics.finished_time
         if first is not None:
             self.ttft.observe(max(first - arrival, 0.0))
@@ -187,6 +244,18 @@ class ServerMetrics:
             self.queue.observe(metrics.queue_time)
         for gap in metrics.inter_token_latencies:
             self.itl.observe(gap)
+
+    def observe_phases(self, metrics: RequestMetrics) -> None:
+        """Prefill (first scheduled to first token), decode (first to last token), and both."""
+        first = metrics.first_token_time
+        if first is None:
+            return
+        scheduled = metrics.arrival_time + (metrics.queue_time or 0.0)
+        last = metrics.last_token_time or metrics.finished_time or first
+        prefill, decode = max(first - scheduled, 0.0), max(last - first, 0.0)
+        self.prefill_time.observe(prefill)
+        self.decode_time.observe(decode)
+        self.inference_time.observe(prefill + decode)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

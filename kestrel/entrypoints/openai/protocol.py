@@ -73,7 +73,9 @@ def restricted(default: Any, **keywords_by_type: dict[str, Any]) -> Any:
 NON_NEGATIVE = {"minimum": 0}
 
 class StreamOptions(OpenAIRequest):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    # vLLM's: usage on every chunk (of the choices' tokens so far), not only on a last one.
+    continuous_usage_stats: bool | None = False
 
 
 class JsonSchemaFormat(OpenAIRequest):
@@ -126,6 +128,11 @@ class SamplingFields(OpenAIRequest):
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM's: top-N logprobs of each prompt token (-1: the whole vocabulary, within --max-logprobs),
+    # returned as `prompt_logprobs` (of the choice, or of the chat response).
+    prompt_logprobs: Int | None = restricted(None, integer={"minimum": -1})
+    # vLLM's: tokens in logprobs as "token_id:123" (also --return-tokens-as-token-ids for every request).
+    return_tokens_as_token_ids: bool | None = None
 
 
 PromptInput = str | list[str] | list[Int] | list[list[Int]]
@@ -134,7 +141,8 @@ PromptInput = str | list[str] | list[Int] | list[list[Int]]
 class CompletionRequest(SamplingFields):
     # Text, texts, token ids or lists of token ids; nothing empty.
     prompt: PromptInput = restricted(..., string={"minLength": 1}, array={"minItems": 1}, integer=NON_NEGATIVE)
-    max_tokens: Int | None = restricted(None, integer={"minimum": 1})
+    # 16 when absent, as OpenAI's and vLLM's; null: to the end of the context.
+    max_tokens: Int | None = restricted(16, integer={"minimum": 1})
     logprobs: Int | None = restricted(None, integer={"minimum": 0, "maximum": MAX_LOGPROBS})
     echo: bool = False
     # Samples generated per prompt, of which the n with the highest cumulative logprob are returned;
@@ -185,7 +193,9 @@ class ToolCallParam(OpenAIRequest):
 
 
 class ChatMessage(OpenAIRequest):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # "system", "user", "assistant", "developer", "tool", or any other role the chat template knows
+    # (vLLM accepts custom roles and leaves them to the template).
+    role: str
     content: str | list[dict[str, Any]] | None = restricted(None, object=TEXT_PART)
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None  # an assistant's calls
@@ -197,13 +207,18 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Int | None = restricted(None, integer={"minimum": 1})
     max_completion_tokens: Int | None = restricted(None, integer={"minimum": 1})
     logprobs: bool = False
-    top_logprobs: Int | None = restricted(None, integer={"minimum": 0, "maximum": MAX_LOGPROBS})
+    # -1: the whole vocabulary (vLLM's), within --max-logprobs.
+    top_logprobs: Int | None = restricted(None, integer={"minimum": -1})
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     # Default: "none" without tools, "auto" with them.
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: the last (assistant) message is left open and the model continues it (with
+    # add_generation_prompt false); `echo` puts that message's text before the generated one.
+    continue_final_message: bool = False
+    echo: bool = False
 
 
 class TokenizeRequest(OpenAIRequest):
@@ -213,6 +228,9 @@ class TokenizeRequest(OpenAIRequest):
     tools: list[ChatTool] | None = None  # with messages: given to the chat template, as on chat completions
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False  # also the tokens as the tokenizer's strings (`token_strs`)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIRequest):
@@ -222,10 +240,23 @@ class DetokenizeRequest(OpenAIRequest):
 
 # ---- responses ------------------------------------------------------------------------------------
 
+class PromptTokensDetails(OpenAIBase):
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+
+
 class UsageInfo(OpenAIBase):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # With --enable-prompt-tokens-details (vLLM's), else absent.
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class PromptLogprob(OpenAIBase):
+    """vLLM's: one token of a prompt position's `prompt_logprobs` (keyed by token id)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class CompletionLogprobs(OpenAIBase):
@@ -241,6 +272,7 @@ class CompletionChoice(OpenAIBase):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(OpenAIBase):
@@ -298,6 +330,7 @@ class ChatCompletionResponse(OpenAIBase):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 def without_nones(self, handler) -> dict[str, Any]:
@@ -375,6 +408,11 @@ class TokenizeResponse(OpenAIBase):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = None
+
+
+class LoadResponse(OpenAIBase):
+    server_load: int  # requests being served (vLLM's /load)
 
 
 class DetokenizeResponse(OpenAIBase):

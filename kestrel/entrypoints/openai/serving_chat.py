@@ -7,7 +7,6 @@ import time
 from collections.abc import AsyncIterator
 
 from kestrel.entrypoints.openai.protocol import (
-    MAX_LOGPROBS,
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -25,6 +24,8 @@ from kestrel.entrypoints.openai.serving_engine import (
     Admission,
     APIError,
     OpenAIServing,
+    check_stream_options,
+    message_text,
     sampling_params_from,
     sse,
 )
@@ -46,68 +47,89 @@ class OpenAIServingChat(OpenAIServing):
     async def chat(self, req: ChatCompletionRequest, admission: Admission):
         received = time.monotonic()
         self.check_model(req.model)
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", 400,
-                           "top_logprobs")
+        check_stream_options(req)
+        top = self.resolve_logprobs(req.top_logprobs, "top_logprobs") or 0
+        if req.top_logprobs and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs set to true", 400, "top_logprobs")
         tools = plan_tools(req, self.tool_settings)
         ids = await self.in_tokenizer_thread(self.chat_prompt_ids, req.messages, req.add_generation_prompt,
-                                             req.chat_template_kwargs, self.max_model_len, tools.template_tools())
+                                             template_kwargs(req), self.max_model_len, tools.template_tools())
         timeline = [("received", received), ("tokenized", time.monotonic())]
         max_tokens, param = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
-        top = req.top_logprobs or 0
         params = sampling_params_from(req, self.resolve_max_tokens(max_tokens, len(ids), param),
-                                      top if req.logprobs else None)
+                                      top if req.logprobs else None,
+                                      self.vocab_size if self.max_logprobs == -1 else self.max_logprobs)
         constrain(tools, params)
+        params = self.with_prompt_logprobs(params, req)
+        as_ids = self.tokens_as_ids(req)
+        echo = echoed_text(req)
         request_id = random_id("chatcmpl")
         prompt = {"prompt_token_ids": ids}
         self.validate(request_id, prompt, params)
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            continuous = include_usage and req.stream_options.continuous_usage_stats
             return self.stream_response(self._chat_stream(req, prompt, params, request_id, created, len(ids), top,
-                                                          include_usage, admission, timeline, tools), [request_id])
+                                                          include_usage, admission, timeline, tools, as_ids, echo,
+                                                          continuous), [request_id])
         final = None
         async for out in self.generate(prompt, params, request_id, False, admission, timeline):
             final = out
-        self.observe(final)
+        self.observe(final, params=params)
         self.trace_event([request_id], "response_built")
         choices = []
         for c in sorted(final.outputs, key=lambda c: c.index):
             content, tool_calls = tool_message(tools, c.text)
+            if echo:
+                content = echo + (content or "")
             choices.append(ChatCompletionChoice(
                 index=c.index, message=ChatResponseMessage(content=content, tool_calls=tool_calls),
-                logprobs=self.chat_logprobs(c, top) if req.logprobs else None,
+                logprobs=self.chat_logprobs(c, top, as_ids) if req.logprobs else None,
                 finish_reason=tools.finish_reason(c.finish_reason, bool(tool_calls)), stop_reason=c.stop_reason))
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         return ChatCompletionResponse(id=request_id, created=created, model=self.model_name, choices=choices,
                                       usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=completion_tokens,
-                                                      total_tokens=len(ids) + completion_tokens)).model_dump()
+                                                      total_tokens=len(ids) + completion_tokens,
+                                                      prompt_tokens_details=self.prompt_tokens_details([final])),
+                                      prompt_logprobs=(self.prompt_logprobs_out(final.prompt_logprobs, as_ids)
+                                                       if req.prompt_logprobs is not None else None)).model_dump()
 
-    def chat_logprobs(self, c: CompletionOutput, top: int) -> ChatChoiceLogprobs:
+    def chat_logprobs(self, c: CompletionOutput, top: int, as_ids: bool = False) -> ChatChoiceLogprobs:
         content = []
         for tid, entry in zip(c.token_ids, c.logprobs or []):
             lp = entry.get(tid)
-            tok = self.token_text(tid, lp)
+            tok = self.token_text(tid, lp, as_ids)
             ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:top]
             content.append(ChatTokenLogprob(
                 token=tok, logprob=lp.logprob if lp is not None else float("-inf"), bytes=list(tok.encode()),
-                top_logprobs=[TopLogprob(token=(t := self.token_text(i, v)), logprob=v.logprob,
+                top_logprobs=[TopLogprob(token=(t := self.token_text(i, v, as_ids)), logprob=v.logprob,
                                          bytes=list(t.encode())) for i, v in ranked]))
         return ChatChoiceLogprobs(content=content)
 
     async def _chat_stream(self, req: ChatCompletionRequest, prompt: dict, params: SamplingParams,
                            request_id: str, created: int, prompt_len: int, top: int,
                            include_usage: bool, admission: Admission,
-                           timeline: list[tuple[str, float]], tools: ToolPlan) -> AsyncIterator[str]:
+                           timeline: list[tuple[str, float]], tools: ToolPlan, as_ids: bool = False,
+                           echo: str = "", continuous_usage: bool = False) -> AsyncIterator[str]:
+        completion_tokens = 0
+
         def chunk(choice: ChatStreamChoice) -> str:
-            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[choice]))
+            # continuous_usage_stats: the usage so far on every chunk, as vLLM's.
+            usage = (UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion_tokens,
+                               total_tokens=prompt_len + completion_tokens) if continuous_usage else None)
+            return sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[choice],
+                                           usage=usage))
 
         for i in range(params.n):
             yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-        completion_tokens = 0
         tool_streams = [ToolStream(tools) for _ in range(params.n)]
+        if echo:  # the continued message first, as vLLM streams it
+            for i in range(params.n):
+                yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=echo),
+                                             logprobs=ChatChoiceLogprobs(content=[]) if req.logprobs else None))
         async for out in self.generate(prompt, params, request_id, True, admission, timeline):
             for c in out.outputs:
                 if not c.text and not c.token_ids and c.finish_reason is None:
@@ -121,11 +143,29 @@ class OpenAIServingChat(OpenAIServing):
                 content = text if (text or (c.finish_reason is None and not tool_calls)) else None
                 yield chunk(ChatStreamChoice(
                     index=c.index, delta=DeltaMessage(content=content, tool_calls=tool_calls or None),
-                    logprobs=self.chat_logprobs(c, top) if req.logprobs else None,
+                    logprobs=self.chat_logprobs(c, top, as_ids) if req.logprobs else None,
                     finish_reason=tools.finish_reason(c.finish_reason, stream.called)))
             if out.finished:
-                self.observe(out, completion_tokens)
+                self.observe(out, completion_tokens, params)
         if include_usage:
             yield sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[],
                                           usage=UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion_tokens,
                                                           total_tokens=prompt_len + completion_tokens)))
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict | None:
+    """The chat template's keyword arguments: the request's, and `continue_final_message`."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError("continue_final_message and add_generation_prompt cannot both be true", 400,
+                       "continue_final_message")
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
+    return kwargs or None
+
+
+def echoed_text(req: ChatCompletionRequest) -> str:
+    """`echo`: the last message's text when it is the assistant's (the one continued), as vLLM's."""
+    if not req.echo or req.messages[-1].role != "assistant":
+        return ""
+    return message_text(req.messages[-1])

@@ -32,6 +32,7 @@ from kestrel.entrypoints.openai.protocol import (
     ChatMessage,
     ErrorInfo,
     ErrorResponse,
+    PromptTokensDetails,
     SamplingFields,
 )
 from kestrel.entrypoints.openai.tool_parsers import HermesToolParser, ToolParser
@@ -93,6 +94,7 @@ def validation_message(exc: ValidationError | RequestValidationError) -> tuple[s
 # ---- reading a request ----------------------------------------------------------------------------
 
 async def read_json(request: Request, max_body_bytes: int) -> Any:
+    check_json_content_type(request.headers.get("content-type"))
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
@@ -101,6 +103,16 @@ async def read_json(request: Request, max_body_bytes: int) -> Any:
     if len(body) > PARSE_IN_THREAD_BYTES:
         return await asyncio.to_thread(parse_json, bytes(body))
     return parse_json(body)
+
+
+def check_json_content_type(content_type: str | None) -> None:
+    """A body sent as another media type (a form, text) is a 400, as vLLM's, not read as JSON.
+    No Content-Type at all is read as JSON (curl -d without -H, raw clients)."""
+    if content_type is None:
+        return
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise APIError(f"unsupported media type {media_type!r}: only 'application/json' is accepted", 400)
 
 
 def parse_json(body: bytes | bytearray) -> Any:
@@ -125,7 +137,13 @@ def parse_body(model: type[BaseModel], obj: Any) -> Any:
         raise APIError("the request body is nested too deeply") from None
 
 
-def sampling_params_from(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def check_stream_options(req: SamplingFields) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options can only be given when stream is true", 400, "stream_options")
+
+
+def sampling_params_from(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                         max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
     kw: dict[str, Any] = dict(n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
                               ignore_eos=req.ignore_eos, seed=req.seed, logprobs=logprobs,
                               skip_special_tokens=req.skip_special_tokens,
@@ -148,8 +166,8 @@ def sampling_params_from(req: SamplingFields, max_tokens: int | None, logprobs: 
         raise APIError(f"n must be at most {MAX_N}, got {req.n}", 400, "n")
     if kw["best_of"] is not None and kw["best_of"] > MAX_N:
         raise APIError(f"best_of must be at most {MAX_N}, got {kw['best_of']}", 400, "best_of")
-    if logprobs is not None and logprobs > MAX_LOGPROBS:
-        raise APIError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}", 400, "logprobs")
+    if logprobs is not None and logprobs > max_logprobs:
+        raise APIError(f"logprobs must be at most {max_logprobs}, got {logprobs}", 400, "logprobs")
     kw["structured_outputs"] = structured_outputs_from(req)
     try:
         params = SamplingParams(**kw)
@@ -305,6 +323,11 @@ class OpenAIServing:
     # The format of tools in a prompt whose chat template does not take them (tool_parsers/template.py):
     # the server's --tool-call-parser's.
     tool_format: type[ToolParser] = HermesToolParser
+    # Server settings (`kestrel serve` flags, set by build_app): --max-logprobs (-1: the vocabulary),
+    # --return-tokens-as-token-ids.
+    max_logprobs: int = MAX_LOGPROBS
+    return_tokens_as_token_ids: bool = False
+    enable_prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
 
     def __init__(self, engine, served_model_name: str, metrics: ServerMetrics,
                  tokenizer_pool: ThreadPoolExecutor) -> None:
@@ -325,7 +348,8 @@ class OpenAIServing:
     # -- input ------------------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in (self.model_name,):
+        # "" (as None) means the served model, as vLLM's.
+        if model and model not in (self.model_name,):
             raise APIError(f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            404, "model")
 
@@ -412,6 +436,53 @@ class OpenAIServing:
         finally:
             await outputs.aclose()
 
+    def resolve_logprobs(self, value: int | None, param: str) -> int | None:
+        """A number of top logprobs as asked (-1: the whole vocabulary, as vLLM's), checked against
+        --max-logprobs (-1: the vocabulary)."""
+        if value is None:
+            return None
+        limit = self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
+        n = self.vocab_size if value == -1 else value
+        if n < 0:
+            raise APIError(f"{param} must be non-negative or -1 (the whole vocabulary), got {value}", 400, param)
+        if n > limit:
+            raise APIError(f"{param}: requested {n} logprobs, which is more than the {limit} allowed "
+                           "(--max-logprobs)", 400, param)
+        return n
+
+    def with_prompt_logprobs(self, params: SamplingParams, req: SamplingFields,
+                             at_least: int | None = None) -> SamplingParams:
+        """`params` asking for the request's `prompt_logprobs` (and at least `at_least` of them)."""
+        n = self.resolve_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        if at_least is not None:
+            n = at_least if n is None else max(n, at_least)
+        if n is None:
+            return params
+        params = params.clone(prompt_logprobs=n)
+        try:
+            params.validate()
+        except ValueError as e:
+            raise APIError(str(e), 400, "prompt_logprobs") from None
+        return params
+
+    def prompt_tokens_details(self, outs: list[RequestOutput]) -> PromptTokensDetails | None:
+        if not self.enable_prompt_tokens_details:
+            return None
+        return PromptTokensDetails(cached_tokens=sum(out.num_cached_tokens for out in outs))
+
+    def tokens_as_ids(self, req: SamplingFields) -> bool:
+        return bool(req.return_tokens_as_token_ids or self.return_tokens_as_token_ids)
+
+    def prompt_logprobs_out(self, prompt_logprobs: list | None, as_ids: bool = False) -> list | None:
+        """The engine's prompt logprobs as vLLM returns them: per prompt token None (the first) or
+        {token id: {logprob, rank, decoded_token}}."""
+        if prompt_logprobs is None:
+            return None
+        return [None if entry is None else
+                {str(tid): {"logprob": lp.logprob, "rank": lp.rank,
+                            "decoded_token": self.token_text(tid, lp, as_ids)} for tid, lp in entry.items()}
+                for entry in prompt_logprobs]
+
     # -- output -----------------------------------------------------------------------------------
 
     def trace_event(self, request_ids: list[str], name: str) -> None:
@@ -421,17 +492,23 @@ class OpenAIServing:
             if trace is not None:
                 trace.add(API_SERVER, name)
 
-    def token_text(self, tid: int, lp) -> str:
+    def token_text(self, tid: int, lp, as_ids: bool = False) -> str:
+        if as_ids:  # return_tokens_as_token_ids, as vLLM writes them
+            return f"token_id:{tid}"
         if lp is not None and lp.decoded_token is not None:
             return lp.decoded_token
         return self.tokenizer.decode([tid])
 
-    def observe(self, out: RequestOutput | None, num_tokens: int | None = None) -> None:
+    def observe(self, out: RequestOutput | None, num_tokens: int | None = None,
+                params: SamplingParams | None = None) -> None:
         if out is None:
             return
         if num_tokens is None:
             num_tokens = sum(len(c.token_ids) for c in out.outputs)
-        self.metrics.observe_finished(out.metrics, num_tokens, [c.finish_reason for c in out.outputs])
+        self.metrics.observe_finished(out.metrics, num_tokens, [c.finish_reason for c in out.outputs],
+                                      num_prompt_tokens=len(out.prompt_token_ids),
+                                      n=params.n if params is not None else None,
+                                      max_tokens=params.max_tokens if params is not None else None)
 
     def stream_response(self, events: AsyncIterator[str], request_ids: list[str] = ()) -> StreamingResponse:
         """An SSE response; an error after the headers went out is one error event, then [DONE].
