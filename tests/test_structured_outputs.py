@@ -261,6 +261,7 @@ def server():
     s = Server("--max-model-len", "2048")
     s.wait_ready()
     yield s
+    print(s.output()[-4000:])
     s.stop()
 
 
