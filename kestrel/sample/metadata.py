@@ -6,6 +6,7 @@ to `params[b]`. A setting no row uses is `None`, so the sampler skips that work 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -200,10 +201,23 @@ def _allowed_token_ids_mask(params: list[SamplingParams], vocab_size: int, devic
     if not rows:
         return None, None
     mask = torch.ones(len(rows), vocab_size, dtype=torch.bool)
-    mask_rows = [i for i, row in enumerate(rows) for _ in params[row].allowed_token_ids]
-    allowed = [t for row in rows for t in params[row].allowed_token_ids]
-    mask[mask_rows, allowed] = False
+    for i, row in enumerate(rows):
+        mask[i].index_fill_(0, _token_ids_tensor(tuple(params[row].allowed_token_ids)), False)
     return (torch.tensor(rows, dtype=torch.int64, device=device), mask.to(device))
+
+
+@functools.lru_cache(maxsize=64)  # at most ~50 MB for 64 lists of a whole 49k vocabulary
+def _token_ids_tensor(token_ids: tuple[int, ...]) -> torch.Tensor:
+    """A request's list of token ids as a CPU tensor, made once and not every step (thousands of
+    allowed ids, one list → tensor each step, would cost milliseconds per row)."""
+    return torch.tensor(token_ids, dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=256)
+def _bias_tensors(bias: tuple[tuple[int, float], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's logit_bias as (token ids, biases) CPU tensors, made once."""
+    return (torch.tensor([t for t, _ in bias], dtype=torch.int64),
+            torch.tensor([v for _, v in bias], dtype=torch.float32))
 
 
 def _bad_words_mask(params: list[SamplingParams], output_token_ids: list[list[int]], device: torch.device
@@ -235,9 +249,7 @@ def _logit_bias(params: list[SamplingParams], device: torch.device
     rows = [row for row, p in enumerate(params) if p.logit_bias]
     if not rows:
         return None, None, None
-    flat_rows = [row for row in rows for _ in params[row].logit_bias]
-    token_ids = [t for row in rows for t in params[row].logit_bias]
-    values = [v for row in rows for v in params[row].logit_bias.values()]
-    return (torch.tensor(flat_rows, dtype=torch.int64, device=device),
-            torch.tensor(token_ids, dtype=torch.int64, device=device),
-            torch.tensor(values, dtype=torch.float32, device=device))
+    tensors = [_bias_tensors(tuple(params[row].logit_bias.items())) for row in rows]
+    flat_rows = torch.tensor(rows, dtype=torch.int64).repeat_interleave(torch.tensor([len(t) for t, _ in tensors]))
+    return (flat_rows.to(device), torch.cat([t for t, _ in tensors]).to(device),
+            torch.cat([v for _, v in tensors]).to(device))
