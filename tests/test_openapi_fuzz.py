@@ -49,7 +49,7 @@ BODY_ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("
 OTHER_ROUTES = [("GET", "/v1/models"), ("GET", "/health"), ("GET", "/version"),
                 ("GET", "/v1/requests/{request_id}/trace"), ("GET", "/v1/requests"),
                 ("POST", "/start_profile"), ("POST", "/stop_profile"),
-                ("POST", "/reset_prefix_cache"), ("GET", "/metrics")]
+                ("POST", "/reset_prefix_cache"), ("GET", "/metrics"), ("GET", "/load"), ("GET", "/tokenizer_info")]
 FUZZED = ([(method, path, GenerationMode.POSITIVE) for method, path in BODY_ROUTES + OTHER_ROUTES]
           + [(method, path, GenerationMode.NEGATIVE) for method, path in BODY_ROUTES])
 

@@ -32,6 +32,8 @@ RESPONSES = {
     ("post", "/stop_profile"): (None, {404}),
     ("post", "/reset_prefix_cache"): (None, set()),
     ("get", "/metrics"): (None, set()),
+    ("get", "/load"): ("LoadResponse", set()),
+    ("get", "/tokenizer_info"): (None, {404}),
 }
 
 
@@ -127,7 +129,8 @@ def test_metrics_are_documented_as_text(document):
     ("CompletionRequest", {"prompt": "Hello", "echo": 1}, False),
     ("ChatCompletionRequest", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True}, True),
     ("ChatCompletionRequest", {"messages": []}, False),
-    ("ChatCompletionRequest", {"messages": [{"role": "robot", "content": "Hi"}]}, False),
+    ("ChatCompletionRequest", {"messages": [{"role": "robot", "content": "Hi"}]}, True),  # custom roles, as vLLM
+    ("ChatCompletionRequest", {"messages": [{"role": 5, "content": "Hi"}]}, False),
     ("TokenizeRequest", {"prompt": "Hello"}, True),
     ("DetokenizeRequest", {"tokens": [1, 2, 3]}, True),
     ("DetokenizeRequest", {"tokens": ["a"]}, False),

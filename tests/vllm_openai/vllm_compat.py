@@ -8,8 +8,8 @@ from server_process import Server
 
 # The default (embedded) model, as the server calls it.
 MODEL_NAME = "SmolLM2-135M-Instruct"
-# A server small enough for the 2-core CI machine: float32 on CPU, a KV pool of 256 MiB.
-KESTREL_ARGS = ["--dtype", "float32", "--kv-cache-memory", "256MiB"]
+# A server small enough for the 2-core CI machine: float32 on CPU, a KV pool of 512 MiB (8192 tokens of SmolLM2 fit).
+KESTREL_ARGS = ["--dtype", "float32", "--kv-cache-memory", "512MiB"]
 
 
 class RemoteOpenAIServer:

@@ -208,9 +208,8 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
         req = parse_body(ChatCompletionRequest, await read_json(request, max_body_bytes))
         return await counted(request, serving["chat"].chat, req)
 
-    @app.post("/invocations", openapi_extra=request_body(CompletionRequest),
-              responses={200: json_or_event_stream(ChatCompletionResponse, ChatCompletionChunk),
-                         **error_responses(*GENERATION_ERRORS)})
+    # Not in /openapi.json: its bodies and answers are those of the two routes it stands for.
+    @app.post("/invocations", include_in_schema=False)
     async def invocations(request: Request):
         """vLLM's (SageMaker's) one route: a chat completion if the body has `messages`, else a
         completion if it has `prompt`."""
