@@ -170,6 +170,16 @@ def test_hermes_stream_equals_whole_text(text):
     assert_stream_equals_whole(HermesToolParser, text)
 
 
+def test_arguments_are_spaced_as_json_dumps_spaces_them():
+    # A constrained or pretty-printing model writes newlines and indents; the strings stay as written.
+    text = '<tool_call>{"name": "a", "arguments": {\n  "x" :\n [1 ,2.50],\n  "s": "p  ,: q\\" \\n"\n}}</tool_call>'
+    out = HermesToolParser().extract(text)
+    assert calls(out) == [("a", '{"x": [1, 2.50], "s": "p  ,: q\\" \\n"}')]
+    assert json.loads(out.tool_calls[0].arguments) == {"x": [1, 2.5], "s": 'p  ,: q" \n'}
+    assert_stream_equals_whole(HermesToolParser, text)
+    assert calls(NamedFunctionOutput("f").extract('{\n  "city": "London"\n}')) == [("f", '{"city": "London"}')]
+
+
 def test_hermes_arguments_forms():
     assert calls(HermesToolParser().extract('<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>')) \
         == [("a", '{"x": 1}')]
@@ -343,7 +353,7 @@ def test_tool_choice_modes_and_their_constraints():
     constrain(required, params)
     assert json.loads(params.structured_outputs.json) == required_schema(required.tools, parallel=False)
     assert required.finish_reason("stop", True) == "tool_calls" and named.finish_reason("stop", True) == "stop"
-    assert required.finish_reason("length", False) == "length"
+    assert required.finish_reason("length", False) == required.finish_reason("length", True) == "length"
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
@@ -540,6 +550,12 @@ def test_auto_the_model_calls_a_tool_and_the_stream_matches(client):
     assert finish == "tool_calls" and not content
     assert pieces[0].id and pieces[0].type == "function" and pieces[0].function.arguments == ""
     assert len(pieces) > 3 and all(p.id is None and p.function.name is None for p in pieces[1:])
+    # The round trip: the call and its result go back, the model answers in text.
+    messages = [*FEW_SHOT, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "foggy, 9 C"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=30)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content
+    assert answer.choices[0].message.tool_calls is None
 
 
 @pytest.mark.slow
@@ -559,7 +575,7 @@ def test_named_tool_stream_matches_non_stream(client):
 def round_trip(client, tool_choice, **kw) -> None:
     """Call (constrained: valid JSON for the schema), tool result, answer."""
     r = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
-                                       temperature=0, max_tokens=80, **kw)
+                                       temperature=0, max_tokens=150, **kw)
     choice = r.choices[0]
     assert choice.message.tool_calls, choice.message
     for call in choice.message.tool_calls:
@@ -589,7 +605,7 @@ def test_round_trip_with_a_named_tool(client, needs_constraints):
 
 @pytest.mark.slow
 def test_required_stream_matches_non_stream(client, needs_constraints):
-    kw = dict(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=80)
+    kw = dict(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=150)
     r = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(**kw, stream=True))
     content, assembled, finish, _ = reassemble(chunks)
