@@ -4,9 +4,7 @@ the tools and tool messages through the chat template; and, against a real serve
 driven by the `openai` client, calls made by the model, a round trip (call, result, answer), streamed
 calls put back together, and the 400s.
 
-The tests of "required" and of a named function need the engine to enforce `structured_outputs`
-(constrained decoding): `needs_constraints` skips them on a server that does not (it asks the server
-for one of a list of choices and looks at the answer).
+"required" and a named function rest on the engine's constrained decoding (`structured_outputs`).
 """
 
 from __future__ import annotations
@@ -168,6 +166,16 @@ def test_hermes_holds_back_a_partial_tag_only():
 ])
 def test_hermes_stream_equals_whole_text(text):
     assert_stream_equals_whole(HermesToolParser, text)
+
+
+def test_arguments_are_spaced_as_json_dumps_spaces_them():
+    # A constrained or pretty-printing model writes newlines and indents; the strings stay as written.
+    text = '<tool_call>{"name": "a", "arguments": {\n  "x" :\n [1 ,2.50],\n  "s": "p  ,: q\\" \\n"\n}}</tool_call>'
+    out = HermesToolParser().extract(text)
+    assert calls(out) == [("a", '{"x": [1, 2.50], "s": "p  ,: q\\" \\n"}')]
+    assert json.loads(out.tool_calls[0].arguments) == {"x": [1, 2.5], "s": 'p  ,: q" \n'}
+    assert_stream_equals_whole(HermesToolParser, text)
+    assert calls(NamedFunctionOutput("f").extract('{\n  "city": "London"\n}')) == [("f", '{"city": "London"}')]
 
 
 def test_hermes_arguments_forms():
@@ -343,7 +351,7 @@ def test_tool_choice_modes_and_their_constraints():
     constrain(required, params)
     assert json.loads(params.structured_outputs.json) == required_schema(required.tools, parallel=False)
     assert required.finish_reason("stop", True) == "tool_calls" and named.finish_reason("stop", True) == "stop"
-    assert required.finish_reason("length", False) == "length"
+    assert required.finish_reason("length", False) == required.finish_reason("length", True) == "length"
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
@@ -458,16 +466,6 @@ def client(server):
         yield c
 
 
-@pytest.fixture(scope="module")
-def needs_constraints(server):
-    """Skip unless the server enforces structured outputs (the engine's constrained decoding)."""
-    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
-        "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, "temperature": 0,
-        "structured_outputs": {"choice": ["zq-kestrel-probe"]}})
-    if r.status_code != 200 or r.json()["choices"][0]["message"]["content"] != "zq-kestrel-probe":
-        pytest.skip("the server does not enforce structured_outputs yet (constrained decoding)")
-
-
 def weather_call(call_id: str, city: str) -> dict:
     return {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function", "function": {
         "name": "get_weather", "arguments": json.dumps({"city": city, "unit": "celsius"})}}]}
@@ -540,6 +538,12 @@ def test_auto_the_model_calls_a_tool_and_the_stream_matches(client):
     assert finish == "tool_calls" and not content
     assert pieces[0].id and pieces[0].type == "function" and pieces[0].function.arguments == ""
     assert len(pieces) > 3 and all(p.id is None and p.function.name is None for p in pieces[1:])
+    # The round trip: the call and its result go back, the model answers in text.
+    messages = [*FEW_SHOT, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "foggy, 9 C"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=30)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.content
+    assert answer.choices[0].message.tool_calls is None
 
 
 @pytest.mark.slow
@@ -559,7 +563,7 @@ def test_named_tool_stream_matches_non_stream(client):
 def round_trip(client, tool_choice, **kw) -> None:
     """Call (constrained: valid JSON for the schema), tool result, answer."""
     r = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice=tool_choice,
-                                       temperature=0, max_tokens=80, **kw)
+                                       temperature=0, max_tokens=150, **kw)
     choice = r.choices[0]
     assert choice.message.tool_calls, choice.message
     for call in choice.message.tool_calls:
@@ -575,21 +579,21 @@ def round_trip(client, tool_choice, **kw) -> None:
 
 
 @pytest.mark.slow
-def test_round_trip_with_required(client, needs_constraints):
+def test_round_trip_with_required(client):
     r = round_trip(client, "required", parallel_tool_calls=False)
     assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
 
 
 @pytest.mark.slow
-def test_round_trip_with_a_named_tool(client, needs_constraints):
+def test_round_trip_with_a_named_tool(client):
     r = round_trip(client, {"type": "function", "function": {"name": "get_time"}})
     assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_time"]
     assert r.choices[0].finish_reason == "stop"  # as OpenAI's: a forced function's call finishes "stop"
 
 
 @pytest.mark.slow
-def test_required_stream_matches_non_stream(client, needs_constraints):
-    kw = dict(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=80)
+def test_required_stream_matches_non_stream(client):
+    kw = dict(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=150)
     r = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(**kw, stream=True))
     content, assembled, finish, _ = reassemble(chunks)

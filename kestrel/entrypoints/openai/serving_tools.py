@@ -10,8 +10,8 @@
                                                       the arguments of one call of F
 
 Without `tool_choice`, a request with tools is "auto" and one without is "none". The finish reason is
-"tool_calls" when "auto" or "required" produced calls; a named function's call finishes "stop", as
-OpenAI's does.
+"tool_calls" when "auto" or "required" produced calls and the output ended by itself ("length" stays
+"length"); a named function's call finishes "stop", as OpenAI's does.
 """
 
 from __future__ import annotations
@@ -87,7 +87,9 @@ class ToolPlan:
         return None
 
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
-        if reason is not None and called and self.mode in ("auto", "required"):
+        """"tool_calls" for an output that made calls and ended by itself (EOS or a stop string); a
+        cut one ("length") says so."""
+        if reason == "stop" and called and self.mode in ("auto", "required"):
             return "tool_calls"
         return reason
 

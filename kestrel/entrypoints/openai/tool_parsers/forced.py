@@ -13,6 +13,7 @@ from kestrel.entrypoints.openai.tool_parsers.base import DeltaOut, ExtractedTool
 from kestrel.entrypoints.openai.tool_parsers.json_calls import (
     WHITESPACE,
     CallReader,
+    CompactJson,
     JsonError,
     ToolCallDelta,
     calls_from_deltas,
@@ -21,12 +22,14 @@ from kestrel.entrypoints.openai.tool_parsers.json_calls import (
 
 
 class NamedFunctionOutput(ToolParser):
-    """The output is the arguments of `function`, sent as they come."""
+    """The output is the arguments of `function`, sent as they come (re-spaced as json.dumps spaces
+    them, as the other parsers' arguments are)."""
 
     def __init__(self, function: str = "") -> None:
         super().__init__()
         self.function = function
         self.started = False
+        self.compact = CompactJson()
 
     def extract(self, text: str) -> ExtractedToolCalls:
         parser = type(self)(self.function)
@@ -41,8 +44,9 @@ class NamedFunctionOutput(ToolParser):
                 return
             self.started = True
             self.calls([ToolCallDelta(index=0, id=tool_call_id(), name=self.function, arguments="")], out)
-        if self.held:
-            self.calls([ToolCallDelta(index=0, arguments=self.held)], out)
+        fragment = self.compact(self.held)
+        if fragment:
+            self.calls([ToolCallDelta(index=0, arguments=fragment)], out)
         self.held = ""
 
 

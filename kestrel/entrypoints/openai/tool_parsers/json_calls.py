@@ -4,9 +4,11 @@
 in (so a malformed call is noticed at its first bad character, not at its end) and reports where each
 value starts and ends. `CallReader` uses it on text that holds calls as JSON, `{"name": ..., "arguments":
 {...}}` objects (or an array of them, or several separated by `;`), and turns them into `ToolCallDelta`s
-as OpenAI streams them: the call's id and name first, then its arguments in fragments, the model's own
-text of the arguments object. Both the streamed and the whole-text paths of every parser go through it,
-so a call's arguments are the same text either way, whatever the deltas were.
+as OpenAI streams them: the call's id and name first, then its arguments in fragments: the model's own
+text of the arguments object, spaced as `json.dumps` spaces it (`CompactJson`: no newlines or indents,
+one space after each `:` and `,`; strings and numbers as written). Both the streamed and the whole-text
+paths of every parser go through it, so a call's arguments are the same text either way, whatever the
+deltas were.
 """
 
 from __future__ import annotations
@@ -46,6 +48,33 @@ class ToolCallDelta:
 
 class JsonError(ValueError):
     pass
+
+
+class CompactJson:
+    """Valid JSON text, fed in pieces, re-spaced as `json.dumps` spaces it: whitespace outside strings
+    dropped, one space after each `:` and `,`. Strings and numbers stay as written."""
+
+    def __init__(self) -> None:
+        self.in_string = self.escape = False
+
+    def __call__(self, text: str) -> str:
+        out = []
+        for ch in text:
+            if self.in_string:
+                out.append(ch)
+                if self.escape:
+                    self.escape = False
+                elif ch == "\\":
+                    self.escape = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch not in WHITESPACE:
+                out.append(ch)
+                if ch == '"':
+                    self.in_string = True
+                elif ch in ",:":
+                    out.append(" ")
+        return "".join(out)
 
 
 class JsonScanner:
@@ -207,7 +236,9 @@ class _Call:
     args_start: int | None = None
     args_end: int | None = None
     args_is_string: bool = False
-    args_sent: int = 0  # characters of the arguments text sent
+    args_sent: int = 0  # characters of the arguments sent
+    args_read: int = 0  # characters of the model's arguments text read into them
+    compact: CompactJson = field(default_factory=CompactJson)
     header_sent: bool = False
     ended: bool = False
 
@@ -338,7 +369,9 @@ class CallReader:
             call.args_sent = len(text)
             return text
         end = call.args_end if call.args_end is not None else self.consumed
-        fragment = self.text[call.args_start + call.args_sent:end]
+        raw = self.text[call.args_start + call.args_read:end]
+        call.args_read += len(raw)
+        fragment = call.compact(raw)
         call.args_sent += len(fragment)
         return fragment
 
@@ -361,7 +394,7 @@ class CallReader:
             return "{}"
         raw = self.text[call.args_start:call.args_end]
         if not call.args_is_string:
-            return raw
+            return CompactJson()(raw)
         try:
             value = json.loads(raw)
         except RecursionError:  # an array nested past the parser's depth: the model's text as it is
