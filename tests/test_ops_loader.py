@@ -54,6 +54,17 @@ def test_the_build_key_follows_the_source(tmp_path):
     assert _build_key(a) != before
 
 
+def test_two_torch_installs_of_one_version_build_apart(tmp_path, monkeypatch):
+    # build.ninja names torch's headers and libraries: one shared build directory would make two
+    # virtual environments rebuild each other's module on every load.
+    import torch
+    source = tmp_path / "a.cpp"
+    source.write_text("int f() { return 1; }")
+    here = _build_key(source)
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    assert _build_key(source) != here
+
+
 def test_the_build_compiles_its_own_copy_of_the_source():
     # build.ninja names no checkout's path, so two checkouts of one version share a build without
     # rebuilding each other's module (torch rebuilds whenever build.ninja changes).

@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sysconfig
 import time
 from pathlib import Path
 
@@ -74,14 +75,16 @@ def _kernel_cache_root() -> Path:
 
 def _build_key(source: Path, cflags: tuple[str, ...] = _CFLAGS) -> str:
     """What the compiled module depends on: the source and the headers beside it, the flags (the
-    instruction set's included), torch, and (through -march=native) the CPU. Each key gets its own
-    build directory, so two checkouts, two versions of a kernel or two builds of one source never
-    rebuild each other's output."""
+    instruction set's included), torch (its version, and the install whose headers, libraries and
+    Python headers build.ninja names), and (through -march=native) the CPU. Each key gets its own
+    build directory, so two checkouts or virtual environments, two versions of a kernel or two
+    builds of one source never rebuild each other's output."""
     import torch
     digest = hashlib.sha256(source.read_bytes())
     for header in sorted(source.parent.glob("*.h")):  # included by the kernels
         digest.update(header.read_bytes())
-    for part in (*cflags, *_LDFLAGS, torch.__version__, " ".join(sorted(_cpu_flags())), _LAYOUT):
+    install = (str(Path(torch.__file__).parent), sysconfig.get_path("include"))
+    for part in (*cflags, *_LDFLAGS, torch.__version__, *install, " ".join(sorted(_cpu_flags())), _LAYOUT):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
