@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 from enum import StrEnum
+from types import SimpleNamespace
 
 import httpx2 as httpx
 import jsonschema
@@ -30,7 +31,7 @@ from kestrel import LLM, SamplingParams
 from kestrel.core.request import Request
 from kestrel.core.structured_output import StructuredOutputManager, check_structured_outputs, choice_grammar
 from kestrel.model.loader import load_tokenizer, resolve_model
-from kestrel.sample.sampler import allowed_tokens
+from kestrel.sample.sampler import apply_token_bitmask, token_bitmask_bias
 from kestrel.sampling_params import StructuredOutputsParams as Constraint
 
 VOCAB = 49152
@@ -61,14 +62,36 @@ def compiler(tokenizer):
 
 # ---- units ------------------------------------------------------------------------------------------
 
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int = VOCAB) -> torch.Tensor:
+    return token_bitmask_bias(bitmask, vocab_size) == 0
+
+
+def random_bitmask(rows: int) -> torch.Tensor:
+    return torch.randint(-2**31, 2**31 - 1, (rows, (VOCAB + 31) // 32), dtype=torch.int32)
+
+
 def test_bitmask_layout_matches_xgrammar():
     torch.manual_seed(0)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (3, (VOCAB + 31) // 32), dtype=torch.int32)
+    bitmask = random_bitmask(3)
     logits = torch.randn(3, VOCAB)
     theirs = logits.clone()
     xgr.apply_token_bitmask_inplace(theirs, bitmask)
-    ours = logits.masked_fill(~allowed_tokens(bitmask, VOCAB), float("-inf"))
+    ours = apply_token_bitmask(logits.clone(), SimpleNamespace(token_bitmask=bitmask,
+                                                               token_bitmask_rows=torch.arange(3)))
     assert torch.equal(ours, theirs)
+
+
+def test_only_the_constrained_rows_are_masked():
+    torch.manual_seed(1)
+    bitmask = random_bitmask(2)
+    logits = torch.randn(3, VOCAB)
+    ours = apply_token_bitmask(logits.clone(), SimpleNamespace(token_bitmask=bitmask,
+                                                               token_bitmask_rows=torch.tensor([0, 2])))
+    theirs = logits.clone()
+    xgr.apply_token_bitmask_inplace(theirs, torch.stack([bitmask[0], random_bitmask(1)[0], bitmask[1]]),
+                                    indices=[0, 2])
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[1], logits[1])
 
 
 @pytest.mark.parametrize("constraint, fragment", [

@@ -62,22 +62,32 @@ def prepare_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[to
     return logits, raw_logprobs
 
 
-_BIT_POSITIONS = torch.arange(32, dtype=torch.int32)
+# Byte value → the additive mask of its 8 tokens: 0.0 where the bit is set (allowed), -inf where not.
+_BYTE_MASKS = torch.where(((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, V] bool from an [R, ceil(V / 32)] int32 bitmask: token t is allowed when bit t % 32 of word
-    t // 32 is set."""
-    bits = (bitmask.unsqueeze(-1) >> _BIT_POSITIONS.to(bitmask.device)) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+def token_bitmask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, V] float32, 0 on allowed tokens and -inf on the others, from an [R, ceil(V / 32)] int32
+    bitmask (token t allowed when bit t % 32 of word t // 32 is set). Read a byte at a time through a
+    256-row table: as an embedding lookup this is several times faster than shifting every bit out,
+    or than a boolean masked_fill, at a batch's [64, 49152]."""
+    as_bytes = bitmask.contiguous().view(torch.uint8).long()  # little-endian: byte k of a word = bits 8k..8k+7
+    masks = torch.nn.functional.embedding(as_bytes, _BYTE_MASKS.to(bitmask.device))
+    return masks.view(bitmask.shape[0], -1)[:, :vocab_size]
 
 
 def apply_token_bitmask(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """-inf on the tokens a constrained row's grammar does not allow next (structured outputs)."""
-    if metadata.token_bitmask is not None:
-        rows = metadata.token_bitmask_rows
-        allowed = allowed_tokens(metadata.token_bitmask, logits.shape[-1])
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    if metadata.token_bitmask is None:
+        return logits
+    bias = token_bitmask_bias(metadata.token_bitmask, logits.shape[-1])
+    rows = metadata.token_bitmask_rows
+    # The rows are distinct and ascending (the model runner's order): as many as the batch means all.
+    if rows.shape[0] == logits.shape[0]:
+        return logits.add_(bias)
+    return logits.index_add_(0, rows, bias)
+
+
 def apply_allowed_token_ids(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """-inf outside allowed_token_ids, on the rows that have them."""
     if metadata.allowed_rows is not None:
