@@ -155,9 +155,11 @@ def test_prompt_forms_echo_and_default_max_tokens(server, client):
     echo = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=4,
                                      echo=True)
     assert echo.choices[0].text == "The capital of France is" + r.choices[0].text
-    # No max_tokens: up to max_model_len - prompt length, so only EOS or a stop ends it early.
+    # No max_tokens: 16, as OpenAI's and vLLM's (null: up to max_model_len - prompt length).
     r = client.completions.create(model=MODEL, prompt="1, 2, 3,", temperature=0, stop=[" 6"])
     assert r.choices[0].finish_reason == "stop" and " 4, 5," in r.choices[0].text
+    r = client.completions.create(model=MODEL, prompt="1, 2, 3,", temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
 
 
 def test_concurrent_streams_equal_requests_run_alone(server, client):

@@ -6,8 +6,9 @@
 #     runs beside its engine-core process).
 #   - test_health_check_engine_dead_error: a unit test of vLLM's own health handler with mocks
 #     (Kestrel's /health after an engine failure is tested in tests/test_engine_failure.py).
-# kestrel: every test uses one server (vLLM starts one per parameter set): its max-model-len is
-#   test_request_cancellation's 10100, and it tracks server load as test_server_load needs.
+# kestrel: every test uses one server (vLLM starts one per parameter set), with SmolLM2's context of
+#   8192 (test_request_cancellation asks for 8000 tokens where vLLM's asks for 10000 of 10100), and
+#   it tracks server load as test_server_load needs.
 
 import asyncio
 from http import HTTPStatus
@@ -68,9 +69,7 @@ def server(server_args):
         "--dtype",
         "float32",  # kestrel: float32 on CPU (vLLM: bfloat16)
         "--max-model-len",
-        "10100",  # kestrel: test_request_cancellation's (vLLM: 8192, and 10100 for that test)
-        "--kv-cache-memory",  # kestrel: room for one 10100-token sequence of SmolLM2
-        "640MiB",
+        "8192",  # kestrel: SmolLM2's context (vLLM: 8192, and 10100 for test_request_cancellation)
         "--enforce-eager",
         "--max-num-seqs",
         "128",
@@ -117,8 +116,8 @@ async def test_request_cancellation(server: RemoteOpenAIServer):
             client.chat.completions.create(
                 messages=chat_input,
                 model=MODEL_NAME,
-                max_tokens=10000,
-                extra_body={"min_tokens": 10000},
+                max_tokens=8000,  # kestrel: within SmolLM2's 8192 positions (vLLM: 10000)
+                extra_body={"min_tokens": 8000},
             )
         )
         tasks.append(task)
