@@ -794,10 +794,8 @@ async def test_long_seed(client: openai.AsyncOpenAI):
                 seed=seed,
             )
 
-        assert (
-            "greater_than_equal" in exc_info.value.message
-            or "less_than_equal" in exc_info.value.message
-        )
+        # kestrel: Kestrel's own message for an integer outside int64, not pydantic's constraint names.
+        assert "seed is out of range" in exc_info.value.message
 
 
 @pytest.mark.asyncio
@@ -825,7 +823,9 @@ async def test_invocations(server: RemoteOpenAIServer, client: openai.AsyncOpenA
     chat_output = chat_completion.model_dump()
     invocation_output = invocation_response.json()
 
-    assert chat_output.keys() == invocation_output.keys()
+    # kestrel: openai 3.57's ChatCompletion also has `metadata` and `moderation`, which neither OpenAI's
+    # chat response nor vLLM's carries; the client fills them with None.
+    assert chat_output.keys() - {"metadata", "moderation"} == invocation_output.keys()
     assert chat_output["choices"] == invocation_output["choices"]
 
 

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 # kestrel: ported from vLLM's tests/entrypoints/openai/chat_completion/test_chat_echo.py.
-# kestrel: nothing dropped. test_prompt_logprobs (prompt_logprobs: -1, the whole vocabulary) is
-#   expected to fail: Kestrel's engine returns at most 20 logprobs per prompt token
-#   (kestrel/sampling_params.py MAX_PROMPT_LOGPROBS), so the server answers 400 whatever --max-logprobs.
+# kestrel: nothing dropped. test_prompt_logprobs (prompt_logprobs: -1, the whole vocabulary) checks
+#   Kestrel's 400 instead: its engine returns at most 20 logprobs per prompt token
+#   (kestrel/sampling_params.py MAX_PROMPT_LOGPROBS), whatever --max-logprobs.
 
 from typing import NamedTuple
 
@@ -89,7 +89,6 @@ async def test_chat_session_with_echo_and_continue_final_message(
     assert message.role == "assistant"
 
 
-@pytest.mark.xfail(reason="kestrel: at most 20 prompt logprobs per token (MAX_PROMPT_LOGPROBS)", strict=True)
 @pytest.mark.asyncio
 async def test_prompt_logprobs(client: openai.AsyncOpenAI):
     messages = [
@@ -97,8 +96,13 @@ async def test_prompt_logprobs(client: openai.AsyncOpenAI):
         {"role": "user", "content": "Beijing is the capital of which country?"},
     ]
 
+    # kestrel: at most 20 prompt logprobs per token (MAX_PROMPT_LOGPROBS): -1 is a 400 naming the field.
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        await client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, extra_body={"prompt_logprobs": -1}
+        )
     completion = await client.chat.completions.create(
-        model=MODEL_NAME, messages=messages, extra_body={"prompt_logprobs": -1}
+        model=MODEL_NAME, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 20}
     )
 
     assert completion.prompt_logprobs is not None
@@ -116,7 +120,8 @@ async def test_top_logprobs(client: openai.AsyncOpenAI):
         model=MODEL_NAME,
         messages=messages,
         max_tokens=1,
-        extra_body={"top_logprobs": -1, "logprobs": "true"},
+        # kestrel: True, not "true": request fields are strictly typed (a string is not a boolean), as OpenAI's.
+        extra_body={"top_logprobs": -1, "logprobs": True},
     )
     assert completion.choices[0].logprobs is not None
     assert completion.choices[0].logprobs.content is not None

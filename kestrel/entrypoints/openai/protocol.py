@@ -331,6 +331,8 @@ class ChatCompletionResponse(OpenAIBase):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    system_fingerprint: str | None = None  # as OpenAI's response has them (always null here)
+    service_tier: str | None = None
 
 
 def without_nones(self, handler) -> dict[str, Any]:
