@@ -7,7 +7,10 @@
 
 import httpx2 as requests  # kestrel: httpx2 in place of requests (not installed)
 import pytest
-from vllm_compat import RemoteOpenAIServer, get_tokenizer  # kestrel: Kestrel's server, its tokenizer
+from vllm_compat import RemoteOpenAIServer, close_client, get_tokenizer  # kestrel: Kestrel's server, its tokenizer
+
+from kestrel.entrypoints.openai.tool_parsers import HermesToolParser  # kestrel
+from kestrel.entrypoints.openai.tool_parsers.template import for_template  # kestrel
 
 # kestrel: a server process per module; async tests run by anyio's plugin (no pytest-asyncio here)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.anyio]
@@ -41,8 +44,9 @@ def tokenizer_name(model_name: str):
 
 @pytest.fixture  # kestrel: pytest_asyncio.fixture
 async def client(server):
-    async with server.get_async_client() as async_client:
-        yield async_client
+    async_client = server.get_async_client()  # kestrel: closed by close_client, not `async with`
+    yield async_client
+    await close_client(async_client)
 
 
 @pytest.mark.asyncio
@@ -187,11 +191,15 @@ async def test_tokenize_chat_with_tools(
                         "content": "Sure,"
                     })
 
+                # kestrel: SmolLM2's template never reads `tools`; Kestrel then puts them in the system
+                # message, in its tool parser's format (Hermes's by default): the expected prompt is that.
+                template_conversation, template_tools = for_template(
+                    tokenizer.chat_template, conversation, tools, HermesToolParser)
                 prompt = tokenizer.apply_chat_template(
                     add_generation_prompt=add_generation,
                     continue_final_message=continue_final,
-                    conversation=conversation,
-                    tools=tools,
+                    conversation=template_conversation,
+                    tools=template_tools,
                     tokenize=False,
                 )
                 tokens = tokenizer.encode(prompt,
