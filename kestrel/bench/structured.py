@@ -8,9 +8,10 @@ do the same number of steps: one request of W3's shape (128 prompt tokens, 128 o
 W1's 64 requests at once. One engine; the two settings alternate within each of --runs rounds, and
 the prefix cache is emptied before each run. Reported, medians over runs: mean TPOT (a request's
 time from its first to its last token over its tokens after the first), output tok/s, and the
-constrained/unconstrained ratio. Compile time: the engine's own compile (xgrammar, one thread) of the
-50-field schema with its cache emptied, median of 5, and the one-off build of the tokenizer's
-vocabulary table that the first constrained request waits for.
+constrained/unconstrained ratio; and what a constrained step adds, timed alone (the engine core's
+bitmask, the worker's mask), which a noisy machine cannot hide. Compile time: the engine's own
+compile (xgrammar, one thread) of the 50-field schema with its cache emptied, median of 5, and the
+one-off build of the tokenizer's vocabulary table that the first constrained request waits for.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     schema = json.dumps(fifty_field_schema())
     compile_s, table_s = time_compile(llm, StructuredOutputsParams(json=schema))
     log(f"compile: {compile_s * 1e3:.1f} ms for {NUM_FIELDS} fields; vocabulary table {table_s * 1e3:.0f} ms once")
+    step_costs = time_step_costs(llm, StructuredOutputsParams(json=schema))
+    log("per step, alone: " + ", ".join(f"{k} {v:.3f} ms" for k, v in step_costs.items()))
     batches = {"batch 1 (W3 shape)": random_requests(1, (128, 128), (128, 128), seed=0),
                "64 requests (W1)": w1_offline_throughput()}
     results: dict[str, dict[str, dict[str, list[float]]]] = {}
@@ -85,6 +88,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
               "engine_kwargs": {k: str(v) for k, v in engine_kwargs.items()}, "runs": args.runs,
               "command": getattr(args, "command_line", "kestrel bench structured"),
               "compile_ms": compile_s * 1e3, "vocabulary_table_ms": table_s * 1e3, "num_fields": NUM_FIELDS,
+              "step_costs_ms": step_costs,
               "results": results}
     write_report(report, format_summary(report), format_markdown(report), args.output_json, args.append_md)
     return 0
@@ -103,6 +107,47 @@ def time_compile(llm: Any, constraint: Any) -> tuple[float, float]:
         manager._compile(constraint)
         times.append(time.perf_counter() - start)
     return statistics.median(times), table_s
+
+
+def time_step_costs(llm: Any, constraint: Any, repeats: int = 50) -> dict[str, float]:
+    """Median ms of what a constrained step adds, alone: the engine core's bitmask for 1 and 64 requests
+    (matchers a few fields into the schema) and the worker's mask over 1 and 64 rows of logits."""
+    import torch
+
+    from kestrel.core.request import Request
+    from kestrel.sample.sampler import apply_token_bitmask
+    from kestrel.sampling_params import SamplingParams
+    manager = llm.llm_engine.engine_core.structured_output
+    tokenizer = llm.get_tokenizer()
+    prefix = tokenizer.encode('{"field_0": "abc", "field_1": 12', add_special_tokens=False)
+    requests = []
+    for i in range(64):
+        request = Request(f"bench-{i}", [0], SamplingParams(structured_outputs=constraint), None)
+        manager.submit(request)
+        request.grammar.compiled.result()
+        manager.is_ready(request)
+        request.grammar.accept(prefix)
+        requests.append((request, []))
+    vocab_size = manager.vocab_size
+
+    def median_ms(fn: Any) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+    costs = {}
+    for n in (1, 64):
+        raw, _ = manager.bitmask(requests[:n])
+        bitmask = torch.frombuffer(bytearray(raw), dtype=torch.int32).view(n, -1)
+        logits = torch.randn(n, vocab_size)
+        metadata = argparse.Namespace(token_bitmask=bitmask, token_bitmask_rows=torch.arange(n))
+        costs[f"engine-core bitmask, {n} requests"] = median_ms(lambda n=n: manager.bitmask(requests[:n]))
+        costs[f"worker mask with the float32 copy, {n} rows"] = median_ms(
+            lambda logits=logits, metadata=metadata: apply_token_bitmask(logits.clone(), metadata))
+    return costs
 
 
 def time_one_run(llm: Any, prompts: list[dict], params: list[Any]) -> tuple[float, float]:
@@ -133,6 +178,7 @@ HEADER = ["batch", "setting", "TPOT ms (median)", "output tok/s (median)", "TPOT
 
 def format_summary(report: dict[str, Any]) -> str:
     return ("\n".join(text_table(HEADER, _rows(report)))
+            + "".join(f"\n{k}: {v:.3f} ms" for k, v in report["step_costs_ms"].items())
             + f"\ncompile of a {report['num_fields']}-field schema: {report['compile_ms']:.1f} ms "
               f"(vocabulary table, once per engine: {report['vocabulary_table_ms']:.0f} ms)\n")
 
@@ -145,4 +191,6 @@ def format_markdown(report: dict[str, Any]) -> str:
             + "\n".join(markdown_table(HEADER, _rows(report)))
             + f"\nCompile of the {report['num_fields']}-field schema (xgrammar, one thread, cache emptied): "
               f"{report['compile_ms']:.1f} ms, median of 5; the tokenizer's vocabulary table, built once per "
-              f"engine before the first constrained request: {report['vocabulary_table_ms']:.0f} ms.\n")
+              f"engine before the first constrained request: {report['vocabulary_table_ms']:.0f} ms. What a "
+              "constrained step adds, measured alone (median of 50): "
+            + "; ".join(f"{k} {v:.3f} ms" for k, v in report["step_costs_ms"].items()) + ".\n")

@@ -16,7 +16,7 @@ from http import HTTPStatus
 import httpx2 as requests  # kestrel: httpx2 in place of requests (not installed)
 import openai
 import pytest
-from vllm_compat import RemoteOpenAIServer, close_client  # kestrel: Kestrel's server
+from vllm_compat import RemoteOpenAIServer  # kestrel: Kestrel's server
 
 from kestrel import __version__ as VLLM_VERSION  # kestrel: Kestrel's version
 
@@ -83,9 +83,8 @@ def server(server_args):
 
 @pytest.fixture  # kestrel: pytest_asyncio.fixture
 async def client(server):
-    async_client = server.get_async_client()  # kestrel: closed by close_client, not `async with`
-    yield async_client
-    await close_client(async_client)
+    async with server.get_async_client() as async_client:
+        yield async_client
 
 
 @pytest.mark.asyncio

@@ -25,7 +25,7 @@ import pytest
 import regex as re
 import torch
 from openai import BadRequestError
-from vllm_compat import RemoteOpenAIServer, close_client  # kestrel: Kestrel's server
+from vllm_compat import RemoteOpenAIServer  # kestrel: Kestrel's server
 
 # kestrel: a server process per module; async tests run by anyio's plugin (no pytest-asyncio here)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.anyio]
@@ -54,9 +54,8 @@ def server():  # kestrel: no LoRA
 
 @pytest.fixture  # kestrel: pytest_asyncio.fixture
 async def client(server):
-    async_client = server.get_async_client()  # kestrel: closed by close_client, not `async with`
-    yield async_client
-    await close_client(async_client)
+    async with server.get_async_client() as async_client:
+        yield async_client
 
 
 @pytest.mark.asyncio

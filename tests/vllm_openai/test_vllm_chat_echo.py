@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import openai  # use the official client for correctness check
 import pytest
-from vllm_compat import RemoteOpenAIServer, close_client, get_tokenizer  # kestrel: Kestrel's server, its tokenizer
+from vllm_compat import RemoteOpenAIServer, get_tokenizer  # kestrel: Kestrel's server, its tokenizer
 
 # kestrel: a server process per module; async tests run by anyio's plugin (no pytest-asyncio here)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.anyio]
@@ -41,9 +41,8 @@ def server():
 
 @pytest.fixture  # kestrel: pytest_asyncio.fixture
 async def client(server):
-    async_client = server.get_async_client()  # kestrel: closed by close_client, not `async with`
-    yield async_client
-    await close_client(async_client)
+    async with server.get_async_client() as async_client:
+        yield async_client
 
 
 class TestCase(NamedTuple):

@@ -7,7 +7,7 @@
 
 import httpx2 as requests  # kestrel: httpx2 in place of requests (not installed)
 import pytest
-from vllm_compat import RemoteOpenAIServer, close_client, get_tokenizer  # kestrel: Kestrel's server, its tokenizer
+from vllm_compat import RemoteOpenAIServer, get_tokenizer  # kestrel: Kestrel's server, its tokenizer
 
 from kestrel.entrypoints.openai.tool_parsers import HermesToolParser  # kestrel
 from kestrel.entrypoints.openai.tool_parsers.template import for_template  # kestrel
@@ -44,9 +44,8 @@ def tokenizer_name(model_name: str):
 
 @pytest.fixture  # kestrel: pytest_asyncio.fixture
 async def client(server):
-    async_client = server.get_async_client()  # kestrel: closed by close_client, not `async with`
-    yield async_client
-    await close_client(async_client)
+    async with server.get_async_client() as async_client:
+        yield async_client
 
 
 @pytest.mark.asyncio

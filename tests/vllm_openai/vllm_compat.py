@@ -49,13 +49,3 @@ def get_tokenizer(tokenizer_name: str | None = None, **_: object):
     from kestrel.model.loader import load_tokenizer, resolve_model
     return load_tokenizer(resolve_model(None))
 
-
-async def close_client(client: openai.AsyncOpenAI) -> None:
-    """Close a test's client. Under anyio's pytest plugin a pooled connection is now and then closed
-    after its event loop (a fixture's teardown); the tests' own assertions have run by then, so that
-    one error is not theirs to report."""
-    try:
-        await client.close()
-    except RuntimeError as exc:
-        if "Event loop is closed" not in str(exc):
-            raise
