@@ -28,6 +28,7 @@ from kestrel.entrypoints.openai.serving_engine import (
     message_text,
     sampling_params_from,
     sse,
+    template_kwargs,
 )
 from kestrel.entrypoints.openai.serving_tools import (
     ToolPlan,
@@ -151,17 +152,6 @@ class OpenAIServingChat(OpenAIServing):
             yield sse(ChatCompletionChunk(id=request_id, created=created, model=self.model_name, choices=[],
                                           usage=UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion_tokens,
                                                           total_tokens=prompt_len + completion_tokens)))
-
-
-def template_kwargs(req: ChatCompletionRequest) -> dict | None:
-    """The chat template's keyword arguments: the request's, and `continue_final_message`."""
-    if req.continue_final_message and req.add_generation_prompt:
-        raise APIError("continue_final_message and add_generation_prompt cannot both be true", 400,
-                       "continue_final_message")
-    kwargs = dict(req.chat_template_kwargs or {})
-    if req.continue_final_message:
-        kwargs["continue_final_message"] = True
-    return kwargs or None
 
 
 def echoed_text(req: ChatCompletionRequest) -> str:

@@ -29,11 +29,13 @@ from kestrel.entrypoints.openai.metrics import ServerMetrics
 from kestrel.entrypoints.openai.protocol import (
     MAX_LOGPROBS,
     MAX_N,
+    ChatCompletionRequest,
     ChatMessage,
     ErrorInfo,
     ErrorResponse,
     PromptTokensDetails,
     SamplingFields,
+    TokenizeRequest,
 )
 from kestrel.entrypoints.openai.tool_parsers import HermesToolParser, ToolParser
 from kestrel.entrypoints.openai.tool_parsers.template import for_template, message_extras
@@ -200,6 +202,17 @@ def structured_outputs_from(req: SamplingFields) -> StructuredOutputsParams | No
     except ValueError as e:
         raise APIError(str(e), 400, "structured_outputs") from None
     return params
+
+
+def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict | None:
+    """The chat template's keyword arguments: the request's, and `continue_final_message`."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError("continue_final_message and add_generation_prompt cannot both be true", 400,
+                       "continue_final_message")
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
+    return kwargs or None
 
 
 def message_text(m: ChatMessage) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kestrel.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
-from kestrel.entrypoints.openai.serving_engine import APIError, OpenAIServing
+from kestrel.entrypoints.openai.serving_engine import APIError, OpenAIServing, template_kwargs
 
 
 class OpenAIServingTokenization(OpenAIServing):
@@ -16,15 +16,9 @@ class OpenAIServingTokenization(OpenAIServing):
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give exactly one of 'prompt' and 'messages'", 400, "prompt")
         if req.messages is not None:
-            if req.continue_final_message and req.add_generation_prompt:
-                raise APIError("continue_final_message and add_generation_prompt cannot both be true", 400,
-                               "continue_final_message")
-            kwargs = dict(req.chat_template_kwargs or {})
-            if req.continue_final_message:
-                kwargs["continue_final_message"] = True
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             ids = await self.in_tokenizer_thread(self.chat_prompt_ids, req.messages, req.add_generation_prompt,
-                                                 kwargs or None, tools=tools)
+                                                 template_kwargs(req), tools=tools)
         else:
             ids = await self.in_tokenizer_thread(self.prompt_ids, req.prompt, req.add_special_tokens)
         token_strs = self.tokenizer.convert_ids_to_tokens(list(ids)) if req.return_token_strs else None
