@@ -22,25 +22,44 @@ def _assert_like_torch(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Non
     assert ((y.double() - torch_y.double()).abs() <= torch_y.double().abs() * 2 ** -7 + 1e-6).all()
 
 
-@pytest.mark.parametrize("rows", range(1, 9))
-@pytest.mark.parametrize("out_f,in_f", [(960, 576), (3072, 576), (576, 1536), (49152, 576), (7, 32), (257, 64)])
-def test_matches_float32_product_rounded_once(rows, out_f, in_f):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 31, 64, 127, 128])
+@pytest.mark.parametrize("out_f,in_f", [(960, 576), (576, 1536), (49152, 576), (7, 32), (257, 64), (17, 96)])
+def test_avx512_matches_float32_product_rounded_once(rows, out_f, in_f):
     gen = torch.Generator().manual_seed(rows * 1000 + out_f)
     x = torch.randn(rows, in_f, generator=gen).bfloat16()
     w = (torch.randn(out_f, in_f, generator=gen) * 0.05).bfloat16()
-    y = kernels.linear_bf16_small(x, w)
+    y = kernels.linear_bf16_avx512(x, w)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, out_f)
     _assert_like_torch(y, x, w)
+    widened = kernels.linear_bf16_avx512(x, w, float_out=True)
+    assert widened.dtype == torch.float32 and torch.equal(widened, y.float())
 
 
-def test_rejects_what_it_cannot_do():
-    w = torch.zeros(16, 64, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError):
-        kernels.linear_bf16_small(torch.zeros(9, 64, dtype=torch.bfloat16), w)   # too many rows
-    with pytest.raises(RuntimeError):
-        kernels.linear_bf16_small(torch.zeros(1, 48, dtype=torch.bfloat16), torch.zeros(16, 48, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError):
-        kernels.linear_bf16_small(torch.zeros(1, 64), w)                        # float32 x
+def test_avx512_rows_do_not_depend_on_the_batch():
+    """Each output is one row of x against one row of w, summed in one order: a row alone, or at any
+    place in a batch of any size, gives the same bits (so a request's tokens do not depend on its
+    neighbours in the batch)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(77, 576, generator=gen).bfloat16()
+    w = (torch.randn(963, 576, generator=gen) * 0.05).bfloat16()
+    full = kernels.linear_bf16_avx512(x, w)
+    for start, stop in [(0, 1), (5, 7), (10, 13), (40, 77), (3, 67)]:
+        assert torch.equal(kernels.linear_bf16_avx512(x[start:stop], w), full[start:stop])
+    assert torch.equal(kernels.linear_bf16_avx512(x, w[100:117].contiguous()), full[:, 100:117])
+
+
+def test_avx512_keeps_nan_and_inf_and_rejects_what_it_cannot_do():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 64, generator=gen).bfloat16()
+    w = (torch.randn(40, 64, generator=gen) * 0.05).bfloat16()
+    x[3, 0], x[5, 0] = float("nan"), float("inf")
+    y, ref = kernels.linear_bf16_avx512(x, w), F.linear(x, w)
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+    for bad_x, bad_w in [(torch.zeros(129, 64, dtype=torch.bfloat16), w),          # too many rows
+                         (torch.zeros(1, 48, dtype=torch.bfloat16), torch.zeros(16, 48, dtype=torch.bfloat16)),
+                         (torch.zeros(1, 64), w)]:                                   # float32 x
+        with pytest.raises(RuntimeError):
+            kernels.linear_bf16_avx512(bad_x, bad_w)
 
 
 amx = pytest.mark.skipif(kernels is None or not kernels.amx_usable(), reason="needs AMX-BF16")
@@ -86,43 +105,46 @@ def test_amx_rejects_what_it_cannot_do():
 
 
 @pytest.mark.parametrize("use_amx", [True, False])
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 64, 128, 129])
-def test_linear_dispatch_matches_torch(rows, use_amx):
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 64, 65, 128, 129])
+@pytest.mark.parametrize("out_f", [960, 200])
+def test_linear_dispatch_matches_torch(rows, out_f, use_amx):
     calls = []
 
     class Spy:
-        def linear_bf16_small(self, x, w):
-            calls.append(("small", x.shape[0]))
-            return kernels.linear_bf16_small(x, w)
+        def linear_bf16_avx512(self, x, w, float_out=False):
+            calls.append(("avx512", x.shape[0]))
+            return kernels.linear_bf16_avx512(x, w, float_out=float_out)
 
-        def linear_bf16_amx(self, x, w):
+        def linear_bf16_amx(self, x, w, float_out=False):
             calls.append(("amx", x.shape[0]))
-            return kernels.linear_bf16_amx(x, w) if kernels.amx_usable() else F.linear(x, w)
+            return kernels.linear_bf16_amx(x, w, float_out) if kernels.amx_usable() else F.linear(x, w)
 
-    linear = (dispatch._amx_linear(Spy()) if use_amx else dispatch._small_batch_linear(Spy())).linear
+    linear = (dispatch._amx_linear(Spy()) if use_amx else dispatch._avx512_bf16_linear(Spy())).linear
     x = torch.randn(rows, 576).bfloat16()
-    w = (torch.randn(960, 576) * 0.05).bfloat16()
+    w = (torch.randn(out_f, 576) * 0.05).bfloat16()
     y = linear(x, w)
     assert ((y.double() - F.linear(x, w).double()).abs() <= F.linear(x, w).double().abs() * 2 ** -7 + 1e-6).all()
     if use_amx and rows <= dispatch.AMX_MAX_ROWS:
-        expected = [("amx", rows)]
-    elif not use_amx and rows <= dispatch.SMALL_BATCH_ROWS:
-        expected = [("small", rows)]
+        expected = [("amx" if out_f % 16 == 0 else "avx512", rows)]   # N off the AMX tiles: AVX512-BF16
+    elif not use_amx and rows <= dispatch.AVX512_MAX_ROWS:
+        expected = [("avx512", rows)]
     else:
         expected = []
     assert calls == expected
     # float32, biased layers and widths the kernels cannot tile always take torch's path.
     linear(x.float(), w.float())
-    linear(x, w, torch.zeros(960, dtype=torch.bfloat16))
+    linear(x, w, torch.zeros(out_f, dtype=torch.bfloat16))
     linear(x[:, :48].contiguous(), w[:, :48].contiguous())
     assert calls == expected
 
 
 def test_bf16_models_take_the_amx_linear_where_amx_runs(monkeypatch):
     ops = dispatch.select_linear(torch.device("cpu"), torch.bfloat16)
-    assert (ops.plan_matmul is not None) == (dispatch.amx_gemv() is not None)
+    amx_plan = dispatch.amx_gemv() is not None
+    assert ops.plan_matmul is not None and (ops.plan_matmul.n_multiple == 16) == amx_plan
     monkeypatch.setenv("KESTREL_DISABLE_AMX", "1")
-    assert dispatch.select_linear(torch.device("cpu"), torch.bfloat16).plan_matmul is None
+    plan_matmul = dispatch.select_linear(torch.device("cpu"), torch.bfloat16).plan_matmul
+    assert plan_matmul is not None and plan_matmul.n_multiple == 1     # the AVX512-BF16 kernel's plan
     assert dispatch.select_linear(torch.device("meta"), torch.bfloat16).linear is F.linear
 
 

@@ -17,11 +17,12 @@ from kestrel import LLM, SamplingParams
 from kestrel.attention import CommonAttentionMetadata, PrefillSpan
 from kestrel.model.decode_plan import DecodePlan
 from kestrel.model.layers import F32_MAX_ROWS
-from kestrel.ops import cpu_kernels
-from kestrel.ops.dispatch import amx_gemv, f32_kernels
+from kestrel.ops import cpu_gemv, cpu_kernels
+from kestrel.ops.dispatch import amx_gemv, f32_kernels, select_ops
 
-has_plan = cpu_kernels() is not None and amx_gemv() is not None
-needs_plan = pytest.mark.skipif(not has_plan, reason="the plan needs the compiled kernels and AMX")
+# A bf16 model's plan binds the AMX matmul where AMX runs, else the AVX512-BF16 one (cpu_gemv.cpp).
+has_plan = select_ops(torch.device("cpu"), torch.bfloat16).plan_kernels is not None
+needs_plan = pytest.mark.skipif(not has_plan, reason="the plan needs the compiled kernels and AVX512-BF16")
 # On the AVX2 build a float32 model gets a plan of its own, its projections on linear_f32 (which the
 # AVX-512 build has too, but there torch's GEMM keeps float32 products: f32_kernels() is None).
 has_f32_plan = cpu_kernels() is not None and f32_kernels() is not None
@@ -170,12 +171,18 @@ def test_plan_is_built_only_where_it_applies(tiny_bf16):
     assert _runner_of(llm).decode_plan is None                        # the PyTorch attention has no decode kernels
 
 
-def test_no_plan_without_amx(tiny_bf16, monkeypatch):
+@pytest.mark.skipif(cpu_kernels() is None or cpu_gemv() is None, reason="needs the kernels and AVX512-BF16")
+def test_without_amx_the_plan_binds_the_avx512_bf16_matmul(tiny_bf16, monkeypatch, engine_check):
+    """KESTREL_DISABLE_AMX=1 (an AVX512-BF16 CPU without AMX, as AMD Zen 4): the plan binds the
+    matmul that the model's linear op runs there, and still gives its forward bit for bit."""
     monkeypatch.setenv("KESTREL_DISABLE_AMX", "1")
-    llm = LLM(model=tiny_bf16, dtype="bfloat16", max_model_len=128, kv_cache_memory=8 << 20)
-    assert _runner_of(llm).decode_plan is None
-    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
+    assert amx_gemv() is None
+    llm = LLM(model=tiny_bf16, dtype="bfloat16", max_model_len=512, kv_cache_memory=16 << 20,
+              max_num_batched_tokens=64)
+    plan = _runner_of(llm).decode_plan
+    assert plan is not None and plan.max_rows == 128
+    assert plan.layers[0].qkv_proj.matmul is _runner_of(llm).model.ops.plan_kernels.matmul.kernel
+    _check_plan_against_the_forward(llm, engine_check)
 
 
 @needs_plan

@@ -16,9 +16,8 @@ from torch import nn
 
 from kestrel.ops.dispatch import (  # noqa: F401
     AMX_MAX_ROWS,
+    AVX512_MAX_ROWS,
     F32_MAX_ROWS,
-    SMALL_BATCH_MAX_OUT_AT_4,
-    SMALL_BATCH_ROWS,
     RmsNorm,
     apply_rotary,
     rms_norm_reference,

@@ -1,10 +1,9 @@
 // Kestrel CPU kernels: bf16 linear layers for small batches (decode), where the library GEMM reads
 // the weights at a fraction of memory bandwidth.
 //
-// linear_bf16_small(x [M, K], w [N, K]) -> y [M, N], all bf16, M <= 8, K % 32 == 0.
-// At M of 1..8 a linear layer is a stream over its weights: each 64-byte piece of a weight row is
-// loaded once and multiplied into every row of x with AVX512-BF16 dot products (pairs of bf16
-// products summed into float32 lanes).
+// linear_bf16_avx512(x [M, K], w [N, K]) -> y [M, N], M <= 128, K % 32 == 0 (AVX512-BF16, for CPUs
+// without AMX); y bf16, or float32 holding the bf16-rounded values. Dot products along K of blocks of
+// rows of x and of w, each 64-byte piece of a weight row loaded once per block of x rows (see below).
 //
 // linear_bf16_amx(x [M, K], w [N, K]) -> y [M, N], M <= 128, K % 32 == 0, N % 16 == 0 (AMX-BF16);
 // y bf16, or float32 holding the bf16-rounded values (the output head: logits go on in float32).
@@ -43,40 +42,107 @@ namespace {
 #error "this kernel needs AVX512-BF16; kestrel uses torch's linear elsewhere"
 #endif
 
-inline uint16_t to_bf16(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  if ((b & 0x7F800000u) == 0x7F800000u && (b & 0x007FFFFFu)) return static_cast<uint16_t>((b >> 16) | 0x40);  // NaN
-  b += 0x7FFFu + ((b >> 16) & 1u);
-  return static_cast<uint16_t>(b >> 16);
+// ---- linear_bf16_avx512: AVX512-BF16 products of 1..128 rows, without AMX -------------------------
+//
+// Blocks of MB rows of x by R rows of w, MB * R = 16 float32 accumulators (dot products along K, 16
+// lanes each), reduced by one fixed tree into the 16 results. Every output is one row of x against one
+// row of w summed in the same order whatever the block it falls in (tails run the same tree with zero
+// accumulators), so a row's result does not depend on the other rows of the batch. The weight block
+// (R rows) stays in L1 while every block of x streams past it from L2.
+
+// Sums of 16 accumulators: lane i of the result is the sum of the lanes of a[i], by the same tree for
+// every i (pairs of lanes two apart, then pairs of 64-bit halves, then 128-bit quarters).
+inline __m512 reduce16(const __m512 a[16]) {
+  __m512 s[8], t[4], u[2];
+  for (int i = 0; i < 8; ++i)
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(s[2 * i]), _mm512_castps_pd(s[2 * i + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(s[2 * i]), _mm512_castps_pd(s[2 * i + 1]));
+    t[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
 }
 
-// ROWS weight rows at a time against all M rows of x: ROWS * M accumulators in registers.
-template <int M, int ROWS>
-inline void rows_dot(const uint16_t* x, const uint16_t* w, int64_t K, int64_t n0, int64_t N, uint16_t* y) {
-  __m512 acc[ROWS][M];
-  for (int r = 0; r < ROWS; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+// Where the results go: y[m, n] as bf16, or as float32 holding the bf16-rounded value (the output head).
+template <typename Out>
+struct DpSink {
+  Out* y;
+  int64_t N;
+  // `sums` lane mi * R + r is y[m0 + mi, n0 + r]; mb rows and r_valid columns of the block are real.
+  template <int R>
+  void store(__m512 sums, int64_t m0, int mb, int64_t n0, int r_valid) const {
+    alignas(64) uint32_t bits[16];
+    _mm512_store_si512(bits, kestrel_simd::round_to_bf16_bits(sums));
+    for (int mi = 0; mi < mb; ++mi)
+      for (int r = 0; r < r_valid; ++r) {
+        const uint32_t b = bits[mi * R + r];
+        Out* out = y + (m0 + mi) * N + n0 + r;
+        if constexpr (std::is_same_v<Out, float>) {
+          const uint32_t widened = b << 16;
+          std::memcpy(out, &widened, 4);
+        } else {
+          *out = static_cast<uint16_t>(b);
+        }
+      }
+  }
+};
+
+// Into L2, as asm so that the compiler keeps it.
+inline void prefetch_l2(const uint16_t* p) { asm volatile("prefetcht1 (%0)" : : "r"(p)); }
+
+// One block: rows m0.. (mb of them, mb <= MB) of x against rows n0.. (r_valid <= R) of w. `next`: the
+// weight rows of the next block, fetched while this one computes (a decode step streams its weights
+// from memory, and the hardware prefetcher alone kept ~20 GB/s of them in flight), or nullptr.
+template <int MB, int R, typename Sink>
+inline void dp_block(const uint16_t* x, const uint16_t* w, int64_t K, int64_t m0, int mb, int64_t n0,
+                     int r_valid, const uint16_t* next, const Sink& sink) {
+  static_assert(MB * R == 16);
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  const uint16_t* wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = w + (n0 + std::min(r, r_valid - 1)) * K;  // past N: repeat a row, unstored
+  const uint16_t* xr[MB];
+  for (int mi = 0; mi < MB; ++mi) xr[mi] = x + (m0 + std::min(mi, mb - 1)) * K;
   for (int64_t k = 0; k < K; k += 32) {
-    __m512bh xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (n0 + r) * K + k);
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
+    __m512bh wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(wr[r] + k);
+    if (next != nullptr)
+      for (int r = 0; r < R; ++r) prefetch_l2(next + r * K + k);
+    for (int mi = 0; mi < MB; ++mi) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xr[mi] + k);
+      for (int r = 0; r < R; ++r) acc[mi * R + r] = _mm512_dpbf16_ps(acc[mi * R + r], wv[r], xv);
     }
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int m = 0; m < M; ++m) y[m * N + n0 + r] = to_bf16(_mm512_reduce_add_ps(acc[r][m]));
+  sink.template store<R>(reduce16(acc), m0, mb, n0, r_valid);
 }
 
-template <int M>
-void run(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t N, int64_t K) {
-  constexpr int ROWS = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
-  // Grain: enough rows per task that the two cores each stream long runs of the weights.
-  at::parallel_for(0, N, 256, [&](int64_t begin, int64_t end) {
-    int64_t n = begin;
-    for (; n + ROWS <= end; n += ROWS) rows_dot<M, ROWS>(x, w, K, n, N, y);
-    for (; n < end; ++n) rows_dot<M, 1>(x, w, K, n, N, y);
+// All rows of x against weight rows [n_begin, n_end), R at a time.
+template <int MB, int R, typename Sink>
+void dp_rows(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, int64_t n_begin, int64_t n_end,
+             const Sink& sink) {
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += R) {
+    const int r_valid = static_cast<int>(std::min<int64_t>(R, n_end - n0));
+    // The next block's rows, where it has R of them (fetched along with the first block of x).
+    const uint16_t* next = n0 + 2 * R <= n_end ? w + (n0 + R) * K : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += MB)
+      dp_block<MB, R>(x, w, K, m0, static_cast<int>(std::min<int64_t>(MB, M - m0)), n0, r_valid,
+                      m0 == 0 ? next : nullptr, sink);
+  }
+}
+
+// One x row: 16 weight rows a block; two: 8; more: 4 by 4.
+template <typename Sink>
+void dp_run(const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K, const Sink& sink) {
+  // Tasks of whole blocks of 16 weight rows, so that a block never straddles two threads.
+  at::parallel_for(0, (N + 15) / 16, 8, [&](int64_t begin, int64_t end) {
+    const int64_t n_begin = begin * 16, n_end = std::min(N, end * 16);
+    if (M == 1) dp_rows<1, 16>(x, w, M, K, n_begin, n_end, sink);
+    else if (M == 2) dp_rows<2, 8>(x, w, M, K, n_begin, n_end, sink);
+    else dp_rows<4, 4>(x, w, M, K, n_begin, n_end, sink);
   });
 }
 
@@ -462,29 +528,20 @@ struct PackedX {
 
 }  // namespace
 
-torch::Tensor linear_bf16_small(torch::Tensor x, torch::Tensor w) {
+torch::Tensor linear_bf16_avx512(torch::Tensor x, torch::Tensor w, bool float_out) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x and w must be 2-D");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "bf16 only");
   TORCH_CHECK(x.size(1) == w.size(1), "x and w disagree on K");
   TORCH_CHECK(x.size(1) % 32 == 0, "K must be a multiple of 32");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "M must be 1..8");
-  x = x.contiguous();
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 128, "M must be 1..128");
   TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
+  x = x.contiguous();
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat32 : torch::kBFloat16));
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  switch (M) {
-    case 1: run<1>(xp, wp, yp, N, K); break;
-    case 2: run<2>(xp, wp, yp, N, K); break;
-    case 3: run<3>(xp, wp, yp, N, K); break;
-    case 4: run<4>(xp, wp, yp, N, K); break;
-    case 5: run<5>(xp, wp, yp, N, K); break;
-    case 6: run<6>(xp, wp, yp, N, K); break;
-    case 7: run<7>(xp, wp, yp, N, K); break;
-    default: run<8>(xp, wp, yp, N, K); break;
-  }
+  if (float_out) dp_run(xp, wp, M, N, K, DpSink<float>{y.data_ptr<float>(), N});
+  else dp_run(xp, wp, M, N, K, DpSink<uint16_t>{reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), N});
   return y;
 }
 
@@ -539,7 +596,9 @@ bool amx_usable() { return false; }
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_bf16_small", &linear_bf16_small, "y = x w^T for bf16 x of 1..8 rows (CPU, AVX512-BF16)");
+  m.def("linear_bf16_avx512", &linear_bf16_avx512,
+        "y = x w^T for bf16 x of 1..128 rows (CPU, AVX512-BF16, no AMX); float_out: y in float32, rounded as bf16",
+        py::arg("x"), py::arg("w"), py::arg("float_out") = false);
   m.def("linear_bf16_amx", &linear_bf16_amx,
         "y = x w^T for bf16 x of 1..128 rows (CPU, AMX-BF16); float_out: y in float32, rounded as bf16",
         py::arg("x"), py::arg("w"), py::arg("float_out") = false);

@@ -35,10 +35,12 @@ Argmax = Callable[[torch.Tensor], torch.Tensor]
 # 1.2-2x torch's GEMM at every size from 1 to 128 rows on this machine; prefill chunks above it go
 # to torch's GEMM, which reaches the AMX rate there.
 AMX_MAX_ROWS = 128
-# Without AMX (AVX512-BF16 only): the small-batch kernel up to this many rows, four only for layers
-# narrower than SMALL_BATCH_MAX_OUT_AT_4 (the output head's many rows favour the GEMM from two up).
-SMALL_BATCH_ROWS = 4
-SMALL_BATCH_MAX_OUT_AT_4 = 8192
+# Without AMX (AVX512-BF16 only, as AMD Zen 4): linear_bf16_avx512 up to this many rows. On a 2-core Zen 4
+# (2026-12-02, two runs timing each shape alone, medians of 15 calls), over the
+# default model's four layer shapes it took 0.20-0.27x torch's bf16 GEMM's time at 1 row, 0.38x at 4,
+# 0.61-0.75x at 16 and 0.83-0.93x at 32; at 64 rows 0.97-1.29x, above that torch's GEMM is faster. On
+# the output head (49152 x 576, streamed from memory) 0.29x at 1 row, 0.24x at 4, 0.82x at 32.
+AVX512_MAX_ROWS = 32
 # Float32 (no bf16 on AVX2 machines): the small-batch kernel (linear_f32) up to this many rows. Over the
 # default model's weights as a decode step reads them (538 MB, from memory), torch's GEMM takes 1.6-3.6x
 # its time at 1-16 rows and 1.04-1.3x at 64-128 (BENCHMARKS.md); prefill chunks beyond it go to torch's
@@ -207,13 +209,13 @@ class LinearOps:
 
 
 def select_linear(device: torch.device, dtype: torch.dtype) -> LinearOps:
-    """The linear layer: the AMX matmul (bf16, AMX), else the AVX512-BF16 small-batch kernel (bf16), or
-    linear_f32 (float32, where the build has it), each for decode-sized products; torch's GEMM for the rest."""
+    """The linear layer: the AMX matmul (bf16, AMX), else the AVX512-BF16 one (bf16), or linear_f32
+    (float32, where the build has it), each for decode-sized products; torch's GEMM for the rest."""
     if device.type == "cpu" and dtype == torch.bfloat16:
         if (gemv := amx_gemv()) is not None:
             return _amx_linear(gemv)
         if (gemv := cpu_gemv()) is not None:
-            return _small_batch_linear(gemv)
+            return _avx512_bf16_linear(gemv)
     if device.type == "cpu" and dtype == torch.float32 and (f32 := f32_kernels()) is not None:
         return _f32_linear(f32)
     return LinearOps(F.linear, linear_to_float_reference, None)
@@ -226,20 +228,15 @@ def _bf16_kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             and x.shape[1] % 32 == 0 and weight.dtype == torch.bfloat16 and weight.is_contiguous())
 
 
-def _small_batch_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.shape[0] <= SMALL_BATCH_ROWS and (x.shape[0] <= 2 or weight.shape[0] <= SMALL_BATCH_MAX_OUT_AT_4)
-
-
 def _amx_linear(gemv) -> LinearOps:
-    amx, small = gemv.linear_bf16_amx, gemv.linear_bf16_small
+    amx, avx512 = gemv.linear_bf16_amx, gemv.linear_bf16_avx512
+
+    def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """What `linear` does with a bf16 product the kernels take (the plan's matmul)."""
+        return amx(x, weight) if weight.shape[0] % 16 == 0 else avx512(x, weight)   # N off the AMX tiles
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if _bf16_kernel_takes(x, weight, bias):
-            if weight.shape[0] % 16 == 0:
-                return amx(x, weight)
-            if _small_batch_takes(x, weight):   # N off the AMX tiles
-                return small(x, weight)
-        return F.linear(x, weight, bias)
+        return matmul(x, weight) if _bf16_kernel_takes(x, weight, bias) else F.linear(x, weight, bias)
 
     def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # The output head: the kernel writes the bf16-rounded logits as float32 instead of a bf16
@@ -251,18 +248,22 @@ def _amx_linear(gemv) -> LinearOps:
     return LinearOps(linear, linear_to_float, PlanMatmul(amx, torch.bfloat16, AMX_MAX_ROWS, 16, 32))
 
 
-def _small_batch_linear(gemv) -> LinearOps:
-    small = gemv.linear_bf16_small
+def _avx512_bf16_linear(gemv) -> LinearOps:
+    avx512 = gemv.linear_bf16_avx512
+
+    def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """What `linear` does with a bf16 product the kernels take (the plan's matmul)."""
+        return avx512(x, weight) if x.shape[0] <= AVX512_MAX_ROWS else F.linear(x, weight)
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if _bf16_kernel_takes(x, weight, bias) and _small_batch_takes(x, weight):
-            return small(x, weight)
-        return F.linear(x, weight, bias)
+        return matmul(x, weight) if _bf16_kernel_takes(x, weight, bias) else F.linear(x, weight, bias)
 
     def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if _bf16_kernel_takes(x, weight, None) and x.shape[0] <= AVX512_MAX_ROWS:
+            return avx512(x, weight, float_out=True)
         return linear(x, weight).float()
 
-    return LinearOps(linear, linear_to_float, None)
+    return LinearOps(linear, linear_to_float, PlanMatmul(matmul, torch.bfloat16, AMX_MAX_ROWS, 1, 32))
 
 
 def _f32_linear(f32: F32Kernels) -> LinearOps:
