@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from kestrel.config import EngineConfig
@@ -185,6 +186,8 @@ def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, 
     exit_with_parent()
     try:
         bind_engine_core(config.parallel)
+        if config.parallel.distributed_executor_backend != "uni":
+            torch.set_num_threads(1)  # the workers compute in their own processes; this one only plans
         core = EngineCore(config, executor_class(config.parallel)(config, source))
     except Exception as exc:
         sock = zmq.Context.instance().socket(zmq.PUSH)
