@@ -161,8 +161,8 @@ def test_policy_grows_back_only_after_calm_checks_in_a_row():
 def test_policy_band_between_shrink_and_grow_holds_the_count():
     policy = ThreadCountPolicy(2, 2)
     for _ in range(5):
-        assert policy.next_count(1, 0.4) == 1   # 1.6 free: not enough to grow
-        assert policy.next_count(2, 0.4) == 2   # 1.6 free: not little enough to shrink
+        assert policy.next_count(1, 0.45) == 1   # 1.55 free: not enough to grow
+        assert policy.next_count(2, 0.45) == 2   # 1.55 free: not little enough to shrink
 
 
 def test_policy_on_many_cores_uses_the_reserved_core_first():
@@ -335,3 +335,24 @@ def test_engine_worker_pins_or_adapts(restore_torch_threads):
     assert worker.threads is not None and not worker.threads.adaptive and torch.get_num_threads() == 1
     out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_spawned_processes_log_only_under_a_program_that_logs(monkeypatch):
+    import logging
+
+    from kestrel.distributed.lifecycle import LOGGING_LEVEL_ENV, inherit_program_logging
+    kestrel_logger = logging.getLogger("kestrel")
+    handlers, level = list(kestrel_logger.handlers), kestrel_logger.level
+    monkeypatch.setattr(kestrel_logger, "handlers", [])
+    try:
+        monkeypatch.delenv(LOGGING_LEVEL_ENV, raising=False)
+        inherit_program_logging()
+        assert kestrel_logger.handlers == []            # a library's processes: silent, as before
+        monkeypatch.setenv(LOGGING_LEVEL_ENV, "debug")
+        inherit_program_logging()
+        assert len(kestrel_logger.handlers) == 1 and kestrel_logger.level == logging.DEBUG
+        inherit_program_logging()
+        assert len(kestrel_logger.handlers) == 1        # once
+    finally:
+        kestrel_logger.setLevel(level)
+    assert kestrel_logger.handlers is not handlers

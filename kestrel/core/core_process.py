@@ -25,7 +25,7 @@ import zmq
 from kestrel.config import EngineConfig
 from kestrel.core.engine_core import EngineCore
 from kestrel.distributed.cpu_binding import bind_engine_core
-from kestrel.distributed.lifecycle import exit_with_parent
+from kestrel.distributed.lifecycle import exit_with_parent, inherit_program_logging
 from kestrel.messages import EngineCoreFailure, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from kestrel.model.loader import ModelSource
 from kestrel.worker.select_executor import executor_class
@@ -184,6 +184,7 @@ def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, 
     """Entry point of the engine-core process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
     exit_with_parent()
+    inherit_program_logging()
     try:
         bind_engine_core(config.parallel)
         if config.parallel.distributed_executor_backend != "uni":

@@ -37,7 +37,9 @@ MIN_CORES_TO_RESERVE = 4      # with this many usable cores, one is left out of 
 CHECK_INTERVAL_S = 0.5        # a step is ~15 ms: the check (~0.1 ms) runs on a few steps a second
 STALE_WINDOW_S = 2.0          # a longer window spans an idle gap (other engines' work, old neighbours)
 SHRINK_MARGIN = 0.5           # shrink when the free cores fall this far below the pool
-GROW_MARGIN = 0.25            # grow when a whole core more, less this, is free ...
+# Grow when a whole core more, less this, is free (a little background work, softirqs and the
+# clients of a server on the same machine, must not hold the pool down) ...
+GROW_MARGIN = 0.4
 GROW_CHECKS = 2               # ... in this many checks in a row
 MAX_ANCESTORS = 4             # worker -> engine core -> API server is the deepest Kestrel chain
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (steal: cores the host took)
