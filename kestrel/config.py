@@ -87,6 +87,9 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class DeviceConfig:
     device: torch.device
+    # Torch threads of each CPU worker: None sizes the pool from the usable cores and resizes it while
+    # neighbours take cores (kestrel/distributed/thread_governor.py); a number pins it.
+    cpu_threads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,7 @@ class EngineArgs:
     request_trace_buffer: int = 0           # the last N requests' traces kept by the server; 0: off
     otlp_traces_endpoint: str | None = None  # export request traces as OpenTelemetry spans (OTLP/HTTP)
     torch_profiler_dir: str | None = None   # /start_profile and /stop_profile write torch profiler traces here
+    cpu_threads: int | str = "auto"         # auto (adaptive pool) or N: each CPU worker's torch threads, pinned
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -14,6 +14,13 @@ Reported per engine and concurrency, as the median over rounds of each round's m
 (time per output token after the first), and decode tok/s = C / TPOT; plus the engine's peak
 resident memory (its whole process tree) and the ratio of Kestrel's TPOT to each peer's (below 1:
 Kestrel is faster), with the round-by-round ratios it comes from.
+
+`--neighbour-threads N`: every round runs twice per engine, alone and then beside N busy-spinning
+processes (kestrel/bench/neighbours.py) started for that engine's round only, the same for every
+engine; each report row gets its "+N busy" twin and the ratio of the two TPOTs (2.0: the engine lost
+the cores the neighbours took and nothing more). Each of these rounds is preceded by a settling
+request (SETTLE_OUTPUT_LEN tokens) in the same condition, so that the figures are the steady state an
+engine reaches beside a neighbour that stays, not its first second of adapting.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from typing import Any
 
 from kestrel.bench.common import log, machine_info, warn_if_busy
 from kestrel.bench.launch import PEER_SPECS, check_spec, is_llama, launch_server, peer_label
+from kestrel.bench.neighbours import BusyNeighbours
 from kestrel.bench.peers import RssSampler
 from kestrel.bench.report import load_averages, markdown_table, text_table, write_report
 from kestrel.bench.serve import Target, resolve_model, send_requests
@@ -40,6 +48,7 @@ W3_OUTPUT_LEN = 128
 W3_CONCURRENCY = (1, 8)
 DEFAULT_RUNS = 3
 TIMEOUT_S = 600.0
+SETTLE_OUTPUT_LEN = 64  # ~2 s of decode on 2 cores: longer than an adaptive pool takes to settle
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +64,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "(Kestrel with FLAGS added, e.g. 'kestrel:--async-scheduling')")
     parser.add_argument("--model", help="model for every engine (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--kestrel-flags", default="", help="extra flags for `kestrel serve`, as one string")
+    parser.add_argument("--neighbour-threads", type=int, default=0, metavar="N",
+                        help="also run every round beside N busy-spinning processes, and report the TPOT with "
+                             "them over the TPOT alone (default: 0, no neighbours)")
     parser.add_argument("--output-json", metavar="PATH", help="write the full report as JSON")
     parser.add_argument("--append-md", metavar="PATH", help="append a section to this Markdown file")
 
@@ -62,6 +74,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.runs < 1 or args.input_len < 1 or args.output_len < 2 or min(args.concurrency) < 1:
         raise ValueError("--runs, --input-len and --concurrency must be >= 1 and --output-len >= 2")
+    if args.neighbour_threads < 0:
+        raise ValueError("--neighbour-threads must be >= 0")
     started = datetime.now(UTC)
     load_average = os.getloadavg()
     warn_if_busy(load_average[0])
@@ -70,7 +84,8 @@ def main(args: argparse.Namespace) -> int:
         "benchmark": "latency", "workload": {
             "id": "W3" if (args.input_len, args.output_len) == (W3_INPUT_LEN, W3_OUTPUT_LEN) else "W3 (modified)",
             "input_len": args.input_len, "output_len": args.output_len, "concurrency": args.concurrency,
-            "runs": args.runs, "sampling": "greedy, ignore_eos, streamed"},
+            "runs": args.runs, "sampling": "greedy, ignore_eos, streamed",
+            "neighbour_threads": neighbour_threads(args)},
         "command": getattr(args, "command_line", "kestrel bench latency"),
         "date": started.isoformat(timespec="seconds"),
         "load_average_at_start": list(load_average), "load_average_at_end": list(os.getloadavg()),
@@ -89,6 +104,11 @@ class LiveEngine:
     model: str
     rss: RssSampler
     rounds: dict[int, list[dict[str, float]]] = field(default_factory=dict)
+    neighbour_rounds: dict[int, list[dict[str, float]]] = field(default_factory=dict)  # beside busy neighbours
+
+
+def neighbour_threads(args: argparse.Namespace) -> int:
+    return getattr(args, "neighbour_threads", 0)
 
 
 def measure_engines(specs: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -101,10 +121,28 @@ def measure_engines(specs: list[str], args: argparse.Namespace) -> list[dict[str
             requests = random_requests(c, (args.input_len, args.input_len),
                                        (args.output_len, args.output_len), seed=1000 * c + r)
             for e in engines:
+                if neighbour_threads(args):
+                    settle(e, args)
                 e.rounds.setdefault(c, []).append(run_round(e, requests, args.output_len))
-                log(f"{e.spec}, {c} concurrent, round {r + 1}/{args.runs}: TTFT {e.rounds[c][-1]['ttft_s'] * 1e3:.1f} "
-                    f"ms, TPOT {e.rounds[c][-1]['tpot_s'] * 1e3:.2f} ms")
+                log_round(e, c, r, args, e.rounds[c][-1], "")
+                if neighbour_threads(args):
+                    with BusyNeighbours(neighbour_threads(args)):
+                        settle(e, args)
+                        e.neighbour_rounds.setdefault(c, []).append(run_round(e, requests, args.output_len))
+                    log_round(e, c, r, args, e.neighbour_rounds[c][-1], f" beside {neighbour_threads(args)} busy")
         return [summarize(e, args.concurrency) for e in engines]
+
+
+def log_round(e: LiveEngine, c: int, r: int, args: argparse.Namespace, result: dict[str, float], beside: str) -> None:
+    log(f"{e.spec}, {c} concurrent{beside}, round {r + 1}/{args.runs}: TTFT {result['ttft_s'] * 1e3:.1f} ms, "
+        f"TPOT {result['tpot_s'] * 1e3:.2f} ms")
+
+
+def settle(engine: LiveEngine, args: argparse.Namespace) -> None:
+    """One request of SETTLE_OUTPUT_LEN tokens, unmeasured: the engine decodes in the round's
+    condition (alone, or beside the neighbours) before the round starts."""
+    request = random_requests(1, (args.input_len, args.input_len), (SETTLE_OUTPUT_LEN, SETTLE_OUTPUT_LEN), seed=2)
+    asyncio.run(send_requests(engine.target, engine.model, request, [0.0]))
 
 
 def rounds_to_run(concurrency: list[int], runs: int) -> list[tuple[int, int]]:
@@ -142,15 +180,22 @@ def run_round(engine: LiveEngine, requests: list[BenchRequest], output_len: int)
 def summarize(engine: LiveEngine, concurrency: list[int]) -> dict[str, Any]:
     settings = []
     for c in concurrency:
-        rounds = engine.rounds[c]
-        ttft = statistics.median(x["ttft_s"] for x in rounds)
-        tpot = statistics.median(x["tpot_s"] for x in rounds)
-        settings.append({"concurrency": c, "ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3,
-                         "decode_tok_s": c / tpot, "rounds": rounds})
+        setting = {"concurrency": c, **medians(engine.rounds[c], c)}
+        if c in engine.neighbour_rounds:
+            beside = medians(engine.neighbour_rounds[c], c)
+            setting["neighbour"] = beside
+            setting["neighbour_tpot_ratio"] = beside["tpot_ms"] / setting["tpot_ms"]
+        settings.append(setting)
     spec = engine.spec
     label = peer_label(spec)
     return {"spec": spec, "label": label, "server": engine.server.label, "peak_rss_bytes": engine.rss.peak,
             "settings": settings}
+
+
+def medians(rounds: list[dict[str, float]], concurrency: int) -> dict[str, Any]:
+    ttft = statistics.median(x["ttft_s"] for x in rounds)
+    tpot = statistics.median(x["tpot_s"] for x in rounds)
+    return {"ttft_ms": ttft * 1e3, "tpot_ms": tpot * 1e3, "decode_tok_s": concurrency / tpot, "rounds": rounds}
 
 
 def paired_tpot_ratios(kestrel: dict[str, Any], peer: dict[str, Any]) -> list[list[float]]:
@@ -162,10 +207,15 @@ def paired_tpot_ratios(kestrel: dict[str, Any], peer: dict[str, Any]) -> list[li
 def _rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
     rows = []
     engines = report["engines"]
+    busy = report["workload"].get("neighbour_threads", 0)
     for e in engines:
         for s in e["settings"]:
             rows.append((e["label"], str(s["concurrency"]), f"{s['ttft_ms']:.1f}", f"{s['tpot_ms']:.2f}",
                          f"{s['decode_tok_s']:.1f}", f"{e['peak_rss_bytes'] / (1 << 30):.2f} GiB"))
+            if "neighbour" in s:
+                n = s["neighbour"]
+                rows.append((f"{e['label']} +{busy} busy", str(s["concurrency"]), f"{n['ttft_ms']:.1f}",
+                             f"{n['tpot_ms']:.2f}", f"{n['decode_tok_s']:.1f}", ""))
     kestrel = engines[0]
     for peer in engines[1:]:
         for ks, ps in zip(kestrel["settings"], peer["settings"]):
@@ -188,9 +238,24 @@ def paired_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def neighbour_lines(report: dict[str, Any]) -> list[str]:
+    """Per engine and concurrency: TPOT beside the busy neighbours over TPOT alone."""
+    busy = report["workload"].get("neighbour_threads", 0)
+    lines = []
+    for e in report["engines"]:
+        for s in e["settings"]:
+            if "neighbour" in s:
+                rounds = [n["tpot_s"] / a["tpot_s"] for a, n in zip(s["rounds"], s["neighbour"]["rounds"])]
+                lines.append(f"{e['label']}'s TPOT beside {busy} busy neighbour thread(s) over alone at "
+                             f"{s['concurrency']} concurrent: {s['neighbour_tpot_ratio']:.2f}x (medians; round by "
+                             f"round {', '.join(f'{x:.2f}' for x in rounds)}).")
+    return lines
+
+
 def format_summary(report: dict[str, Any]) -> str:
     lines = text_table(HEADER, _rows(report))
     lines.extend(paired_lines(report))
+    lines.extend(neighbour_lines(report))
     w = report["workload"]
     lines.append(f"workload {w['id']}: {w['input_len']} prompt + {w['output_len']} output tokens per request; "
                  f"medians of {w['runs']} round(s)")
@@ -213,5 +278,6 @@ def format_markdown(report: dict[str, Any]) -> str:
         "Ratio rows: Kestrel's figure over the peer's (TTFT and TPOT: below 1 is faster; decode tok/s: above 1).",
         "The engines' rounds ran interleaved (each round: every engine in turn, same prompts).",
         *paired_lines(report),
+        *neighbour_lines(report),
     ]
     return "\n".join(lines) + "\n"

@@ -19,12 +19,13 @@ import time
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from kestrel.config import EngineConfig
 from kestrel.core.engine_core import EngineCore
 from kestrel.distributed.cpu_binding import bind_engine_core
-from kestrel.distributed.lifecycle import exit_with_parent
+from kestrel.distributed.lifecycle import exit_with_parent, inherit_program_logging
 from kestrel.messages import EngineCoreFailure, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from kestrel.model.loader import ModelSource
 from kestrel.worker.select_executor import executor_class
@@ -183,8 +184,11 @@ def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, 
     """Entry point of the engine-core process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
     exit_with_parent()
+    inherit_program_logging()
     try:
         bind_engine_core(config.parallel)
+        if config.parallel.distributed_executor_backend != "uni":
+            torch.set_num_threads(1)  # the workers compute in their own processes; this one only plans
         core = EngineCore(config, executor_class(config.parallel)(config, source))
     except Exception as exc:
         sock = zmq.Context.instance().socket(zmq.PUSH)

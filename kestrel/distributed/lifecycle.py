@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -20,6 +21,32 @@ def exit_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
+
+
+LOGGING_LEVEL_ENV = "KESTREL_LOGGING_LEVEL"
+LOG_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
+LOG_DATE_FORMAT = "%m-%d %H:%M:%S"
+
+
+def configure_program_logging() -> None:
+    """Kestrel's log lines on stderr at $KESTREL_LOGGING_LEVEL (default INFO), for a program (the
+    `kestrel` command); the level is left in the environment, so that the engine-core and worker
+    processes it spawns log the same way (`inherit_program_logging`). A library never calls this."""
+    os.environ.setdefault(LOGGING_LEVEL_ENV, "INFO")
+    inherit_program_logging()
+
+
+def inherit_program_logging() -> None:
+    """In a spawned engine-core or worker process: log as the program that started it does, if it
+    is one that logs (else nothing, as a library's processes)."""
+    level = os.environ.get(LOGGING_LEVEL_ENV)
+    kestrel_logger = logging.getLogger("kestrel")
+    if level is None or kestrel_logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
+    kestrel_logger.addHandler(handler)
+    kestrel_logger.setLevel(level.upper())
 
 
 def allow_child_processes() -> None:

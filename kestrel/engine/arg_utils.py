@@ -123,6 +123,10 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("--torch-profiler-dir", "torch_profiler_dir", str,
                "turn on POST /start_profile and /stop_profile: torch profiler traces of the engine core's "
                "worker(s), written to this folder"),
+    EngineFlag("--cpu-threads", "cpu_threads", str,
+               "torch threads of each CPU worker: auto sizes the pool from the cores the process may use (affinity, "
+               "cgroup quota; one left to the API server from 4 cores up) and shrinks it while other processes "
+               "take cores, growing it back when they leave; N pins it at N"),
     EngineFlag("--async-scheduling", "async_scheduling", action=argparse.BooleanOptionalAction,
                help="schedule step N+1 and send step N-1's tokens out while step N's forward runs "
                     "(one worker, no speculative decoding)"),
@@ -183,7 +187,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, A
                           num_kv_blocks=args.num_kv_blocks,
                           kv_cache_dtype=args.kv_cache_dtype),
         scheduler=scheduler_config(args, model.max_model_len, speculative),
-        device=DeviceConfig(device),
+        device=DeviceConfig(device, cpu_threads=resolve_cpu_threads(args.cpu_threads)),
         parallel=parallel,
         seed=args.seed,
         enforce_eager=args.enforce_eager,
@@ -196,6 +200,19 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, A
         torch_profiler_dir=os.path.abspath(args.torch_profiler_dir) if args.torch_profiler_dir else None,
     )
     return config, source, tokenizer
+
+
+def resolve_cpu_threads(value: int | str) -> int | None:
+    """--cpu-threads: "auto" -> None (the adaptive pool), or a whole number >= 1 (pinned)."""
+    if value == "auto":
+        return None
+    try:
+        threads = int(value)
+    except (TypeError, ValueError):
+        threads = 0
+    if isinstance(value, bool) or threads < 1:
+        raise ValueError(f"cpu_threads must be 'auto' or a whole number >= 1, got {value!r}")
+    return threads
 
 
 def check_settings(args: EngineArgs) -> None:
@@ -214,6 +231,7 @@ def check_settings(args: EngineArgs) -> None:
     if args.attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                          f"got {args.attention_backend!r}")
+    resolve_cpu_threads(args.cpu_threads)
 
 
 def speculative_config(value: dict | str | SpeculativeConfig | None) -> SpeculativeConfig | None:

@@ -29,6 +29,7 @@ import zmq
 from kestrel.config import EngineConfig
 from kestrel.core import core_process
 from kestrel.distributed.cpu_binding import engine_core_cpu_slice
+from kestrel.distributed.thread_governor import mark_frontend
 from kestrel.engine.exceptions import EngineDeadError
 from kestrel.engine.router import LeastLoadedRouter
 from kestrel.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -60,6 +61,7 @@ class EngineCoreProcess:
         self._encoder = msgspec.msgpack.Encoder()
         self._closed = False
         self.num_kv_blocks = 0  # the core's KV pool, once it is ready
+        mark_frontend()  # the workers count this process's CPU time as Kestrel's, not a neighbour's
         self.process = multiprocessing.get_context("spawn").Process(
             target=core_process.run_engine_core, name=f"kestrel-engine-core-{config.parallel.data_parallel_rank}",
             args=(config, source, self.input_addr, self.output_addr), daemon=True)

@@ -16,12 +16,11 @@ bad value) prints `error: <message>` and exits 1, without a traceback.
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import shlex
 import sys
 from collections.abc import Sequence
 
+from kestrel.distributed.lifecycle import configure_program_logging
 from kestrel.engine.arg_utils import ENGINE_FLAGS, add_engine_flags, engine_kwargs, parse_bytes
 from kestrel.entrypoints import doctor as doctor_cli
 from kestrel.entrypoints.llm import LLM
@@ -219,13 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def configure_logging() -> None:
     """Kestrel's log lines (the engine's periodic stats among them) on stderr, at
     $KESTREL_LOGGING_LEVEL (default INFO). Only the program does this, never the library."""
-    kestrel_logger = logging.getLogger("kestrel")
-    if kestrel_logger.handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
-    kestrel_logger.addHandler(handler)
-    kestrel_logger.setLevel(os.environ.get("KESTREL_LOGGING_LEVEL", "INFO").upper())
+    configure_program_logging()  # the engine core and workers it spawns log the same way
 
 
 def run() -> None:

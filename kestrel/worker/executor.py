@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from kestrel.config import EngineConfig
+from kestrel.distributed.thread_governor import mark_frontend
 from kestrel.messages import ModelRunnerOutput, SchedulerOutput
 from kestrel.model.loader import ModelSource
 from kestrel.worker.worker import Worker
@@ -36,6 +37,7 @@ class Executor(ABC):
         self.config = config
         self.source = source
         self.parallel_config = config.parallel
+        mark_frontend()  # an in-process engine: worker processes count this one as Kestrel's
         self._init_executor()
 
     @abstractmethod

@@ -41,7 +41,12 @@ import zmq
 from kestrel.config import EngineConfig
 from kestrel.distributed import destroy_distributed_environment
 from kestrel.distributed.cpu_binding import bind_to_cpu_slice
-from kestrel.distributed.lifecycle import allow_child_processes, exit_with_parent, free_tcp_port
+from kestrel.distributed.lifecycle import (
+    allow_child_processes,
+    exit_with_parent,
+    free_tcp_port,
+    inherit_program_logging,
+)
 from kestrel.messages import ModelRunnerOutput, SchedulerOutput
 from kestrel.model.loader import ModelSource
 from kestrel.worker.executor import Executor, WorkerMethod, call_worker
@@ -298,6 +303,7 @@ def run_worker(config: EngineConfig, source: ModelSource, rank: int, init_method
     """Entry point of a worker process: join, load, then run every published message in order."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when workers stop
     exit_with_parent()
+    inherit_program_logging()
     pc = config.parallel
     if config.device.device.type == "cpu":
         bind_to_cpu_slice(pc.data_parallel_rank * pc.world_size + rank, pc.num_local_workers,

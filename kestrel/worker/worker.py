@@ -14,6 +14,7 @@ import torch
 from kestrel.attention import select_attention_backend
 from kestrel.config import EngineConfig
 from kestrel.distributed import init_distributed_environment
+from kestrel.distributed.thread_governor import ThreadGovernor, governor_for_worker
 from kestrel.messages import ModelRunnerOutput, SchedulerOutput
 from kestrel.model import build_model, local_attention_config, shard_of_this_rank
 from kestrel.model.loader import ModelSource, resolve_model, weight_reader
@@ -49,6 +50,7 @@ class Worker:
             init_distributed_environment(rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
                                          distributed_init_method, "nccl" if self.device.type == "cuda" else "gloo")
         torch.manual_seed(config.seed)
+        self.threads = self._thread_governor()
         # This rank's part of the model (all of it in a world of one); its attention sees its own heads.
         self.shard = shard_of_this_rank(config.model)
         self.attn_backend = select_attention_backend(local_attention_config(config, self.shard))  # once
@@ -61,6 +63,20 @@ class Worker:
         self.runner = ModelRunner(config, self.model, self.attn_backend, self._load_draft_model())
         self.memory_profile: MemoryProfile | None = None
         self.profiler: torch.profiler.profile | None = None  # between /start_profile and /stop_profile
+
+    def _thread_governor(self) -> ThreadGovernor | None:
+        """The CPU worker's torch pool size, decided once here and between steps after (None on GPUs).
+        Ray sizes its actors' pools itself: that count stays pinned."""
+        if self.device.type != "cpu":
+            return None
+        parallel = self.config.parallel
+        pinned = self.config.device.cpu_threads
+        if pinned is None and parallel.distributed_executor_backend == "ray":
+            pinned = torch.get_num_threads()
+        governor = governor_for_worker(pinned, leave_one_to_frontend=parallel.num_local_workers == 1,
+                                       set_threads=torch.set_num_threads)
+        logger.info("worker rank %d: %s", self.rank, governor.describe())
+        return governor
 
     def _load_draft_model(self) -> DraftModelProposer | None:
         """The draft model of speculative method draft_model, with its own attention backend (its head
@@ -106,4 +122,6 @@ class Worker:
         self.runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.threads is not None:
+            self.threads.between_steps()  # never inside a step: the pool is resized only here
         return self.runner.execute_model(scheduler_output)

@@ -328,6 +328,7 @@ def run_server(args) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get("KESTREL_API_KEY") or None
     tool_settings = ToolSettings(getattr(args, "enable_auto_tool_choice", False),
                                  getattr(args, "tool_call_parser", None))
+    leave_cores_to_the_engine()
     engine = AsyncLLM.from_engine_args(EngineArgs(**kwargs))
     try:
         app = build_app(engine, args.served_model_name or engine.model_name, api_key=api_key,
@@ -353,6 +354,15 @@ def run_server(args) -> int:
         print(f"kestrel: exiting with code {ENGINE_DEATH_EXIT_CODE}: {engine.error}", flush=True)
         return ENGINE_DEATH_EXIT_CODE
     return 0
+
+
+def leave_cores_to_the_engine() -> None:
+    """The API server computes little (HTTP, tokenizing, detokenizing): one torch thread, and no
+    tokenizers thread pool (inherited by the engine core, whose tokenizer is for structured outputs),
+    so that neither fights the worker's pool for its cores."""
+    import torch
+    torch.set_num_threads(1)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 class _Server(uvicorn.Server):
