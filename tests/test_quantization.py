@@ -1,7 +1,9 @@
-"""--quantization int8 (kestrel/model/quantization.py, cpu_gemv.cpp's linear_int8_amx): the quantizer's
-bounds, the PyTorch reference against an independent float64 product, the AMX-INT8 kernel against the
-reference bit for bit, the projections of a model replaced, the engine the same with the kernel and
-without it, and the cost in agreement on the default model (kestrel bench parity)."""
+"""--quantization int8 (kestrel/model/quantization.py, cpu_gemv.cpp's linear_int8_amx, cpu_kernels.cpp's
+linear_int8): the quantizer's bounds, the PyTorch reference against an independent float64 product, the
+AMX-INT8 and the AVX512-VNNI / AVX2 kernels against the reference bit for bit, the choice between them,
+the projections of a model replaced, the engine the same with a kernel and without it, and the cost in
+agreement on the default model (kestrel bench parity). tests/test_cpu_kernels_avx2_build.py runs the
+cpu_int8 tests again on the AVX2 build."""
 
 from __future__ import annotations
 
@@ -15,11 +17,16 @@ from kestrel import LLM, SamplingParams
 from kestrel.config import EngineArgs
 from kestrel.model import quantization as Q
 from kestrel.model.layers import Linear
-from kestrel.ops import _cpu_flags, cpu_gemv
+from kestrel.ops import _cpu_flags, cpu_gemv, cpu_kernels_isa
+from kestrel.ops.dispatch import amx_gemv, int8_kernels
 
 kernels = cpu_gemv()
 has_int8_kernel = kernels is not None and kernels.amx_usable()
 amx_int8 = pytest.mark.skipif(not has_int8_kernel, reason="needs AMX-INT8 and a C++ compiler")
+cpu_int8 = int8_kernels()
+cpu_int8_kernel = pytest.mark.skipif(cpu_int8 is None, reason="needs the AVX512-VNNI or AVX2 build of cpu_kernels")
+any_int8_kernel = pytest.mark.skipif(not has_int8_kernel and cpu_int8 is None,
+                                     reason="needs an int8 kernel (AMX-INT8, AVX512-VNNI or AVX2)")
 
 
 def _int8_weight(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,6 +178,126 @@ def test_dispatch_takes_the_kernel_for_bf16():
     assert _same_bits(Q.linear_int8(x, qw, ws, matmul=matmul), kernels.linear_int8_amx(x, qw, ws))
 
 
+# ---- the AVX512-VNNI / AVX2 kernel (cpu_kernels.cpp's linear_int8) -----------------------------
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, except that a NaN only has to be a NaN (its bits are torch's business)."""
+    nan = torch.isnan(a.float())
+    return (a.shape == b.shape and torch.equal(nan, torch.isnan(b.float()))
+            and torch.equal(a.view(torch.int16)[~nan], b.view(torch.int16)[~nan]))
+
+
+def test_cpu_int8_kernel_builds_where_the_cpu_has_it():
+    if os.environ.get("KESTREL_DISABLE_CPU_KERNELS") == "1":
+        assert int8_kernels() is None
+        return
+    isa, flags = cpu_kernels_isa(), _cpu_flags()
+    if isa == "avx2" or (isa == "avx512" and {"avx512_vnni", "avx512bw"} <= flags):
+        assert cpu_int8 is not None, "the CPU has AVX512-VNNI or AVX2 but linear_int8 did not build or run"
+        assert cpu_int8.int8_linear
+
+
+@cpu_int8_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 31, 33, 64, 65, 100, 130])
+@pytest.mark.parametrize("out_f,in_f", [(960, 576), (576, 1536), (3072, 576), (17, 64), (33, 96), (5, 3),
+                                        (19, 200), (31, 2112)])
+def test_cpu_int8_kernel_matches_reference_bit_for_bit(rows, out_f, in_f):
+    """K of 96, 3 and 200 are not rotated (and leave a part vector at the end of each row); 2112 is past
+    float32's exact sums (the reference sums in float64); N of 17, 33, 5, 19 and 31 leave part tiles."""
+    gen = torch.Generator().manual_seed(rows * 1000 + out_f + in_f)
+    x = torch.randn(rows, in_f, generator=gen).bfloat16()
+    qw, ws = _int8_weight(out_f, in_f, gen)
+    y = cpu_int8.linear_int8(x, qw, ws)
+    assert _same_bits(y, Q.linear_int8_reference(x, qw, ws))
+
+
+@cpu_int8_kernel
+@pytest.mark.parametrize("in_f", [256, 200])
+def test_cpu_int8_kernel_on_zero_rows_extremes_and_a_strided_x(in_f):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, in_f, generator=gen)
+    x[3] = 0                              # a zero row: scale 0, output 0
+    x[5] *= 1e30                          # large, still finite after scaling
+    x[7, 11] = 500.0                      # one outlier that squeezes the rest of its row
+    x[9] = -1e-30                         # tiny values
+    x[11] = 1e-39                         # subnormal: 127 / max overflows to inf, levels ±127 and 0
+    x[11, ::3] = 0
+    x[13, :5] = torch.tensor([-1e-39, 0.0, 2e-39, 0.0, 0.0])
+    x[13, 5:] = 0
+    qw, ws = _int8_weight(64, in_f, gen)
+    qw[10] = 0                            # a zero weight row (scale 0)
+    ws[10] = 0
+    qw[20] = -128                         # the one level the quantizer never makes, exact all the same
+    for xs in (x.bfloat16(), torch.cat([x, x], dim=1).bfloat16()[:, :in_f]):  # contiguous and strided
+        y = cpu_int8.linear_int8(xs, qw, ws)
+        assert _same_bits(y, Q.linear_int8_reference(xs, qw, ws))
+        assert (y[3] == 0).all() and (y[:, 10] == 0).all() and torch.isfinite(y.float()).all()
+
+
+@cpu_int8_kernel
+@pytest.mark.parametrize("in_f", [128, 96])
+def test_cpu_int8_kernel_gives_nan_rows_where_the_reference_does(in_f):
+    """A row holding a NaN or an infinity (or values whose rotation overflows) is NaN through, as the
+    reference's is; the other rows are untouched."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(7, in_f, generator=gen).bfloat16()
+    x[1, 3] = float("nan")
+    x[2, 5] = float("inf")
+    x[4, 70] = float("-inf")
+    x[5, :] = 3e38                        # finite, but the rotation's sums overflow
+    qw, ws = _int8_weight(40, in_f, gen)
+    y, ref = cpu_int8.linear_int8(x, qw, ws), Q.linear_int8_reference(x, qw, ws)
+    assert _same_values(y, ref)
+    assert torch.isnan(y[[1, 2, 4]].float()).all() and torch.isfinite(y[[0, 3, 6]].float()).all()
+
+
+@cpu_int8_kernel
+def test_cpu_int8_kernel_on_no_rows_and_what_it_refuses():
+    qw, ws = _int8_weight(48, 64, torch.Generator().manual_seed(7))
+    assert cpu_int8.linear_int8(torch.zeros(0, 64, dtype=torch.bfloat16), qw, ws).shape == (0, 48)
+    x = torch.zeros(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bf16"):
+        cpu_int8.linear_int8(x.float(), qw, ws)
+    with pytest.raises(RuntimeError, match="int8"):
+        cpu_int8.linear_int8(x, qw.float(), ws)
+    with pytest.raises(RuntimeError, match="one scale per row"):
+        cpu_int8.linear_int8(x, qw, torch.ones(8))
+    with pytest.raises(RuntimeError, match="disagree on K"):
+        cpu_int8.linear_int8(torch.zeros(4, 32, dtype=torch.bfloat16), qw, ws)
+
+
+def test_cpu_int8_selection_takes_amx_then_the_cpu_kernel_then_the_reference(monkeypatch):
+    """Without AMX, bf16 models take linear_int8 (and float32 x, should one come, the reference); with
+    AMX, linear_int8 takes the shapes AMX does not; float32 models and other devices the reference."""
+    gen = torch.Generator().manual_seed(4)
+    qw, ws = _int8_weight(100, 96, gen)     # shapes AMX cannot take
+    x = torch.randn(5, 96, generator=gen)
+    matmul = Q.select_int8_matmul(torch.device("cpu"), torch.bfloat16)
+    assert Q.select_int8_matmul(torch.device("cpu"), torch.float32) is Q.linear_int8_reference
+    assert Q.select_int8_matmul(torch.device("meta"), torch.bfloat16) is Q.linear_int8_reference
+    if amx_gemv() is None and cpu_int8 is None:
+        assert matmul is Q.linear_int8_reference
+        return
+    assert matmul is not Q.linear_int8_reference
+    assert torch.equal(matmul(x, qw, ws), Q.linear_int8_reference(x, qw, ws))  # float32 x
+    if cpu_int8 is None:
+        return
+    calls = []
+
+    class CountingKernels:  # what int8_kernels() returns, its linear_int8 counted
+        int8_linear = True
+
+        @staticmethod
+        def linear_int8(*args):
+            calls.append(1)
+            return cpu_int8.linear_int8(*args)
+
+    monkeypatch.setattr(Q, "int8_kernels", lambda: CountingKernels)
+    counted = Q.select_int8_matmul(torch.device("cpu"), torch.bfloat16)
+    y = counted(x.bfloat16(), qw, ws)
+    assert calls == [1] and _same_bits(y, Q.linear_int8_reference(x.bfloat16(), qw, ws))
+
+
 # ---- the model and the engine -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -198,7 +325,7 @@ def test_quantize_replaces_every_projection_and_nothing_else(tiny_bf16):
     assert llm.llm_engine.config.model.quantization == "int8"
 
 
-@amx_int8
+@any_int8_kernel
 def test_engine_gives_the_same_tokens_with_the_kernel_and_the_reference(tiny_bf16, monkeypatch, engine_check):
     """Every product is bit-identical, so whole runs are: mixed prompt lengths, chunked prefill (a
     budget of 64 tokens) and batched decode."""
@@ -246,7 +373,7 @@ def test_bench_parity_command_reports_and_appends(tmp_path, capsys):
     assert "pass --quantization" in capsys.readouterr().err
 
 
-@amx_int8
+@any_int8_kernel
 def test_kernel_bench_table_has_a_row_per_size():
     from kestrel.bench.kernels import linear_table
     table = linear_table([1, 20], calls=2, hidden=128, intermediate=256, qkv_out=256).splitlines()

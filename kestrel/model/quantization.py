@@ -15,9 +15,10 @@ calibration). Measured on the default model: top-1 agreement with the float32 en
 positions with it, 91.3% without (BENCHMARKS.md).
 
 The embedding, the output head and the norms stay in the model dtype (as vLLM leaves lm_head
-unquantized by default). On CPUs with AMX-INT8 the products run in cpu_gemv.cpp's linear_int8_amx;
-elsewhere `linear_int8_reference`, which gives bit-identical results, runs in PyTorch. Which of the
-two a model's layers use is decided once, when the model is quantized (`select_int8_matmul`).
+unquantized by default). The products run, with bit-identical results, in cpu_gemv.cpp's
+linear_int8_amx on CPUs with AMX-INT8; else in cpu_kernels.cpp's linear_int8 (AVX512-VNNI, or AVX2);
+else in `linear_int8_reference` (PyTorch). Which one a model's layers use is decided once, when the
+model is quantized (`select_int8_matmul`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 from kestrel.model.layers import Linear
-from kestrel.ops.dispatch import amx_gemv
+from kestrel.ops.dispatch import amx_gemv, int8_kernels
 
 # (x [M, K], qweight [N, K], scale [N]) -> y [M, N] in x's dtype
 Int8Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -103,15 +104,31 @@ def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bia
 
 
 def select_int8_matmul(device: torch.device, dtype: torch.dtype) -> Int8Matmul:
-    """The int8 matmul of a model on `device` in `dtype`: cpu_gemv's AMX-INT8 kernel for the products it
-    takes (bf16 on a CPU with AMX; per call K % 64 == 0, N % 16 == 0), else the reference."""
-    gemv = amx_gemv() if device.type == "cpu" and dtype == torch.bfloat16 else None
-    if gemv is None:
+    """The int8 matmul of a model on `device` in `dtype`: for bf16 on a CPU, cpu_gemv's AMX-INT8 kernel
+    where AMX runs (for the products it takes: K % 64 == 0, N % 16 == 0), cpu_kernels' linear_int8
+    (AVX512-VNNI or AVX2) where the build has it, for every product AMX does not take or everywhere
+    without AMX; elsewhere the reference."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
         return linear_int8_reference
-    kernel = gemv.linear_int8_amx
+    amx = amx_gemv()
+    kernels = int8_kernels()
+    fallback = _bf16_only(kernels.linear_int8) if kernels is not None else linear_int8_reference
+    if amx is None:
+        return fallback
+    kernel = amx.linear_int8_amx
 
     def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.bfloat16 and x.shape[0] >= 1 and x.shape[1] % 64 == 0 and qweight.shape[0] % 16 == 0:
+            return kernel(x, qweight, scale)
+        return fallback(x, qweight, scale)
+
+    return int8_matmul
+
+
+def _bf16_only(kernel: Int8Matmul) -> Int8Matmul:
+    """`kernel` (any shape, bf16 x only) for bf16 x, the reference for any other x."""
+    def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16:
             return kernel(x, qweight, scale)
         return linear_int8_reference(x, qweight, scale)
 

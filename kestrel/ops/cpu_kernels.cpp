@@ -908,6 +908,367 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
+// ---- int8 linear layers (--quantization int8) without AMX ----
+//
+// linear_int8(x [M, K] bf16, qweight [N, K] int8, wscale [N] float32) -> y [M, N] bf16, any M, N and K:
+// bit for bit kestrel/model/quantization.py's linear_int8_reference (and so cpu_gemv.cpp's
+// linear_int8_amx where that runs). Each row of x is rotated by the orthonormal Hadamard transform on
+// every block of 64 values where K % 64 == 0 (the butterflies in the reference's order), quantized
+// per row (q = round_even(clamp(r * (127 / max|r|), -127, 127)), scale max|r| / 127), the int8
+// products summed exactly in int32, and y[m, n] = (acc * wscale[n]) * xscale[m] rounded once to
+// bf16. A row of x holding a NaN or an infinity quantizes to zeros with scale NaN, so its y row is
+// NaN, as the reference's is.
+//
+// The exact int8 products: AVX512-VNNI's vpdpbusd multiplies u8 by s8, so each loaded weight vector
+// is offset to u8 (w + 128, a xor of the sign bit) and every accumulator starts from -128 * sum(q)
+// of its x row. AVX2 feeds |w| (u8) and x with w's sign (vpsignb) to vpmaddubsw, whose pair sums
+// (at most 2 * 128 * 127) cannot saturate, then vpmaddwd sums the pairs into int32. An AVX-512 CPU
+// without VNNI has no kernel here (int8_linear is false) and runs the reference.
+//
+// Decode (M of 1..64) streams the weights: a thread takes NR weight rows at a time and walks every
+// block of MR rows of x against them while they sit in L1; the MR * NR <= kLanes int32 accumulators
+// of a tile are summed across their lanes together into one vector, whose lanes the epilogue scales,
+// rounds and stores. NR is kLanes at one row of x, kLanes / 2 at two and kLanes / 4 from three.
+
+namespace {
+
+#if defined(KESTREL_VEC_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KESTREL_INT8_LINEAR 1
+constexpr int64_t kQBytes = 64;  // int8 values per vector
+using QVec = __m512i;
+struct WeightPiece {
+  __m512i biased;  // w + 128 as u8
+};
+inline QVec load_q(const int8_t* p) { return _mm512_loadu_si512(p); }
+inline QVec load_q_first(const int8_t* p, int64_t n) {  // n < kQBytes values, zeros after
+  return _mm512_maskz_loadu_epi8((__mmask64(1) << n) - 1, p);
+}
+inline WeightPiece weight_piece(QVec w) { return {_mm512_xor_si512(w, _mm512_set1_epi8(-128))}; }
+inline VecI dot_add(VecI acc, const WeightPiece& w, QVec x) { return _mm512_dpbusd_epi32(acc, w.biased, x); }
+inline int32_t accumulator_start(int32_t q_sum) { return -128 * q_sum; }
+inline VecI first_lane(int32_t v) { return _mm512_maskz_set1_epi32(1, v); }
+inline VecF to_float(VecI v) { return _mm512_cvtepi32_ps(v); }
+inline VecF permute_lanes(VecF v, VecI idx) { return _mm512_permutexvar_ps(idx, v); }
+inline VecI load_i(const int32_t* p) { return _mm512_loadu_si512(p); }
+inline VecI or_i(VecI a, VecI b) { return _mm512_or_si512(a, b); }
+// Lanes rounded to int32 (to nearest even) and narrowed to int8 (values within [-127, 127]).
+inline void store_int8(int8_t* p, VecF v) { _mm_storeu_si128((__m128i*)p, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v))); }
+
+// One vector whose lane i is the sum of a[i]'s lanes.
+inline VecI sum_lanes(const VecI a[kLanes]) {
+  VecI t[8], u[4], v[2];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    v[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_i32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(v[0], v[1], 0x88), _mm512_shuffle_i32x4(v[0], v[1], 0xDD));
+}
+
+// The Hadamard butterflies of strides 1, 2, 4 and 8, inside one register: lane i (bit h clear) and
+// lane i + h become v[i] + v[i + h] and v[i] - v[i + h].
+inline VecF butterflies_in_register(VecF v) {
+  const auto step = [](VecF x, VecF partner, __mmask16 upper) {
+    return _mm512_mask_blend_ps(upper, _mm512_add_ps(x, partner), _mm512_sub_ps(partner, x));
+  };
+  v = step(v, _mm512_permute_ps(v, 0xB1), 0xAAAA);
+  v = step(v, _mm512_permute_ps(v, 0x4E), 0xCCCC);
+  v = step(v, _mm512_shuffle_f32x4(v, v, 0xB1), 0xF0F0);
+  return step(v, _mm512_shuffle_f32x4(v, v, 0x4E), 0xFF00);
+}
+
+#elif defined(KESTREL_VEC_AVX2)
+#define KESTREL_INT8_LINEAR 1
+constexpr int64_t kQBytes = 32;
+using QVec = __m256i;
+struct WeightPiece {
+  __m256i w, magnitude;  // w, and |w| as u8 (|-128| is 128)
+};
+inline QVec load_q(const int8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline QVec load_q_first(const int8_t* p, int64_t n) {
+  alignas(32) int8_t part[kQBytes] = {};
+  std::memcpy(part, p, n);
+  return _mm256_load_si256((const __m256i*)part);
+}
+inline WeightPiece weight_piece(QVec w) { return {w, _mm256_abs_epi8(w)}; }
+inline VecI dot_add(VecI acc, const WeightPiece& w, QVec x) {
+  const __m256i pairs = _mm256_maddubs_epi16(w.magnitude, _mm256_sign_epi8(x, w.w));  // |w| * (x * sign w)
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline int32_t accumulator_start(int32_t) { return 0; }
+inline VecI first_lane(int32_t v) { return _mm256_setr_epi32(v, 0, 0, 0, 0, 0, 0, 0); }
+inline VecF to_float(VecI v) { return _mm256_cvtepi32_ps(v); }
+inline VecF permute_lanes(VecF v, VecI idx) { return _mm256_permutevar8x32_ps(v, idx); }
+inline VecI load_i(const int32_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline VecI or_i(VecI a, VecI b) { return _mm256_or_si256(a, b); }
+inline void store_int8(int8_t* p, VecF v) {
+  const __m256i i = _mm256_cvtps_epi32(v);
+  const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  _mm_storel_epi64((__m128i*)p, _mm_packs_epi16(w16, w16));
+}
+
+inline VecI sum_lanes(const VecI a[kLanes]) {
+  const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+  const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+inline VecF butterflies_in_register(VecF v) {  // strides 1, 2 and 4
+  v = _mm256_blend_ps(_mm256_add_ps(v, _mm256_permute_ps(v, 0xB1)), _mm256_sub_ps(_mm256_permute_ps(v, 0xB1), v), 0xAA);
+  v = _mm256_blend_ps(_mm256_add_ps(v, _mm256_permute_ps(v, 0x4E)), _mm256_sub_ps(_mm256_permute_ps(v, 0x4E), v), 0xCC);
+  const VecF partner = _mm256_permute2f128_ps(v, v, 0x01);
+  return _mm256_blend_ps(_mm256_add_ps(v, partner), _mm256_sub_ps(partner, v), 0xF0);
+}
+
+#else
+#define KESTREL_INT8_LINEAR 0
+#endif
+
+}  // namespace
+
+#if KESTREL_INT8_LINEAR
+
+namespace {
+
+constexpr int kHadamardRegs = 64 / kLanes;
+
+// The Walsh-Hadamard transform / 8 of 64 values in kHadamardRegs registers: strides 1, 2, 4, ...
+// inside each register, then the larger ones across registers, in the order of the reference.
+inline void hadamard64(VecF v[kHadamardRegs]) {
+  for (int i = 0; i < kHadamardRegs; ++i) v[i] = butterflies_in_register(v[i]);
+  for (int h = 1; h < kHadamardRegs; h *= 2)
+    for (int i = 0; i < kHadamardRegs; ++i)
+      if (!(i & h)) {
+        const VecF a = v[i], b = v[i + h];
+        v[i] = add(a, b);
+        v[i + h] = sub(a, b);
+      }
+  for (int i = 0; i < kHadamardRegs; ++i) v[i] = mul(v[i], splat(0.125f));
+}
+
+inline float bf16_bits_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// q = round_even(clamp(v * inv, -127, 127)), NaN (0 * inf, where max|r| is subnormal) to 0: the
+// reference's round().clamp_().to(int8).
+inline float quantized_level(float v, float inv) {
+  const float s = v * inv;
+  return std::isnan(s) ? 0.f : std::nearbyint(std::min(std::max(s, -127.f), 127.f));
+}
+inline VecF quantized_levels(VecF v, VecF inv) {
+  const VecF s = mul(v, inv);
+  return select(is_nan(s), zero(), min(max(s, splat(-127.f)), splat(127.f)));
+}
+
+// Row x (K bf16 values) as float32 into r, rotated where `rotate`; whether it is all finite, and
+// max|r|. (vmaxps drops a NaN operand, so NaNs are looked for on their own.)
+inline bool row_to_float(const uint16_t* x, int64_t K, bool rotate, float* r, float* absmax) {
+  Mask nan = is_nan(zero());
+  VecF amax = zero();
+  const auto take = [&](VecF v) {
+    nan = either(nan, is_nan(v));
+    amax = max(amax, abs(v));
+  };
+  int64_t k = 0;
+  if (rotate) {
+    for (; k < K; k += 64) {
+      VecF v[kHadamardRegs];
+      for (int i = 0; i < kHadamardRegs; ++i) v[i] = load_bf16(x + k + i * kLanes);
+      hadamard64(v);
+      for (int i = 0; i < kHadamardRegs; ++i) {
+        store(r + k + i * kLanes, v[i]);
+        take(v[i]);
+      }
+    }
+  } else {
+    for (; k + kLanes <= K; k += kLanes) {
+      const VecF v = load_bf16(x + k);
+      store(r + k, v);
+      take(v);
+    }
+  }
+  float m = hmax(amax);
+  bool finite = !any(nan);
+  for (; k < K; ++k) {
+    r[k] = bf16_bits_to_float(x[k]);
+    finite = finite && !std::isnan(r[k]);
+    m = std::max(m, std::fabs(r[k]));
+  }
+  *absmax = m;
+  return finite && !std::isinf(m);
+}
+
+// One row of x rotated (where `rotate`) and quantized into q (kp >= K values, zeros past K); its
+// scale, and the sum of its levels into *q_sum. `r`: room for K floats.
+inline float quantize_x_row(const uint16_t* x, int64_t K, bool rotate, float* r, int8_t* q, int64_t kp,
+                            int32_t* q_sum) {
+  float absmax;
+  if (!row_to_float(x, K, rotate, r, &absmax)) {
+    std::memset(q, 0, kp);
+    *q_sum = 0;
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  const float inv = absmax > 0.f ? 127.f / absmax : 0.f;
+  const VecF inv_v = splat(inv);
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) store_int8(q + k, quantized_levels(load_f32(r + k), inv_v));
+  for (; k < K; ++k) q[k] = static_cast<int8_t>(quantized_level(r[k], inv));
+  std::memset(q + K, 0, kp - K);
+  int32_t sum = 0;
+  for (int64_t i = 0; i < K; ++i) sum += q[i];
+  *q_sum = sum;
+  return absmax / 127.f;
+}
+
+// x quantized, rows of kp (K rounded up to whole vectors) zero-padded int8 levels, with each row's
+// scale and accumulator start. One buffer per calling thread, kept and grown: an allocation per call
+// would cost about as much as a small product.
+struct QuantizedX {
+  int8_t* q;
+  float* scale;
+  int32_t* start;
+  int64_t kp;
+  QuantizedX(const uint16_t* x, int64_t M, int64_t K) : kp((K + kQBytes - 1) / kQBytes * kQBytes) {
+    thread_local std::vector<int8_t> levels;
+    thread_local std::vector<float> scales;
+    thread_local std::vector<int32_t> starts;
+    if ((int64_t)levels.size() < M * kp) levels.resize(M * kp);
+    if ((int64_t)scales.size() < M) scales.resize(M), starts.resize(M);
+    q = levels.data();
+    scale = scales.data();
+    start = starts.data();
+    const bool rotate = K % 64 == 0;
+    at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+      std::vector<float> rotated(K);
+      for (int64_t m = begin; m < end; ++m) {
+        int32_t sum;
+        scale[m] = quantize_x_row(x + m * K, K, rotate, rotated.data(), q + m * kp, kp, &sum);
+        start[m] = accumulator_start(sum);
+      }
+    });
+  }
+};
+
+struct Int8Operands {
+  const QuantizedX& x;
+  const int8_t* w;
+  const float* wscale;
+  uint16_t* y;
+  int64_t M, N, K;
+};
+
+// lane i of the tile's vector is (x row i / NR, weight row i % NR).
+template <int NR>
+inline VecI lane_index(bool row_of_x) {
+  alignas(64) int32_t idx[kLanes];
+  for (int i = 0; i < kLanes; ++i) idx[i] = row_of_x ? i / NR : i % NR;
+  return load_i(idx);
+}
+
+// The MR x NR tile of y at rows m0.., columns n0.. (rows and columns past M and N are computed
+// from clamped rows and not stored). `wscale_lanes`: wscale of each lane's column.
+template <int MR, int NR>
+inline void int8_tile(const Int8Operands& op, const int8_t* const w_rows[NR], int64_t m0, int64_t n0,
+                      VecF wscale_lanes) {
+  static_assert(MR * NR <= kLanes, "one vector of sums per tile");
+  const int64_t kp = op.x.kp, K = op.K;
+  const int8_t* x_rows[MR];
+  VecI acc[MR][NR];
+  for (int m = 0; m < MR; ++m) {
+    const int64_t row = std::min(m0 + m, op.M - 1);
+    x_rows[m] = op.x.q + row * kp;
+    for (int n = 0; n < NR; ++n) acc[m][n] = first_lane(op.x.start[row]);
+  }
+  const auto step = [&](int64_t k, const auto& load_w) {
+    QVec xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = load_q(x_rows[m] + k);
+    for (int n = 0; n < NR; ++n) {
+      const WeightPiece w = weight_piece(load_w(w_rows[n] + k));
+      for (int m = 0; m < MR; ++m) acc[m][n] = dot_add(acc[m][n], w, xv[m]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + kQBytes <= K; k += kQBytes) step(k, [](const int8_t* p) { return load_q(p); });
+  if (k < K) step(k, [n = K - k](const int8_t* p) { return load_q_first(p, n); });  // x is zero-padded
+  VecI sums[kLanes];
+  for (int i = 0; i < kLanes; ++i) sums[i] = i < MR * NR ? acc[i / NR][i % NR] : splat_i(0);
+  const VecF xscale_lanes = permute_lanes(load_first(op.x.scale + m0, op.M - m0), lane_index<NR>(true));
+  const VecF v = mul(mul(to_float(sum_lanes(sums)), wscale_lanes), xscale_lanes);  // two roundings, as the reference
+  // bf16 to nearest even; a NaN stays a quiet NaN
+  const VecI nan_bits = or_i(bits(v), splat_i(0x00400000));
+  alignas(64) int32_t out[kLanes];
+  store_i(out, select_i(is_nan(v), nan_bits, round_to_bf16_upper(v)));
+  const int rows = (int)std::min<int64_t>(MR, op.M - m0), cols = (int)std::min<int64_t>(NR, op.N - n0);
+  for (int m = 0; m < rows; ++m)
+    for (int n = 0; n < cols; ++n) op.y[(m0 + m) * op.N + n0 + n] = static_cast<uint16_t>(out[m * NR + n] >> 16);
+}
+
+// Every row of x against weight rows n0 .. n0 + NR: blocks of MR = kLanes / NR rows, then the rest.
+template <int NR>
+inline void int8_columns(const Int8Operands& op, int64_t n0) {
+  constexpr int MR = kLanes / NR;
+  const int8_t* w_rows[NR];
+  for (int n = 0; n < NR; ++n) w_rows[n] = op.w + std::min(n0 + n, op.N - 1) * op.K;
+  const VecF wscale_lanes = permute_lanes(load_first(op.wscale + n0, op.N - n0), lane_index<NR>(false));
+  int64_t m0 = 0;
+  for (; m0 + MR <= op.M; m0 += MR) int8_tile<MR, NR>(op, w_rows, m0, n0, wscale_lanes);
+  if constexpr (MR >= 4) {
+    if (op.M - m0 == 3) int8_tile<3, NR>(op, w_rows, m0, n0, wscale_lanes);
+  }
+  if constexpr (MR >= 3) {
+    if (op.M - m0 == 2) int8_tile<2, NR>(op, w_rows, m0, n0, wscale_lanes);
+  }
+  if constexpr (MR >= 2) {
+    if (op.M - m0 == 1) int8_tile<1, NR>(op, w_rows, m0, n0, wscale_lanes);
+  }
+}
+
+template <int NR>
+void int8_run(const Int8Operands& op) {
+  const int64_t groups = (op.N + NR - 1) / NR;
+  // Grain: about 32 KB of weights per task.
+  const int64_t grain = std::max<int64_t>(1, 32768 / (NR * std::max<int64_t>(op.K, 1)));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) int8_columns<NR>(op, g * NR);
+  });
+}
+
+}  // namespace
+
+torch::Tensor linear_int8(torch::Tensor x, torch::Tensor qweight, torch::Tensor wscale) {
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && wscale.dim() == 1, "linear_int8: x and qweight 2-D, wscale 1-D");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "linear_int8: x must be bf16");
+  TORCH_CHECK(qweight.scalar_type() == torch::kInt8 && wscale.scalar_type() == torch::kFloat32,
+              "linear_int8: qweight must be int8 and wscale float32");
+  TORCH_CHECK(x.size(1) == qweight.size(1), "linear_int8: x and qweight disagree on K");
+  TORCH_CHECK(wscale.size(0) == qweight.size(0), "linear_int8: wscale needs one scale per row of qweight");
+  TORCH_CHECK(x.size(1) >= 1 && x.size(1) <= std::numeric_limits<int32_t>::max() / (127 * 127),
+              "linear_int8: K must be 1 .. 2^31 / 127^2 (int32 sums)");
+  TORCH_CHECK(qweight.is_contiguous() && wscale.is_contiguous(), "linear_int8: qweight and wscale must be contiguous");
+  x = x.contiguous();
+  const int64_t M = x.size(0), N = qweight.size(0), K = x.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const QuantizedX xq(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K);
+  const Int8Operands op{xq, qweight.data_ptr<int8_t>(), wscale.data_ptr<float>(),
+                        reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, N, K};
+  if (M == 1) int8_run<kLanes>(op);
+  else if (M == 2) int8_run<kLanes / 2>(op);
+  else int8_run<kLanes / 4>(op);
+  return y;
+}
+
+#else
+torch::Tensor linear_int8(torch::Tensor, torch::Tensor, torch::Tensor) {
+  TORCH_CHECK(false, "linear_int8: this build has no int8 kernel (AVX-512 without VNNI)");
+}
+#endif
+
 // ---- the float32 decode plan's layer loop ----
 
 // The layer loop of kestrel/model/decode_plan.py for a float32 Llama-family model without q/k norms
@@ -978,6 +1339,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"), py::arg("in_q_dtype") = false);
   m.def("supports", &supports, "whether a (head_dim, group) pair has a kernel");
   m.def("linear_f32", &linear_f32, "x w^T in float32 for decode-sized batches (CPU)");
+  m.attr("int8_linear") = bool(KESTREL_INT8_LINEAR);  // whether linear_int8 runs in this build
+  m.def("linear_int8", &linear_int8,
+        "y = x w^T, bf16 x quantized per row to int8, w int8 with a float32 scale per row; y bf16 (CPU, "
+        "AVX512-VNNI or AVX2)", py::arg("x"), py::arg("qweight"), py::arg("wscale"));
   py::class_<DecodeLayersF32>(m, "DecodeLayersF32")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, double, double>(),
            py::arg("weights"), py::arg("caches"), py::arg("heads"), py::arg("eps"), py::arg("scale"))

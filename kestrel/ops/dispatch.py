@@ -107,6 +107,14 @@ def amx_gemv():
     return gemv
 
 
+def int8_kernels():
+    """cpu_kernels() where its build has the int8 matmul (linear_int8: AVX512-VNNI or AVX2), else None."""
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.int8_linear:
+        return None
+    return kernels
+
+
 @dataclass(frozen=True)
 class F32Kernels:
     """The float32 matmul of a kernel build, and its C++ decode layer loop (DecodeLayersF32)."""
