@@ -13,7 +13,8 @@
 // paged_decode_attention_int8 and rotary_write_kv_int8: the int8 KV cache (int8_kv.h).
 // rms_norm (optionally fused with the residual add), silu_and_mul, rotary_write_kv and argmax_rows:
 // one pass over each row. linear_f32 and DecodeLayersF32: float32 decode-sized products and the
-// float32 decode plan's layer loop.
+// float32 decode plan's layer loop. linear_int8: --quantization int8's products where there is no AMX
+// (AVX512-VNNI or AVX2; see "int8 linear layers" below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
