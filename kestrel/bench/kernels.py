@@ -5,8 +5,9 @@
 AMX prefill-attention kernel against SDPA, one layer.
 
 `python -m kestrel.bench.kernels --linear [--rows 1 8 ...]`: the four projections of one decoder
-layer, bf16 (AMX up to 128 rows, torch's GEMM above, as Kestrel runs them) against --quantization
-int8 (AMX-INT8 at every size), the two interleaved call by call.
+layer, bf16 (as Kestrel runs them: AMX up to 128 rows where the CPU has it, the small-batch kernel
+or torch's GEMM elsewhere) against --quantization int8 (AMX-INT8 where the CPU has it, else
+cpu_kernels' linear_int8 on AVX512-VNNI or AVX2), the two interleaved call by call.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def linear_table(rows_list: list[int], calls: int, hidden: int = 576, intermedia
     linear = select_linear(torch.device("cpu"), torch.bfloat16).linear
     int8_matmul = select_int8_matmul(torch.device("cpu"), torch.bfloat16)
     if int8_matmul is linear_int8_reference:
-        raise SystemExit("the AMX-INT8 kernel is not available on this machine")
+        raise SystemExit("no int8 kernel (AMX-INT8, AVX512-VNNI or AVX2) is available on this machine")
     table = ["| rows | bf16 | int8 (W8A8) | speed-up |", "|---|---|---|---|"]
     for rows in rows_list:
         xs = [torch.randn(rows, k).bfloat16() for _, k in shapes]

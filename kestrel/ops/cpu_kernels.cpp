@@ -13,7 +13,8 @@
 // paged_decode_attention_int8 and rotary_write_kv_int8: the int8 KV cache (int8_kv.h).
 // rms_norm (optionally fused with the residual add), silu_and_mul, rotary_write_kv and argmax_rows:
 // one pass over each row. linear_f32 and DecodeLayersF32: float32 decode-sized products and the
-// float32 decode plan's layer loop.
+// float32 decode plan's layer loop. linear_int8: --quantization int8's products where there is no AMX
+// (AVX512-VNNI or AVX2; see "int8 linear layers" below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -940,11 +941,19 @@ struct WeightPiece {
   __m512i biased;  // w + 128 as u8
 };
 inline QVec load_q(const int8_t* p) { return _mm512_loadu_si512(p); }
-inline QVec load_q_first(const int8_t* p, int64_t n) {  // n < kQBytes values, zeros after
-  return _mm512_maskz_loadu_epi8((__mmask64(1) << n) - 1, p);
+// Keeps a loaded vector in a register: folded into each vpdpbusd as a memory operand, x would be
+// loaded NR times per step, and the loads, not the products, would set the pace.
+inline QVec in_register_q(QVec v) {
+  asm("" : "+v"(v));
+  return v;
 }
 inline WeightPiece weight_piece(QVec w) { return {_mm512_xor_si512(w, _mm512_set1_epi8(-128))}; }
-inline VecI dot_add(VecI acc, const WeightPiece& w, QVec x) { return _mm512_dpbusd_epi32(acc, w.biased, x); }
+// acc += the four u8 x s8 products of each lane. Written as asm: through the intrinsic, GCC copied
+// every accumulator to another register and back at each step (seen in GCC 12.2's output).
+inline VecI dot_add(VecI acc, const WeightPiece& w, QVec x) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w.biased), "v"(x));
+  return acc;
+}
 inline int32_t accumulator_start(int32_t q_sum) { return -128 * q_sum; }
 inline VecI first_lane(int32_t v) { return _mm512_maskz_set1_epi32(1, v); }
 inline VecF to_float(VecI v) { return _mm512_cvtepi32_ps(v); }
@@ -955,7 +964,7 @@ inline VecI or_i(VecI a, VecI b) { return _mm512_or_si512(a, b); }
 inline void store_int8(int8_t* p, VecF v) { _mm_storeu_si128((__m128i*)p, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v))); }
 
 // One vector whose lane i is the sum of a[i]'s lanes.
-inline VecI sum_lanes(const VecI a[kLanes]) {
+__attribute__((always_inline)) inline VecI sum_lanes(const VecI a[kLanes]) {
   VecI t[8], u[4], v[2];
   for (int i = 0; i < 8; ++i)
     t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
@@ -986,10 +995,9 @@ struct WeightPiece {
   __m256i w, magnitude;  // w, and |w| as u8 (|-128| is 128)
 };
 inline QVec load_q(const int8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
-inline QVec load_q_first(const int8_t* p, int64_t n) {
-  alignas(32) int8_t part[kQBytes] = {};
-  std::memcpy(part, p, n);
-  return _mm256_load_si256((const __m256i*)part);
+inline QVec in_register_q(QVec v) {
+  asm("" : "+x"(v));
+  return v;
 }
 inline WeightPiece weight_piece(QVec w) { return {w, _mm256_abs_epi8(w)}; }
 inline VecI dot_add(VecI acc, const WeightPiece& w, QVec x) {
@@ -1008,7 +1016,7 @@ inline void store_int8(int8_t* p, VecF v) {
   _mm_storel_epi64((__m128i*)p, _mm_packs_epi16(w16, w16));
 }
 
-inline VecI sum_lanes(const VecI a[kLanes]) {
+__attribute__((always_inline)) inline VecI sum_lanes(const VecI a[kLanes]) {
   const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
   const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(a[4], a[5]), _mm256_hadd_epi32(a[6], a[7]));
   return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
@@ -1127,7 +1135,8 @@ inline float quantize_x_row(const uint16_t* x, int64_t K, bool rotate, float* r,
 
 // x quantized, rows of kp (K rounded up to whole vectors) zero-padded int8 levels, with each row's
 // scale and accumulator start. One buffer per calling thread, kept and grown: an allocation per call
-// would cost about as much as a small product.
+// would cost about as much as a small product. Rows start on 64-byte lines: a vector load across two
+// lines costs two.
 struct QuantizedX {
   int8_t* q;
   float* scale;
@@ -1137,9 +1146,9 @@ struct QuantizedX {
     thread_local std::vector<int8_t> levels;
     thread_local std::vector<float> scales;
     thread_local std::vector<int32_t> starts;
-    if ((int64_t)levels.size() < M * kp) levels.resize(M * kp);
+    if ((int64_t)levels.size() < M * kp + 64) levels.resize(M * kp + 64);
     if ((int64_t)scales.size() < M) scales.resize(M), starts.resize(M);
-    q = levels.data();
+    q = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(levels.data()) + 63) & ~uintptr_t(63));
     scale = scales.data();
     start = starts.data();
     const bool rotate = K % 64 == 0;
@@ -1162,19 +1171,42 @@ struct Int8Operands {
   int64_t M, N, K;
 };
 
-// lane i of the tile's vector is (x row i / NR, weight row i % NR).
-template <int NR>
-inline VecI lane_index(bool row_of_x) {
-  alignas(64) int32_t idx[kLanes];
-  for (int i = 0; i < kLanes; ++i) idx[i] = row_of_x ? i / NR : i % NR;
-  return load_i(idx);
-}
+// Lane i of a tile's vector holds (x row i / NR, weight row i % NR): the lanes' rows and columns.
+struct TileLanes {
+  VecI row, col;
+  explicit TileLanes(int nr) {
+    alignas(64) int32_t r[kLanes], c[kLanes];
+    for (int i = 0; i < kLanes; ++i) r[i] = i / nr, c[i] = i % nr;
+    row = load_i(r);
+    col = load_i(c);
+  }
+};
 
 // The MR x NR tile of y at rows m0.., columns n0.. (rows and columns past M and N are computed
 // from clamped rows and not stored). `wscale_lanes`: wscale of each lane's column.
+// The weight rows of a tile: where K is not whole vectors, `tail` holds each row's last part,
+// zero-padded to a vector (read in place of the row's end, which a vector load would overrun).
+template <int NR>
+struct WeightRows {
+  const int8_t* row[NR];
+  const int8_t* tail[NR];
+  alignas(64) int8_t tail_values[NR][kQBytes];
+  WeightRows(const Int8Operands& op, int64_t n0) {
+    const int64_t whole = op.K / kQBytes * kQBytes;
+    for (int n = 0; n < NR; ++n) {
+      row[n] = op.w + std::min(n0 + n, op.N - 1) * op.K;
+      tail[n] = tail_values[n];
+      if (whole < op.K) {
+        std::memset(tail_values[n], 0, kQBytes);
+        std::memcpy(tail_values[n], row[n] + whole, op.K - whole);
+      }
+    }
+  }
+};
+
 template <int MR, int NR>
-inline void int8_tile(const Int8Operands& op, const int8_t* const w_rows[NR], int64_t m0, int64_t n0,
-                      VecF wscale_lanes) {
+inline void int8_tile(const Int8Operands& op, const TileLanes& lanes, const WeightRows<NR>& w_rows, int64_t m0,
+                      int64_t n0, VecF wscale_lanes) {
   static_assert(MR * NR <= kLanes, "one vector of sums per tile");
   const int64_t kp = op.x.kp, K = op.K;
   const int8_t* x_rows[MR];
@@ -1184,20 +1216,20 @@ inline void int8_tile(const Int8Operands& op, const int8_t* const w_rows[NR], in
     x_rows[m] = op.x.q + row * kp;
     for (int n = 0; n < NR; ++n) acc[m][n] = first_lane(op.x.start[row]);
   }
-  const auto step = [&](int64_t k, const auto& load_w) {
+  for (int64_t k = 0; k < kp; k += kQBytes) {  // x is zero-padded to kp
+    const int8_t* const* w = w_rows.row;
+    int64_t wk = k;
+    if (k + kQBytes > K) w = w_rows.tail, wk = 0;
     QVec xv[MR];
-    for (int m = 0; m < MR; ++m) xv[m] = load_q(x_rows[m] + k);
+    for (int m = 0; m < MR; ++m) xv[m] = in_register_q(load_q(x_rows[m] + k));
     for (int n = 0; n < NR; ++n) {
-      const WeightPiece w = weight_piece(load_w(w_rows[n] + k));
-      for (int m = 0; m < MR; ++m) acc[m][n] = dot_add(acc[m][n], w, xv[m]);
+      const WeightPiece piece = weight_piece(load_q(w[n] + wk));
+      for (int m = 0; m < MR; ++m) acc[m][n] = dot_add(acc[m][n], piece, xv[m]);
     }
-  };
-  int64_t k = 0;
-  for (; k + kQBytes <= K; k += kQBytes) step(k, [](const int8_t* p) { return load_q(p); });
-  if (k < K) step(k, [n = K - k](const int8_t* p) { return load_q_first(p, n); });  // x is zero-padded
+  }
   VecI sums[kLanes];
   for (int i = 0; i < kLanes; ++i) sums[i] = i < MR * NR ? acc[i / NR][i % NR] : splat_i(0);
-  const VecF xscale_lanes = permute_lanes(load_first(op.x.scale + m0, op.M - m0), lane_index<NR>(true));
+  const VecF xscale_lanes = permute_lanes(load_first(op.x.scale + m0, op.M - m0), lanes.row);
   const VecF v = mul(mul(to_float(sum_lanes(sums)), wscale_lanes), xscale_lanes);  // two roundings, as the reference
   // bf16 to nearest even; a NaN stays a quiet NaN
   const VecI nan_bits = or_i(bits(v), splat_i(0x00400000));
@@ -1210,21 +1242,20 @@ inline void int8_tile(const Int8Operands& op, const int8_t* const w_rows[NR], in
 
 // Every row of x against weight rows n0 .. n0 + NR: blocks of MR = kLanes / NR rows, then the rest.
 template <int NR>
-inline void int8_columns(const Int8Operands& op, int64_t n0) {
+inline void int8_columns(const Int8Operands& op, const TileLanes& lanes, int64_t n0) {
   constexpr int MR = kLanes / NR;
-  const int8_t* w_rows[NR];
-  for (int n = 0; n < NR; ++n) w_rows[n] = op.w + std::min(n0 + n, op.N - 1) * op.K;
-  const VecF wscale_lanes = permute_lanes(load_first(op.wscale + n0, op.N - n0), lane_index<NR>(false));
+  const WeightRows<NR> w_rows(op, n0);
+  const VecF wscale_lanes = permute_lanes(load_first(op.wscale + n0, op.N - n0), lanes.col);
   int64_t m0 = 0;
-  for (; m0 + MR <= op.M; m0 += MR) int8_tile<MR, NR>(op, w_rows, m0, n0, wscale_lanes);
+  for (; m0 + MR <= op.M; m0 += MR) int8_tile<MR, NR>(op, lanes, w_rows, m0, n0, wscale_lanes);
   if constexpr (MR >= 4) {
-    if (op.M - m0 == 3) int8_tile<3, NR>(op, w_rows, m0, n0, wscale_lanes);
+    if (op.M - m0 == 3) int8_tile<3, NR>(op, lanes, w_rows, m0, n0, wscale_lanes);
   }
   if constexpr (MR >= 3) {
-    if (op.M - m0 == 2) int8_tile<2, NR>(op, w_rows, m0, n0, wscale_lanes);
+    if (op.M - m0 == 2) int8_tile<2, NR>(op, lanes, w_rows, m0, n0, wscale_lanes);
   }
   if constexpr (MR >= 2) {
-    if (op.M - m0 == 1) int8_tile<1, NR>(op, w_rows, m0, n0, wscale_lanes);
+    if (op.M - m0 == 1) int8_tile<1, NR>(op, lanes, w_rows, m0, n0, wscale_lanes);
   }
 }
 
@@ -1233,8 +1264,9 @@ void int8_run(const Int8Operands& op) {
   const int64_t groups = (op.N + NR - 1) / NR;
   // Grain: about 32 KB of weights per task.
   const int64_t grain = std::max<int64_t>(1, 32768 / (NR * std::max<int64_t>(op.K, 1)));
+  const TileLanes lanes(NR);
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) int8_columns<NR>(op, g * NR);
+    for (int64_t g = begin; g < end; ++g) int8_columns<NR>(op, lanes, g * NR);
   });
 }
 
