@@ -13,6 +13,16 @@ from kestrel.bench import latency
 from kestrel.bench.neighbours import BusyNeighbours
 
 
+def new_children(before: set[int]) -> list[int]:
+    """This process's children that were not there before (earlier tests of the suite may have left
+    helpers of their own running, multiprocessing's resource tracker among them)."""
+    return [c.pid for c in psutil.Process().children() if c.pid not in before]
+
+
+def child_pids() -> set[int]:
+    return {c.pid for c in psutil.Process().children()}
+
+
 def alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -21,6 +31,7 @@ def alive(pid: int) -> bool:
 
 
 def test_busy_neighbours_spin_and_are_reaped():
+    before = child_pids()
     with BusyNeighbours(2) as neighbours:
         pids = neighbours.pids
         assert len(pids) == 2 and all(alive(p) for p in pids)
@@ -28,7 +39,7 @@ def test_busy_neighbours_spin_and_are_reaped():
         time.sleep(0.5)
         assert all(p.cpu_times().user > 0.1 for p in procs)   # they do spin
     assert not any(alive(p) for p in pids)
-    assert not psutil.Process().children()
+    assert not new_children(before)
 
 
 def test_busy_neighbours_are_reaped_when_the_body_fails():
@@ -39,8 +50,9 @@ def test_busy_neighbours_are_reaped_when_the_body_fails():
 
 
 def test_zero_neighbours_start_nothing():
+    before = child_pids()
     with BusyNeighbours(0) as neighbours:
-        assert neighbours.pids == [] and not psutil.Process().children()
+        assert neighbours.pids == [] and not new_children(before)
 
 
 class FakeServer:
@@ -57,9 +69,10 @@ class FakeServer:
 
 def test_latency_rounds_run_alone_then_beside_the_neighbours(monkeypatch):
     events: list[tuple[str, str, int]] = []
+    before = child_pids()
 
     def children() -> int:
-        return len(psutil.Process().children())
+        return len(new_children(before))
 
     def fake_start(stack, spec, args):
         return latency.LiveEngine(spec, FakeServer(), None, "m", type("Rss", (), {"peak": 1})())
@@ -81,7 +94,7 @@ def test_latency_rounds_run_alone_then_beside_the_neighbours(monkeypatch):
     one_round = [("settle", "kestrel", 0), ("round", "kestrel", 0), ("settle", "kestrel", 1), ("round", "kestrel", 1),
                  ("settle", "peer", 0), ("round", "peer", 0), ("settle", "peer", 1), ("round", "peer", 1)]
     assert events == one_round * 2
-    assert not psutil.Process().children()   # no neighbour leaked
+    assert not new_children(before)   # no neighbour leaked
     for e in engines:
         (s,) = e["settings"]
         assert s["tpot_ms"] == pytest.approx(10) and s["neighbour"]["tpot_ms"] == pytest.approx(20)
