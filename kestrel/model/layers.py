@@ -16,7 +16,6 @@ from torch import nn
 
 from kestrel.ops.dispatch import (  # noqa: F401
     AMX_MAX_ROWS,
-    AVX512_MAX_ROWS,
     F32_MAX_ROWS,
     RmsNorm,
     apply_rotary,
