@@ -240,7 +240,8 @@ def _amx_linear(gemv) -> LinearOps:
     amx, avx512 = gemv.linear_bf16_amx, gemv.linear_bf16_avx512
 
     def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """What `linear` does with a bf16 product the kernels take (the plan's matmul)."""
+        """What `linear` does with a bf16 product the kernels take (the plan binds `amx` itself, to the
+        weights whose N is a multiple of 16)."""
         return amx(x, weight) if weight.shape[0] % 16 == 0 else avx512(x, weight)   # N off the AMX tiles
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
