@@ -101,6 +101,33 @@ def llama_server_binary() -> Path:
     return path.resolve()
 
 
+LLAMA_QUANTIZE_ENV = "KESTREL_LLAMA_QUANTIZE"
+PEER_CACHE_ENV = "KESTREL_PEER_CACHE"
+
+
+def llama_quantize_binary() -> Path:
+    """llama.cpp's `llama-quantize`: `$KESTREL_LLAMA_QUANTIZE` if set, else the one built beside
+    `llama_server_binary()` (the build script builds both)."""
+    env_binary = os.environ.get(LLAMA_QUANTIZE_ENV)
+    path = Path(env_binary).expanduser() if env_binary else llama_server_binary().parent / "llama-quantize"
+    if not _is_executable_file(path):
+        raise RuntimeError(f"llama-quantize not found at {path}; set ${LLAMA_QUANTIZE_ENV} to the binary")
+    return path.resolve()
+
+
+def built_llama_tool(name: str) -> Path | None:
+    """`name` ("llama-server", "llama-quantize") where it is already built, without building it: beside
+    `$KESTREL_LLAMA_SERVER`, else in the build script's cache folder (`$KESTREL_PEER_CACHE`, default
+    ~/.cache/kestrel-peers); None if neither has it. For tests that skip where llama.cpp is not built."""
+    env_binary = os.environ.get(LLAMA_SERVER_ENV)
+    if env_binary:
+        candidates = [Path(env_binary).expanduser().parent / name]
+    else:
+        cache = Path(os.environ.get(PEER_CACHE_ENV) or Path.home() / ".cache" / "kestrel-peers")
+        candidates = sorted(cache.glob(f"llama_cpp_python-*/vendor/llama.cpp/build/bin/{name}"))
+    return next((p.resolve() for p in reversed(candidates) if _is_executable_file(p)), None)
+
+
 def _is_executable_file(path: Path) -> bool:
     return path.is_file() and os.access(path, os.X_OK)
 
