@@ -8,6 +8,8 @@
                             int8), or :q4_1 for the native file. Bare `llama-server` takes Kestrel's
                             default dtype on this machine: bf16, or f32 on a CPU without bf16
                             instructions (where Kestrel runs float32)
+    llama-server:q4_k       llama-quantize's Q4_K_M file: only where the caller gives the file
+                            (`gguf=`, workload W6: kestrel/bench/w6_model.py)
 
 All are driven through the same OpenAI-compatible client (kestrel/bench/serve.py). llama.cpp runs as
 its users would run it: flash attention on, `-np` slots (the best count of the sweep in BENCHMARKS.md,
@@ -26,8 +28,10 @@ from pathlib import Path
 from kestrel.bench.peers import KestrelServer, LlamaServer, gguf_in_precision
 
 SERVER_SPECS = ("kestrel", "llama-server", "llama-server:bf16", "llama-server:f32", "llama-server:q8_0",
-                "llama-server:q4_1")
+                "llama-server:q4_1", "llama-server:q4_k")
 PEER_SPECS = SERVER_SPECS[1:]
+# Precisions that have no conversion from a model's GGUF: the caller gives the file.
+GIVEN_FILE_PRECISIONS = ("q4_k",)
 # llama-server's best slot count for W1 (64 requests at once) of {8, 16, 32, 64}, swept on each machine
 # kind seen (BENCHMARKS.md): more slots make its batches wider than its CPU kernels run well.
 LLAMA_BEST_NP = 16
@@ -82,17 +86,36 @@ def llama_slots(in_flight: int) -> int:
 
 
 def launch_server(spec: str, *, parallel: int, ctx_per_slot: int, kestrel_flags: Sequence[str] = (),
-                  model: str | None = None) -> KestrelServer | LlamaServer:
+                  model: str | None = None, gguf: Path | None = None) -> KestrelServer | LlamaServer:
     """A not-yet-started server (use it as a context manager); `parallel`: the most requests the
-    workload has in flight at once."""
+    workload has in flight at once. `gguf`: the file a llama-server spec runs as it is (instead of
+    `model`'s weights written in the spec's precision)."""
     check_spec(spec)
     if spec == "kestrel" or is_kestrel_variant(spec):
         variant = shlex.split(spec.partition(":")[2])
         return KestrelServer(list(kestrel_flags) + variant + (["--model", model] if model else []))
     precision = peer_label(spec).partition(":")[2]
-    gguf = gguf_in_precision(model_gguf(model), precision)
-    # Repacked Q4_1 / Q8_0 weights run ggml's AMX kernels, which die with SIGILL where the kernel does
-    # not grant AMX to the process (seen on these machines); the plain kernels need no permission.
-    extra = ["--no-repack"] if precision in ("q4_1", "q8_0") else []
+    if gguf is None:
+        if precision in GIVEN_FILE_PRECISIONS:
+            raise ValueError(f"{spec} runs llama-quantize's file of W6's model: use it with --workload W6")
+        gguf = gguf_in_precision(model_gguf(model), precision)
     return LlamaServer(gguf, parallel=llama_slots(parallel), ctx_per_slot=ctx_per_slot,
-                       threads=len(os.sched_getaffinity(0)), extra_args=extra)
+                       threads=len(os.sched_getaffinity(0)), extra_args=repack_args(precision, cpu_has_amx()))
+
+
+def repack_args(precision: str, has_amx: bool) -> list[str]:
+    """Repacked Q4_1 / Q8_0 weights run ggml's AMX kernels, which die with SIGILL where the kernel does
+    not grant AMX to the process (seen on these machines); the plain kernels need no permission.
+    Q4_K has AMX kernels too, but also an AVX2 repack that its users get on every other x86 machine,
+    so it is turned off only where the CPU has AMX."""
+    if precision in ("q4_1", "q8_0") or (precision == "q4_k" and has_amx):
+        return ["--no-repack"]
+    return []
+
+
+def cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and "amx_tile" in line.split() for line in f)
+    except OSError:
+        return False

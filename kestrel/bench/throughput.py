@@ -1,8 +1,15 @@
-"""`kestrel bench throughput`: workloads W1 (offline throughput) and W4 (shared prefix), against peers.
+"""`kestrel bench throughput`: workloads W1 (offline throughput), W4 (shared prefix) and W6 (W1 on a
+1B-class model), against peers.
 
 W4 (`--workload W4`): 64 requests sharing a 512-token prefix, each with 32 tokens of its own and 32
 output tokens. Kestrel runs it twice, prefix caching on and off, and reports wall time and mean TTFT
 (first token time minus arrival, from each request's metrics) for both.
+
+W6 (`--workload W6`): W1's requests (the same seed and lengths; prompt ids inside its 32000-token
+vocabulary) on a Llama of TinyLlama-1.1B's shape with random weights (kestrel/bench/w6_model.py),
+generated into Kestrel's cache folder on first use. Kestrel and `transformers` read its safetensors
+folder (bf16); `llama-server:bf16` its bf16 GGUF file, `llama-server:q8_0` and `llama-server:q4_k`
+llama-quantize's Q8_0 and Q4_K_M files of it. The report names the file each engine read.
 
 Peers `llama-server[:bf16|:f32|:q4_1]` (kestrel/bench/launch.py): llama.cpp's server on the same
 weights written in that precision (by default Kestrel's own dtype here: bf16, or f32 on a CPU
@@ -43,10 +50,11 @@ import argparse
 import functools
 import os
 from datetime import UTC, datetime
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kestrel.bench.common import log, set_torch_threads, warn_if_busy
-from kestrel.bench.launch import PEER_SPECS
+from kestrel.bench.launch import PEER_SPECS, peer_label
 from kestrel.bench.report import write_report
 from kestrel.bench.throughput_report import build_report, format_markdown, format_summary
 from kestrel.bench.throughput_runs import run_kestrel, run_server_peer
@@ -55,12 +63,20 @@ from kestrel.bench.workloads import (
     W1_INPUT_LEN_RANGE,
     W1_NUM_REQUESTS,
     W1_OUTPUT_LEN_RANGE,
+    BenchRequest,
     w1_offline_throughput,
     w4_shared_prefix,
+    w6_offline_throughput,
 )
 
+if TYPE_CHECKING:
+    from kestrel.bench.w6_model import W6Model
+
 PEERS = ("transformers", *PEER_SPECS)
-WORKLOADS = ("W1", "W4")
+WORKLOADS = ("W1", "W4", "W6")
+# W6's llama-server peers and the file each reads: its bf16 GGUF (None) or a llama-quantize type.
+W6_PEER_FILES: dict[str, str | None] = {"llama-server:bf16": None, "llama-server:q8_0": "Q8_0",
+                                        "llama-server:q4_k": "Q4_K_M"}
 DEFAULT_RUNS = 3
 DEFAULT_PEER_BATCH_SIZE = 16
 
@@ -79,11 +95,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=DEFAULT_RUNS,
                         help=f"timed runs per engine; the median is reported (default: {DEFAULT_RUNS})")
     parser.add_argument("--workload", choices=WORKLOADS, default="W1",
-                        help="W1 (offline throughput) or W4 (shared prefix, caching on vs off) (default: W1)")
+                        help="W1 (offline throughput), W4 (shared prefix, caching on vs off) or W6 (W1's "
+                             "requests on a random-weight Llama of TinyLlama-1.1B's shape, generated into "
+                             "Kestrel's cache on first use) (default: W1)")
     parser.add_argument("--peer", action="append", choices=PEERS, default=[],
                         help="also run this peer (repeatable): transformers on the same weights and dtype; "
                              "llama-server on the weights written as bf16 or f32 (default: Kestrel's dtype here), "
-                             "or its native q4_1 file")
+                             "or its native q4_1 file; W6: llama-server:bf16 on its bf16 GGUF, :q8_0 and :q4_k "
+                             "on llama-quantize's Q8_0 and Q4_K_M files")
     parser.add_argument("--no-roofline", dest="roofline", action="store_false",
                         help="skip measuring the machine's matmul and copy rates (W1 only: W4 never does)")
     parser.add_argument("--peer-batch-size", type=int, default=DEFAULT_PEER_BATCH_SIZE,
@@ -97,12 +116,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     """Run the benchmark the parsed command line describes; print the report; 0 on success."""
-    check_options(args)
-    if args.workload == "W4":
-        requests = w4_shared_prefix()
-    else:
-        requests = w1_offline_throughput(args.num_prompts, tuple(args.input_len_range),
-                                         tuple(args.output_len_range))
+    check_options(args, engine_kwargs)
+    requests = workload_requests(args)
+    w6 = None
+    if args.workload == "W6":
+        from kestrel.bench.w6_model import w6_model
+        w6 = w6_model()
+        engine_kwargs = {**engine_kwargs, "model": str(w6.hf_folder)}
     log(f"workload {args.workload}: {len(requests)} requests, {sum(r.input_len for r in requests)} prompt tokens, "
         f"{sum(r.output_len for r in requests)} output tokens")
     started = datetime.now(UTC)
@@ -112,7 +132,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         set_torch_threads(args.num_threads)
     limits = rate_before_run = None
     # W4's first engine skips the prefill its prefix cache holds: W1's FLOP count would not apply.
-    if args.roofline and args.workload == "W1":
+    if args.roofline and args.workload in ("W1", "W6"):
         limits = measure_machine_limits(engine_kwargs)
         from kestrel.bench.roofline import gflops_of
         rate_before_run = functools.partial(gflops_of, [tuple(x) for x in limits["shapes"]], limits["roofline_dtype"])
@@ -124,10 +144,26 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
                 dtype=engine_info["dtype"], device=engine_info["device"], requests=requests,
                 batch_size=args.peer_batch_size, runs=args.runs, num_threads=args.num_threads)))
         else:
-            results.append(run_server_peer(peer, requests, args.runs, args.workload, engine_kwargs.get("model")))
+            gguf = w6_peer_gguf(peer, w6) if w6 is not None else None
+            results.append(run_server_peer(peer, requests, args.runs, args.workload, engine_kwargs.get("model"),
+                                           gguf))
     report = build_report(args, requests, results, engine_info, started, load_average, limits)
     write_report(report, format_summary(report), format_markdown(report), args.output_json, args.append_md)
     return 0
+
+
+def workload_requests(args: argparse.Namespace) -> list[BenchRequest]:
+    if args.workload == "W4":
+        return w4_shared_prefix()
+    draw = w6_offline_throughput if args.workload == "W6" else w1_offline_throughput
+    return draw(args.num_prompts, tuple(args.input_len_range), tuple(args.output_len_range))
+
+
+def w6_peer_gguf(peer: str, model: W6Model) -> Path:
+    """The GGUF file a llama-server peer reads in W6 (llama-quantize runs the first time)."""
+    from kestrel.bench.w6_model import quantized_gguf
+    quant_type = W6_PEER_FILES[peer_label(peer)]
+    return model.bf16_gguf if quant_type is None else quantized_gguf(model, quant_type)
 
 
 def measure_machine_limits(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -158,10 +194,19 @@ def measure_machine_limits(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     return limits
 
 
-def check_options(args: argparse.Namespace) -> None:
+def check_options(args: argparse.Namespace, engine_kwargs: dict[str, Any] | None = None) -> None:
     if args.runs < 1:
         raise ValueError(f"--runs must be at least 1, got {args.runs}")
     if args.peer_batch_size < 1:
         raise ValueError(f"--peer-batch-size must be at least 1, got {args.peer_batch_size}")
     if args.num_threads is not None and args.num_threads < 1:
         raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}")
+    servers = [p for p in args.peer if p != "transformers"]
+    if args.workload == "W6":
+        if (engine_kwargs or {}).get("model"):
+            raise ValueError("--workload W6 runs its own generated model; drop --model")
+        unknown = [p for p in servers if peer_label(p) not in W6_PEER_FILES]
+        if unknown:
+            raise ValueError(f"W6's llama-server peers are {', '.join(W6_PEER_FILES)}; got {', '.join(unknown)}")
+    elif "llama-server:q4_k" in servers:
+        raise ValueError("llama-server:q4_k reads llama-quantize's file of W6's model: use it with --workload W6")

@@ -22,7 +22,7 @@ def build_report(args: argparse.Namespace, requests: list[BenchRequest], results
         shape = {"prefix_len": W4_PREFIX_LEN, "unique_len": W4_UNIQUE_LEN}
     else:
         standard = is_standard_w1(len(requests), tuple(args.input_len_range), tuple(args.output_len_range))
-        workload_id = "W1" if standard else "W1 (reduced)"
+        workload_id = args.workload if standard else f"{args.workload} (reduced)"
         shape = {"input_len_range": list(args.input_len_range), "output_len_range": list(args.output_len_range)}
     kestrel = results[0]
     roofline = None
@@ -158,7 +158,8 @@ def format_summary(report: dict[str, Any]) -> str:
     lines += [
         f"workload {w['id']}: {w['num_requests']} requests, {w['input_tokens']} prompt + {w['output_tokens']} "
         f"output tokens; median of {w['runs']} run(s)",
-        f"model {e['model']} ({e['format']}), {_precision(e)} on {e['device']}; "
+        f"model {e['model']} ({e['format']}, read {os.path.join(e['model_path'], e['gguf_file'] or '')}), "
+        f"{_precision(e)} on {e['device']}; "
         f"{m['cpu_model']}, {m['usable_cpus']} cpus, bf16 flags: {' '.join(m['bf16_flags']) or 'none'}",
     ]
     if (line := _roofline_line(report)) is not None:
@@ -184,7 +185,9 @@ def format_markdown(report: dict[str, Any]) -> str:
     table = markdown_table(HEADER, _rows(report))
     runs = "; ".join(f"{side['name']}: {', '.join(f'{t:.2f}' for t in side['run_wall_s'])} s"
                      for side in report["results"])
-    title = "offline throughput" if w["id"].startswith("W1") else "shared prefix"
+    title = "shared prefix" if w["id"] == "W4" else "offline throughput"
+    if w["id"].startswith("W6"):
+        title += " of a 1B-class model"
     lines = [
         "", f"## {w['id']} {title} — {report['date']}", "",
         f"- Command: `{report['command']}`",
@@ -193,13 +196,14 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"torch {m['torch']}, transformers {m['transformers']}; "
         f"{load_averages(report)}; threads: "
         + ", ".join(f"{side['name']} {side['torch_threads']}" for side in report["results"]),
-        f"- Model: {e['model']}, {e['format']}, {_precision(e)} on {e['device']}",
+        f"- Model: {e['model']}, {e['format']}, {_precision(e)} on {e['device']}; Kestrel read "
+        f"{os.path.join(e['model_path'], e['gguf_file'] or '')}",
         f"- Workload: {_workload_line(w)}",
         f"- Kestrel: max_num_seqs {e['max_num_seqs']}, max_num_batched_tokens {e['max_num_batched_tokens']}, "
         f"{e['num_kv_blocks']} KV blocks of {e['block_size']}, prefix caching emptied before each run, "
         f"chunked prefill {'on' if e['enable_chunked_prefill'] else 'off'}; in-process `LLM.generate`. "
         "llama-server peers: every request at once through the benchmark's HTTP client "
-        "(W1: non-streaming, cache_prompt false; W4: streaming, cache_prompt true)",
+        "(W1, W6: non-streaming, cache_prompt false; W4: streaming, cache_prompt true)",
         "", *table, "",
         f"Run wall times: {runs}. Only generation is timed (after a short warm-up), not model load.",
     ]

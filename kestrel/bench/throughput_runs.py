@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kestrel.bench.common import (
@@ -83,21 +84,22 @@ def _run_kestrel_once(requests: list[BenchRequest], engine_kwargs: dict[str, Any
 
 
 def run_server_peer(spec: str, requests: list[BenchRequest], runs: int, workload: str,
-                    model: str | None) -> EngineResult:
-    """A server peer (llama-server) on the whole workload at once, through the benchmark client."""
+                    model: str | None, gguf: Path | None = None) -> EngineResult:
+    """A server peer (llama-server) on the whole workload at once, through the benchmark client;
+    `gguf`: the file it reads as it is (default: `model`'s weights in the spec's precision)."""
     import asyncio
 
     from kestrel.bench.launch import launch_server
     from kestrel.bench.peers import RssSampler
     from kestrel.bench.serve import Target, resolve_model, send_requests
     ctx = max(r.input_len + r.output_len for r in requests) + 16
-    server = launch_server(spec, parallel=len(requests), ctx_per_slot=ctx, model=model)
+    server = launch_server(spec, parallel=len(requests), ctx_per_slot=ctx, model=model, gguf=gguf)
     log(f"{server.label}: starting")
     start = time.perf_counter()
     with server, RssSampler(server.pid) as rss:
         load_s = time.perf_counter() - start
         rss_after_load = rss.sample()
-        w4 = workload == "W4"
+        w4 = workload == "W4"  # W1 and W6: non-streaming, no prompt cache
         target = Target(server.base_url, stream=w4, extra_body={"cache_prompt": w4})
         name, _ = asyncio.run(resolve_model(target))
         warm = random_requests(2, (16, 32), (4, 4), seed=W1_SEED + 1)
@@ -117,7 +119,7 @@ def run_server_peer(spec: str, requests: list[BenchRequest], runs: int, workload
             if produced != expected:
                 notes.append(f"run {i + 1} produced {produced} output tokens, expected {expected}")
         peak = rss.peak
-    notes.insert(0, server.label)
+    notes.insert(0, f"{server.label}, read {server.gguf}")
     return EngineResult(
         name=peer_label(spec), run_wall_s=walls, input_tokens=sum(r.input_len for r in requests),
         output_tokens=sum(r.output_len for r in requests), generated_tokens=sum(r.output_len for r in requests),

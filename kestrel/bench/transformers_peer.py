@@ -4,6 +4,7 @@ in batches, in a child process of its own. See kestrel/bench/throughput.py."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -66,7 +67,8 @@ def run_transformers_peer(job: PeerJob) -> EngineResult:
         generated_tokens=generated, load_s=load_s, peak_rss_bytes=max(load_peak, peak_rss_bytes()),
         rss_after_load_bytes=rss_after_load, torch_threads=torch.get_num_threads(),
         peak_gpu_memory_bytes=peak_gpu_memory_bytes(job.device),
-        notes=[f"batches of {job.batch_size} in request order, left-padded; each batch generates up to its "
+        notes=[f"read {os.path.join(job.model_path, job.gguf_file or '')}",
+               f"batches of {job.batch_size} in request order, left-padded; each batch generates up to its "
                f"longest output ({generated} tokens generated, "
                f"{sum(r.output_len for r in job.requests)} useful)"])
 

@@ -46,14 +46,15 @@ def random_token_ids(rng: np.random.Generator, length: int,
 
 
 def random_requests(num_requests: int, input_len_range: tuple[int, int],
-                    output_len_range: tuple[int, int], seed: int) -> list[BenchRequest]:
+                    output_len_range: tuple[int, int], seed: int,
+                    id_range: tuple[int, int] = TOKEN_ID_RANGE) -> list[BenchRequest]:
     """Requests with random token-id prompts; lengths and ids all come from one seeded generator."""
     if num_requests < 1:
         raise ValueError(f"the number of requests must be at least 1, got {num_requests}")
     rng = np.random.default_rng(seed)
     input_lens = uniform_lengths(rng, num_requests, input_len_range)
     output_lens = uniform_lengths(rng, num_requests, output_len_range)
-    return [BenchRequest(random_token_ids(rng, n_in), n_out) for n_in, n_out in zip(input_lens, output_lens)]
+    return [BenchRequest(random_token_ids(rng, n_in, id_range), n_out) for n_in, n_out in zip(input_lens, output_lens)]
 
 
 def w1_offline_throughput(num_requests: int = W1_NUM_REQUESTS,
@@ -68,6 +69,19 @@ def is_standard_w1(num_requests: int, input_len_range: tuple[int, int],
                    output_len_range: tuple[int, int]) -> bool:
     return (num_requests == W1_NUM_REQUESTS and tuple(input_len_range) == W1_INPUT_LEN_RANGE
             and tuple(output_len_range) == W1_OUTPUT_LEN_RANGE)
+
+
+# W6: W1 on a 1B-class model (kestrel/bench/w6_model.py) whose vocabulary has 32000 tokens.
+W6_TOKEN_ID_RANGE = (100, 31999)
+
+
+def w6_offline_throughput(num_requests: int = W1_NUM_REQUESTS,
+                          input_len_range: tuple[int, int] = W1_INPUT_LEN_RANGE,
+                          output_len_range: tuple[int, int] = W1_OUTPUT_LEN_RANGE,
+                          seed: int = W1_SEED) -> list[BenchRequest]:
+    """W6: W1's requests (the same seed, so the same lengths: they are drawn before the ids) with
+    prompt ids inside the smaller vocabulary."""
+    return random_requests(num_requests, input_len_range, output_len_range, seed, W6_TOKEN_ID_RANGE)
 
 
 # W4: shared prefix.
