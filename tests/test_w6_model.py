@@ -116,9 +116,8 @@ def test_folder_and_bf16_gguf_hold_bit_identical_weights(tiny):
 
 @pytest.mark.timeout(600)
 def test_folder_gguf_and_transformers_greedy_tokens_agree(tiny):
-    from transformers import AutoModelForCausalLM
-
     from parity import assert_greedy_close, hf_greedy, kestrel_greedy
+    from transformers import AutoModelForCausalLM
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, 2000, size=n).tolist() for n in (5, 17, 40)]
@@ -236,7 +235,7 @@ def test_w6_options_are_checked():
 
 def test_w6_requests_are_w1s_inside_the_vocabulary():
     from kestrel.bench.throughput import workload_requests
-    from kestrel.bench.workloads import W6_TOKEN_ID_RANGE, w1_offline_throughput
+    from kestrel.bench.workloads import W6_TOKEN_ID_RANGE, w1_offline_throughput, warm_up_requests
 
     args, _ = _throughput_args("--workload", "W6")
     w6, w1 = workload_requests(args), w1_offline_throughput()
@@ -244,6 +243,8 @@ def test_w6_requests_are_w1s_inside_the_vocabulary():
     ids = [t for r in w6 for t in r.prompt_token_ids]
     assert min(ids) >= W6_TOKEN_ID_RANGE[0] and max(ids) == W6_TOKEN_ID_RANGE[1] < TINYLLAMA_SHAPE.vocab_size
     assert max(t for r in w1 for t in r.prompt_token_ids) >= TINYLLAMA_SHAPE.vocab_size  # why W6 draws its own
+    # The engines' warm-up requests fit W6's vocabulary too.
+    assert max(t for r in warm_up_requests() for t in r.prompt_token_ids) < TINYLLAMA_SHAPE.vocab_size
 
 
 def test_w6_peers_read_the_generated_files(tmp_path):
@@ -261,3 +262,29 @@ def test_w6_peers_read_the_generated_files(tmp_path):
     # Q4_K keeps llama.cpp's AVX2 repacking except where AMX would trap; Q8_0 never repacks (as for W1).
     assert repack_args("q4_k", has_amx=False) == [] and repack_args("q4_k", has_amx=True) == ["--no-repack"]
     assert repack_args("q8_0", has_amx=False) == ["--no-repack"] and repack_args("bf16", has_amx=True) == []
+
+
+def test_w6_report_names_the_workload_and_each_engines_file():
+    from datetime import UTC, datetime
+
+    from kestrel.bench.common import EngineResult
+    from kestrel.bench.throughput import workload_requests
+    from kestrel.bench.throughput_report import build_report, format_markdown, format_summary
+
+    args, _ = _throughput_args("--workload", "W6", "--num-prompts", "4", "--runs", "1")
+    requests = workload_requests(args)
+    tokens = {"input_tokens": sum(r.input_len for r in requests), "output_tokens": sum(r.output_len for r in requests)}
+    common = {**tokens, "generated_tokens": tokens["output_tokens"], "load_s": 1.0, "peak_rss_bytes": 1 << 30,
+              "rss_after_load_bytes": 1 << 30, "torch_threads": 2}
+    results = [EngineResult(name="kestrel", run_wall_s=[10.0], **common),
+               EngineResult(name="llama-server:q4_k", run_wall_s=[12.0],
+                            notes=["llama.cpp q4_k_m, read /c/m.Q4_K_M.gguf"], **common)]
+    engine = {"model": "m", "model_path": "/c/m", "gguf_file": None, "format": "Hugging Face folder",
+              "dtype": "bfloat16", "device": "cpu", "max_num_seqs": 256, "max_num_batched_tokens": 2048,
+              "num_kv_blocks": 10, "block_size": 16, "enable_chunked_prefill": True}
+    report = build_report(args, requests, results, engine, datetime.now(UTC), (0.0, 0.0, 0.0))
+    assert report["workload"]["id"] == "W6 (reduced)" and report["workload"]["token_id_range"] == [100, 31999]
+    markdown = format_markdown(report)
+    assert "## W6 (reduced) offline throughput of a 1B-class model" in markdown
+    assert "Kestrel read /c/m\n" in markdown and "prompt ids 100..31999" in markdown
+    assert "read /c/m.Q4_K_M.gguf" in markdown and "read /c/m)" in format_summary(report)

@@ -11,7 +11,14 @@ from typing import Any
 
 from kestrel.bench.common import EngineResult, machine_info
 from kestrel.bench.report import load_averages, markdown_table, text_table
-from kestrel.bench.workloads import W1_SEED, W4_PREFIX_LEN, W4_UNIQUE_LEN, BenchRequest, is_standard_w1
+from kestrel.bench.workloads import (
+    W1_SEED,
+    W4_PREFIX_LEN,
+    W4_UNIQUE_LEN,
+    W6_TOKEN_ID_RANGE,
+    BenchRequest,
+    is_standard_w1,
+)
 
 
 def build_report(args: argparse.Namespace, requests: list[BenchRequest], results: list[EngineResult],
@@ -24,6 +31,8 @@ def build_report(args: argparse.Namespace, requests: list[BenchRequest], results
         standard = is_standard_w1(len(requests), tuple(args.input_len_range), tuple(args.output_len_range))
         workload_id = args.workload if standard else f"{args.workload} (reduced)"
         shape = {"input_len_range": list(args.input_len_range), "output_len_range": list(args.output_len_range)}
+        if args.workload == "W6":
+            shape["token_id_range"] = list(W6_TOKEN_ID_RANGE)
     kestrel = results[0]
     roofline = None
     if limits is not None:
@@ -141,6 +150,12 @@ def _memory_cap(r: dict[str, Any]) -> str:
             f"{100 * cap:.0f}% of the {_short(r['roofline_dtype'])} roofline on this machine")
 
 
+def _model_file(engine: dict[str, Any]) -> str:
+    """The file (GGUF) or folder Kestrel read."""
+    gguf = engine.get("gguf_file")
+    return os.path.join(engine["model_path"], gguf) if gguf else engine["model_path"]
+
+
 def _precision(engine: dict[str, Any]) -> str:
     """The model dtype, with --quantization and --kv-cache-dtype where they are on (earlier reports
     have no such keys)."""
@@ -158,7 +173,7 @@ def format_summary(report: dict[str, Any]) -> str:
     lines += [
         f"workload {w['id']}: {w['num_requests']} requests, {w['input_tokens']} prompt + {w['output_tokens']} "
         f"output tokens; median of {w['runs']} run(s)",
-        f"model {e['model']} ({e['format']}, read {os.path.join(e['model_path'], e['gguf_file'] or '')}), "
+        f"model {e['model']} ({e['format']}, read {_model_file(e)}), "
         f"{_precision(e)} on {e['device']}; "
         f"{m['cpu_model']}, {m['usable_cpus']} cpus, bf16 flags: {' '.join(m['bf16_flags']) or 'none'}",
     ]
@@ -175,9 +190,10 @@ def _workload_line(w: dict[str, Any]) -> str:
         return (f"{w['num_requests']} requests sharing a {w['prefix_len']}-token prefix, each with "
                 f"{w['unique_len']} tokens of its own ({w['input_tokens']} prompt tokens), "
                 f"{w['output_tokens']} output tokens in all, {w['sampling']}; median of {w['runs']} run(s)")
+    ids = f", prompt ids {w['token_id_range'][0]}..{w['token_id_range'][1]}" if "token_id_range" in w else ""
     return (f"{w['num_requests']} requests, input {w['input_len_range'][0]}..{w['input_len_range'][1]} "
             f"({w['input_tokens']} tokens), output {w['output_len_range'][0]}..{w['output_len_range'][1]} "
-            f"({w['output_tokens']} tokens), seed {w['seed']}, {w['sampling']}; median of {w['runs']} run(s)")
+            f"({w['output_tokens']} tokens), seed {w['seed']}{ids}, {w['sampling']}; median of {w['runs']} run(s)")
 
 
 def format_markdown(report: dict[str, Any]) -> str:
@@ -196,8 +212,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"torch {m['torch']}, transformers {m['transformers']}; "
         f"{load_averages(report)}; threads: "
         + ", ".join(f"{side['name']} {side['torch_threads']}" for side in report["results"]),
-        f"- Model: {e['model']}, {e['format']}, {_precision(e)} on {e['device']}; Kestrel read "
-        f"{os.path.join(e['model_path'], e['gguf_file'] or '')}",
+        f"- Model: {e['model']}, {e['format']}, {_precision(e)} on {e['device']}; Kestrel read {_model_file(e)}",
         f"- Workload: {_workload_line(w)}",
         f"- Kestrel: max_num_seqs {e['max_num_seqs']}, max_num_batched_tokens {e['max_num_batched_tokens']}, "
         f"{e['num_kv_blocks']} KV blocks of {e['block_size']}, prefix caching emptied before each run, "

@@ -19,7 +19,7 @@ from kestrel.bench.common import (
     peak_rss_bytes,
 )
 from kestrel.bench.launch import peer_label
-from kestrel.bench.workloads import W1_SEED, BenchRequest, random_requests
+from kestrel.bench.workloads import BenchRequest, warm_up_requests
 
 
 def run_kestrel(requests: list[BenchRequest], engine_kwargs: dict[str, Any], runs: int,
@@ -102,7 +102,7 @@ def run_server_peer(spec: str, requests: list[BenchRequest], runs: int, workload
         w4 = workload == "W4"  # W1 and W6: non-streaming, no prompt cache
         target = Target(server.base_url, stream=w4, extra_body={"cache_prompt": w4})
         name, _ = asyncio.run(resolve_model(target))
-        warm = random_requests(2, (16, 32), (4, 4), seed=W1_SEED + 1)
+        warm = warm_up_requests()
         asyncio.run(send_requests(target, name, warm, [0.0] * len(warm)))
         walls, ttfts, notes = [], [], []
         for i in range(runs):
@@ -135,7 +135,7 @@ def greedy_params(requests: list[BenchRequest]) -> list[Any]:
 def warm_up_kestrel(llm: Any) -> None:
     """A short generate on prompts unrelated to the workload (another seed), so it warms the code
     paths without seeding the prefix cache."""
-    warm = random_requests(2, (16, 32), (4, 4), seed=W1_SEED + 1)
+    warm = warm_up_requests()
     llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in warm], greedy_params(warm), use_tqdm=False)
 
 

@@ -19,7 +19,7 @@ from kestrel.bench.common import (
     peak_rss_bytes,
     set_torch_threads,
 )
-from kestrel.bench.workloads import W1_SEED, BenchRequest, random_requests
+from kestrel.bench.workloads import BenchRequest, warm_up_requests
 
 
 @dataclass
@@ -51,7 +51,7 @@ def run_transformers_peer(job: PeerJob) -> EngineResult:
     load_s = time.perf_counter() - start
     rss_after_load = current_rss_bytes()
     pad_id = padding_token_id(model)
-    warm = random_requests(2, (16, 32), (4, 4), seed=W1_SEED + 1)
+    warm = warm_up_requests()
     generate_batch(model, warm, pad_id, job.device)
     batches = [job.requests[i:i + job.batch_size] for i in range(0, len(job.requests), job.batch_size)]
     walls, generated = [], 0

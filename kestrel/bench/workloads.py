@@ -84,6 +84,12 @@ def w6_offline_throughput(num_requests: int = W1_NUM_REQUESTS,
     return random_requests(num_requests, input_len_range, output_len_range, seed, W6_TOKEN_ID_RANGE)
 
 
+def warm_up_requests() -> list[BenchRequest]:
+    """Two short requests unrelated to every workload (another seed), to warm an engine's code paths;
+    their ids fit every benchmarked vocabulary (W6's, the smallest)."""
+    return random_requests(2, (16, 32), (4, 4), seed=W1_SEED + 1, id_range=W6_TOKEN_ID_RANGE)
+
+
 # W4: shared prefix.
 W4_NUM_REQUESTS = 64
 W4_PREFIX_LEN = 512
