@@ -315,3 +315,24 @@ def test_llama_slots_take_the_swept_best_within_the_requests(monkeypatch):
     monkeypatch.setenv(launch.LLAMA_NP_ENV, "0")
     with pytest.raises(ValueError, match=launch.LLAMA_NP_ENV):
         launch.llama_slots(64)
+
+
+def test_built_llama_tools_are_found_without_building(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "cache" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin"
+    bin_dir.mkdir(parents=True)
+    quantize = _executable(bin_dir / "llama-quantize", "#!/bin/sh\n")
+    monkeypatch.delenv(peers.LLAMA_SERVER_ENV, raising=False)
+    monkeypatch.setenv(peers.PEER_CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(peers.PEERS_SCRIPT_ENV, str(tmp_path / "never-run.sh"))
+    assert peers.built_llama_tool("llama-quantize") == quantize
+    assert peers.built_llama_tool("llama-server") is None  # not built, and nothing is built here
+    server = _executable(tmp_path / "llama-server", "#!/bin/sh\n")
+    monkeypatch.setenv(peers.LLAMA_SERVER_ENV, str(server))
+    assert peers.built_llama_tool("llama-server") == server
+    assert peers.built_llama_tool("llama-quantize") is None  # not beside $KESTREL_LLAMA_SERVER
+    with pytest.raises(RuntimeError, match="llama-quantize not found"):
+        peers.llama_quantize_binary()
+    _executable(tmp_path / "llama-quantize", "#!/bin/sh\n")
+    assert peers.llama_quantize_binary() == tmp_path / "llama-quantize"
+    monkeypatch.setenv(peers.LLAMA_QUANTIZE_ENV, str(quantize))
+    assert peers.llama_quantize_binary() == quantize

@@ -149,15 +149,33 @@ def test_tokenizers_agree_and_round_trip(tiny):
 
 @needs_server
 @pytest.mark.timeout(300)
-def test_llama_server_tokenizes_like_kestrel(tiny):
+def test_llama_server_tokenizes_and_generates_like_kestrel(tiny):
+    """llama.cpp reads the bf16 GGUF as Kestrel does: the same tokens for a text, and the same greedy
+    tokens with top-5 logprobs within float rounding (llama.cpp computes in bf16/f32, Kestrel here in f32)."""
+    from parity import kestrel_greedy
+
     from kestrel.bench.peers import LlamaServer
 
-    expected = load_tokenizer(resolve_model(str(tiny.bf16_gguf))).encode(TEXT, add_special_tokens=False)
+    expected_ids = load_tokenizer(resolve_model(str(tiny.bf16_gguf))).encode(TEXT, add_special_tokens=False)
+    prompt = list(range(100, 160))
+    llm = _llm(tiny.bf16_gguf)
+    [ours] = kestrel_greedy(llm, [prompt], 8)
+    llm.llm_engine.shutdown()
     with LlamaServer(tiny.bf16_gguf, parallel=1, ctx_per_slot=256, threads=1, binary=LLAMA_SERVER) as server:
-        request = urllib.request.Request(f"{server.url}/tokenize", data=json.dumps({"content": TEXT}).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            assert json.load(resp)["tokens"] == expected
+        assert _post(f"{server.url}/tokenize", {"content": TEXT})["tokens"] == expected_ids
+        theirs = _post(f"{server.url}/completion", {"prompt": prompt, "n_predict": 8, "temperature": 0,
+                                                    "return_tokens": True, "n_probs": 5, "cache_prompt": False})
+    assert theirs["tokens"] == ours.token_ids
+    for step, probs in zip(ours.top, theirs["completion_probabilities"], strict=True):
+        top = {p["id"]: p["logprob"] for p in probs["top_logprobs"]}
+        assert top.keys() == step.keys()
+        assert all(abs(top[t] - lp) < 5e-3 for t, lp in step.items()), (top, step)
+
+
+def _post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        return json.load(resp)
 
 
 # ---- llama-quantize's files ----------------------------------------------------------------------

@@ -67,7 +67,7 @@ def run_transformers_peer(job: PeerJob) -> EngineResult:
         generated_tokens=generated, load_s=load_s, peak_rss_bytes=max(load_peak, peak_rss_bytes()),
         rss_after_load_bytes=rss_after_load, torch_threads=torch.get_num_threads(),
         peak_gpu_memory_bytes=peak_gpu_memory_bytes(job.device),
-        notes=[f"read {os.path.join(job.model_path, job.gguf_file or '')}",
+        notes=[f"read {os.path.join(job.model_path, job.gguf_file) if job.gguf_file else job.model_path}",
                f"batches of {job.batch_size} in request order, left-padded; each batch generates up to its "
                f"longest output ({generated} tokens generated, "
                f"{sum(r.output_len for r in job.requests)} useful)"])

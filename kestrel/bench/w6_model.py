@@ -119,8 +119,8 @@ def recipe_key(shape: LlamaShape, source: Path | None = None) -> str:
 
 
 def w6_model(shape: LlamaShape = TINYLLAMA_SHAPE, cache_dir: Path | None = None) -> W6Model:
-    """The generated model of `shape`, written the first time it is asked for (with a log line:
-    for TinyLlama's shape it takes minutes) and reused after."""
+    """The generated model of `shape`, written the first time it is asked for (with a log line: for
+    TinyLlama's shape, 4.4 GB in about 15 s on 2 Zen 4 cores) and reused after."""
     from kestrel.model.gguf_loader import kestrel_cache_dir
 
     root = (kestrel_cache_dir() if cache_dir is None else Path(cache_dir)) / "models"
