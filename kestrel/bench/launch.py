@@ -97,7 +97,8 @@ def launch_server(spec: str, *, parallel: int, ctx_per_slot: int, kestrel_flags:
     precision = peer_label(spec).partition(":")[2]
     if gguf is None:
         if precision in GIVEN_FILE_PRECISIONS:
-            raise ValueError(f"{spec} runs llama-quantize's file of W6's model: use it with --workload W6")
+            raise ValueError(f"{spec} runs llama-quantize's file of W6's model: use it with "
+                             "`kestrel bench throughput --workload W6`")
         gguf = gguf_in_precision(model_gguf(model), precision)
     return LlamaServer(gguf, parallel=llama_slots(parallel), ctx_per_slot=ctx_per_slot,
                        threads=len(os.sched_getaffinity(0)), extra_args=repack_args(precision, cpu_has_amx()))

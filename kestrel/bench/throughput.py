@@ -104,7 +104,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "or its native q4_1 file; W6: llama-server:bf16 on its bf16 GGUF, :q8_0 and :q4_k "
                              "on llama-quantize's Q8_0 and Q4_K_M files")
     parser.add_argument("--no-roofline", dest="roofline", action="store_false",
-                        help="skip measuring the machine's matmul and copy rates (W1 only: W4 never does)")
+                        help="skip measuring the machine's matmul and copy rates (W1 and W6 only: W4 never does)")
     parser.add_argument("--peer-batch-size", type=int, default=DEFAULT_PEER_BATCH_SIZE,
                         help=f"requests per transformers generate call (default: {DEFAULT_PEER_BATCH_SIZE})")
     parser.add_argument("--num-threads", type=int, help="torch threads for Kestrel and the peer alike "
