@@ -134,7 +134,8 @@ class AsyncLLM:
             if self._error is not None:
                 self._errored_event.set()
             self._output_tasks = [
-                loop.create_task(self._drain_outputs(index, core)) for index, core in enumerate(self.engine_cores.cores)]
+                loop.create_task(self._drain_outputs(index, core))
+                for index, core in enumerate(self.engine_cores.cores)]
 
     async def _drain_outputs(self, index: int, core: EngineCoreProcess) -> None:
         reader = _OutputReader(core.output, _exit_of(core))
