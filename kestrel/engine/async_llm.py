@@ -361,7 +361,8 @@ class _OutputReader:
     machinery cost the API server as much CPU as the rest of the token's path.)
 
     ZeroMQ's descriptor only says that the socket's state may have changed: after a wake-up the
-    receives run until EAGAIN, which re-arms it; a wake-up with nothing queued is harmless."""
+    reader takes messages until the socket's events say that none is left, which re-arms it; a
+    wake-up with nothing queued is harmless."""
 
     def __init__(self, socket: zmq.Socket, exited: asyncio.Future) -> None:
         self.socket = socket
@@ -377,6 +378,9 @@ class _OutputReader:
             self._wake.set_result(None)
 
     def _receive(self) -> list[bytes] | None:
+        # Asking first is much cheaper than the zmq.Again that an empty receive raises.
+        if not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return None
         try:
             return self.socket.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
