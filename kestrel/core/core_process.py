@@ -1,9 +1,12 @@
 """The engine core in its own process: a busy loop around `EngineCore`, fed and drained over ZeroMQ.
 
     front end ──PUSH──► [input thread] ─queue─► busy loop (schedule → execute → update)
-    front end ◄─PULL─── [output thread] ◄─queue─┘
+    front end ◄─PULL──────────────────────────────┘
 
-Socket I/O lives on its own threads so the step loop never blocks on it. Frames are
+The input socket is read on its own thread so that the loop can wait for work without blocking on
+it. Outputs are sent from the loop itself: a send only hands the frames to ZeroMQ's I/O thread (the
+socket has no high-water mark, so it never blocks), where an output thread of our own would cost a
+thread wake-up and a GIL hand-over per step, taken from the cores the model computes on. Frames are
 `[kind, msgspec-msgpack payload]`; the kinds are below. Only token ids cross.
 """
 
@@ -50,6 +53,7 @@ DEAD = b"D"      # a step failed; payload is an EngineCoreFailure, and the proce
 FAULT_AT_STEP_ENV = "KESTREL_TEST_FAULT_AT_STEP"  # N: the N-th step (from 1) raises, as a failing model would
 HOLD_FILE_ENV = "KESTREL_TEST_HOLD_FILE"          # a path: no step runs while that file exists
 HOLD_POLL_S = 0.01
+OUTPUT_LINGER_MS = 2000
 
 
 class InjectedFault(RuntimeError):
@@ -60,7 +64,6 @@ class EngineCoreProc:
     def __init__(self, core: EngineCore, input_addr: str, output_addr: str) -> None:
         self.core = core
         self.inputs: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
-        self.outputs: queue.Queue[tuple[bytes, bytes] | None] = queue.Queue()
         self.request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self.ids_decoder = msgspec.msgpack.Decoder(list[str])
         self.encoder = msgspec.msgpack.Encoder()
@@ -70,8 +73,7 @@ class EngineCoreProc:
         # A worker that dies while the loop waits for input must still stop the engine core.
         core.executor.register_failure_callback(lambda error: self.inputs.put((WORKER_FAILED, str(error).encode())))
         threading.Thread(target=self._read_inputs, args=(input_addr,), daemon=True).start()
-        self.output_thread = threading.Thread(target=self._write_outputs, args=(output_addr,), daemon=True)
-        self.output_thread.start()
+        self.output = output_socket(output_addr)
 
     def _read_inputs(self, addr: str) -> None:
         sock = zmq.Context.instance().socket(zmq.PULL)
@@ -80,16 +82,8 @@ class EngineCoreProc:
             kind, payload = sock.recv_multipart()
             self.inputs.put((kind, payload))
 
-    def _write_outputs(self, addr: str) -> None:
-        sock = zmq.Context.instance().socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.connect(addr)
-        while (item := self.outputs.get()) is not None:
-            sock.send_multipart(item)
-        sock.close()
-
     def send(self, kind: bytes, payload: Any) -> None:
-        self.outputs.put((kind, self.encoder.encode(payload)))
+        self.output.send_multipart((kind, self.encoder.encode(payload)))
 
     def run_busy_loop(self) -> None:
         """Step until told to shut down. If a step (or an input) raises, tell the front end which
@@ -174,10 +168,20 @@ class EngineCoreProc:
         self.send(DEAD, EngineCoreFailure(f"{type(exc).__name__}: {exc}", ended, time.monotonic()))
 
     def _stop(self, shutdown_core: bool = True) -> None:
-        self.outputs.put(None)
-        self.output_thread.join(timeout=5)
+        self.output.close()  # its linger still delivers what was sent
         if shutdown_core:
             self.core.shutdown()
+
+
+def output_socket(addr: str) -> zmq.Socket:
+    """The PUSH socket to the front end: sends never block (no high-water mark: what the front end has
+    not read yet waits in ZeroMQ's queue, as it waited in a Python queue before), and messages sent
+    before a close are still delivered for up to OUTPUT_LINGER_MS."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.LINGER, OUTPUT_LINGER_MS)
+    sock.connect(addr)
+    return sock
 
 
 def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, output_addr: str) -> None:
@@ -191,9 +195,7 @@ def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, 
             torch.set_num_threads(1)  # the workers compute in their own processes; this one only plans
         core = EngineCore(config, executor_class(config.parallel)(config, source))
     except Exception as exc:
-        sock = zmq.Context.instance().socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 2000)
-        sock.connect(output_addr)
+        sock = output_socket(output_addr)
         sock.send_multipart([FAILED, msgspec.msgpack.encode(f"{type(exc).__name__}: {exc}")])
         sock.close()
         raise

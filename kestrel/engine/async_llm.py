@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import zmq
-import zmq.asyncio
 
 from kestrel.config import EngineArgs, EngineConfig
 from kestrel.core import core_process
@@ -135,20 +134,20 @@ class AsyncLLM:
             if self._error is not None:
                 self._errored_event.set()
             self._output_tasks = [
-                loop.create_task(self._drain_outputs(index, core, zmq.asyncio.Socket.from_socket(core.output)))
+                loop.create_task(self._drain_outputs(index, core))
                 for index, core in enumerate(self.engine_cores.cores)]
 
-    async def _drain_outputs(self, index: int, core: EngineCoreProcess, output: zmq.asyncio.Socket) -> None:
-        exited = _exit_of(core)
+    async def _drain_outputs(self, index: int, core: EngineCoreProcess) -> None:
+        reader = _OutputReader(core.output, _exit_of(core))
         try:
             while self._error is None:
-                message = await _next_message(output, exited)
+                message = await reader.next_message()
                 if message is None:
                     self._set_errored(EngineDeadError(f"{core.label} died (exit code {core.exitcode})"))
                     return
                 self._on_message(index, core, *message)
         finally:
-            exited.cancel()
+            reader.close()
 
     def _on_message(self, index: int, core: EngineCoreProcess, kind: bytes, payload: bytes) -> None:
         if kind == core_process.DEAD:
@@ -355,18 +354,61 @@ def _exit_of(core: EngineCoreProcess) -> asyncio.Future:
     return exited
 
 
-async def _next_message(output: zmq.asyncio.Socket, exited: asyncio.Future) -> list[bytes] | None:
-    """An engine core's next message, or None once its process has ended (`exited`) and every
-    message it sent has been read."""
-    if not exited.done():
-        ready = asyncio.ensure_future(output.poll())
-        await asyncio.wait((ready, exited), return_when=asyncio.FIRST_COMPLETED)
-        if ready.done():
-            return await output.recv_multipart()
-        ready.cancel()
-    if await output.poll(timeout=exited.result()):
-        return await output.recv_multipart()
-    return None
+class _OutputReader:
+    """An engine core's output socket read from the event loop: the socket's file descriptor wakes
+    the reader, which then takes every queued message with non-blocking receives. (zmq.asyncio does
+    the same through a future, a poller and several callbacks per message: on a streamed token that
+    machinery cost the API server as much CPU as the rest of the token's path.)
+
+    ZeroMQ's descriptor only says that the socket's state may have changed: after a wake-up the
+    reader takes messages until the socket's events say that none is left, which re-arms it; a
+    wake-up with nothing queued is harmless."""
+
+    def __init__(self, socket: zmq.Socket, exited: asyncio.Future) -> None:
+        self.socket = socket
+        self.exited = exited
+        self.loop = asyncio.get_running_loop()
+        self.fd = socket.getsockopt(zmq.FD)
+        self._wake: asyncio.Future | None = None
+        self.loop.add_reader(self.fd, self._on_readable)
+        exited.add_done_callback(lambda _: self._on_readable())
+
+    def _on_readable(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def _receive(self) -> list[bytes] | None:
+        # Asking first is much cheaper than the zmq.Again that an empty receive raises.
+        if not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return None
+        try:
+            return self.socket.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
+    async def next_message(self) -> list[bytes] | None:
+        """The core's next message, or None once its process has ended (`exited`) and every message
+        it sent has been read (waiting up to the exit's drain time for those still in transit)."""
+        while not self.exited.done():
+            message = self._receive()
+            if message is not None:
+                return message
+            self._wake = self.loop.create_future()
+            await self._wake
+        deadline = self.loop.time() + self.exited.result() / 1000
+        while (message := self._receive()) is None:
+            remaining = deadline - self.loop.time()
+            if remaining <= 0:
+                return None
+            self._wake = self.loop.create_future()
+            await asyncio.wait((self._wake,), timeout=remaining)
+        return message
+
+    def close(self) -> None:
+        self.exited.cancel()
+        self.loop.remove_reader(self.fd)
+        if self._wake is not None and not self._wake.done():
+            self._wake.cancel()
 
 
 async def _next_output(queue: asyncio.Queue) -> tuple[RequestOutput | None, Exception | None]:

@@ -267,6 +267,15 @@ class Admission:
 async def merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
     """Interleave async iterators, yielding (index, item); cancels the rest if one fails or the
     consumer stops (which aborts their requests)."""
+    if len(iterators) == 1:
+        # One request (n samples of one prompt included): no task and queue to hop through per item.
+        only = iterators[0]
+        try:
+            async for item in only:
+                yield 0, item
+        finally:
+            await only.aclose()  # aborts its request if the consumer stopped early
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
