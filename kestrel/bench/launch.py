@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kestrel.bench.peers import KestrelServer, LlamaServer, gguf_in_precision
+from kestrel.ops import cpu_has_amx_tile
 
 SERVER_SPECS = ("kestrel", "llama-server", "llama-server:bf16", "llama-server:f32", "llama-server:q8_0",
                 "llama-server:q4_1", "llama-server:q4_k")
@@ -101,7 +102,7 @@ def launch_server(spec: str, *, parallel: int, ctx_per_slot: int, kestrel_flags:
                              "`kestrel bench throughput --workload W6`")
         gguf = gguf_in_precision(model_gguf(model), precision)
     return LlamaServer(gguf, parallel=llama_slots(parallel), ctx_per_slot=ctx_per_slot,
-                       threads=len(os.sched_getaffinity(0)), extra_args=repack_args(precision, cpu_has_amx()))
+                       threads=len(os.sched_getaffinity(0)), extra_args=repack_args(precision, cpu_has_amx_tile()))
 
 
 def repack_args(precision: str, has_amx: bool) -> list[str]:
@@ -112,11 +113,3 @@ def repack_args(precision: str, has_amx: bool) -> list[str]:
     if precision in ("q4_1", "q8_0") or (precision == "q4_k" and has_amx):
         return ["--no-repack"]
     return []
-
-
-def cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and "amx_tile" in line.split() for line in f)
-    except OSError:
-        return False

@@ -68,6 +68,11 @@ def _cpu_has_avx512_bf16() -> bool:
     return "avx512_bf16" in _cpu_flags()
 
 
+def cpu_has_amx_tile() -> bool:
+    """The CPU lists AMX tiles (whether or not the kernel grants them to this process)."""
+    return "amx_tile" in _cpu_flags()
+
+
 def _kernel_cache_root() -> Path:
     root = os.environ.get("KESTREL_KERNEL_CACHE")
     return Path(root) if root else Path.home() / ".cache" / "kestrel" / "kernels"
