@@ -74,7 +74,8 @@ def threads():
 
 
 # The bf16 cache takes AMX scores for a bf16 q with block_size % 16 == 0 (where the CPU has AMX),
-# AVX-512 scores otherwise (a float32 q, or other block sizes); each thread takes an equal share of
+# AVX-512 scores otherwise (a float32 q, or other block sizes): vdpbf16ps on a bf16 q where the CPU
+# has AVX512-BF16 and no AMX, float32 FMAs on a float32 q; each thread takes an equal share of
 # the blocks, cutting sequences (and a batch of one) across threads, whose partial results are merged.
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_size", [16, 32, 8])

@@ -284,11 +284,18 @@ bool bf16_decode(torch::Tensor& q, const torch::Tensor& k_cache, const torch::Te
 #ifdef KESTREL_AMX
   amx = q.scalar_type() == torch::kBFloat16 && block_size % 16 == 0 && bd::amx_usable();
 #endif
-  q = amx ? q.contiguous() : q.to(torch::kFloat32).contiguous();
+  bool dot = false;
+#ifdef KESTREL_BF16_DOT
+  dot = !amx && q.scalar_type() == torch::kBFloat16;
+#endif
+  q = amx || dot ? q.contiguous() : q.to(torch::kFloat32).contiguous();
   return with_head_shape(q.size(2), q.size(1) / k_cache.size(1), [&](auto d, auto g) {
     constexpr int D = decltype(d)::value, G = decltype(g)::value;
-    if (amx) bd::run_bf16<D, G, true>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, scale);
-    else bd::run_bf16<D, G, false>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, scale);
+    if (amx) bd::run_bf16<D, G, true, false>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, scale);
+#ifdef KESTREL_BF16_DOT
+    else if (dot) bd::run_bf16<D, G, false, true>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, scale);
+#endif
+    else bd::run_bf16<D, G, false, false>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, scale);
   });
 #else
   return false;

@@ -31,12 +31,16 @@ using namespace kestrel_vec;
 // KV head) (running max, sum, unnormalised output) that are merged after the parallel loop.
 // A thread walks its share chunk by chunk (up to kChunkTiles tiles of 16 rows), and within a chunk
 // KV head by KV head, so that a block's K and V rows of all heads are read close together, and it
-// prefetches the next chunk's blocks whole (this pays when the cache is in DRAM).
+// prefetches the next chunk's blocks whole (this pays when the cache is in DRAM: a decode step's
+// cache is far larger than L3). With AMX each unit prefetches its share at once into L1; without,
+// into L2, spread over the unit's tiles.
 // Per (chunk, KV head): the scores of the G query heads, one online-softmax update, then the V
 // rows. Scores: with AMX (a bf16 q, as in a bf16 model) C[16 rows][G] = K · q^T by tdpbf16ps
 // (products of bf16 numbers are exact in float32, sums in float32), started one unit ahead so that
-// they overlap the previous unit's V work; otherwise in AVX-512 float32, the 16 rows' lane-wise
-// products reduced together by a transpose-and-add tree into one vector of 16 scores.
+// they overlap the previous unit's V work; otherwise the 16 rows' lane-wise products, reduced
+// together by a transpose-and-add tree into one vector of 16 scores: by vdpbf16ps on the bf16 q
+// where the CPU has AVX512-BF16 (pairs of exact products summed in float32, then scaled), else in
+// float32 on the scaled q.
 // bf16 → float32 by the even/odd trick: a 32-bit lane of a 512-bit load of 32 bf16 holds two of
 // them, << 16 gives the even one as a float32, & 0xFFFF0000 the odd one; q is split into matching
 // even/odd vectors once, and the output is accumulated (in float32) in even/odd order, interleaved
@@ -50,11 +54,18 @@ inline VecF bf16_even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(
 inline VecF bf16_odd(__m512i x) { return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(0xFFFF0000))); }
 
 constexpr int kPrefetchChunks = 1;  // how far ahead (in chunks) whole blocks are prefetched
+#if defined(__AVX512BF16__)
+#define KESTREL_BF16_DOT 1  // vdpbf16ps: the scores of a bf16 q without widening K
+#endif
 
 template <int D, int G>
 struct PairState {
   static constexpr int C2 = D / 32;
   VecF qe[G][C2], qo[G][C2];    // query heads of the pair, scaled: even and odd elements of each 32-chunk
+#ifdef KESTREL_BF16_DOT
+  __m512bh qb[G][C2];           // bf16 q: the query heads as they are, 32 elements per vector (unscaled)
+#endif
+  float scale;
   float m[G];                   // running max (within kMaxSlack) of the scores
   VecF l[G];                    // running sums of exp, lane-wise
   alignas(64) float acc[G][D];  // chunk c: [32c, 32c+16) the even elements, [32c+16, 32c+32) the odd ones
@@ -67,7 +78,7 @@ struct TileRef {
 };
 
 // Scores of one tile's rows (scaled q · k) for the G query heads; lanes >= n are left at 0.
-template <int D, int G, bool FULL>
+template <int D, int G, bool FULL, bool DOT>
 __attribute__((always_inline)) inline void tile_scores(const PairState<D, G>& st, const uint16_t* kb, int64_t stride,
                                                        int n, VecF* s) {
   constexpr int C2 = D / 32;
@@ -87,6 +98,13 @@ __attribute__((always_inline)) inline void tile_scores(const PairState<D, G>& st
 #pragma GCC unroll 4
         for (int c = 0; c < C2; ++c) {
           const __m512i x = _mm512_loadu_si512(row + 32 * c);
+#ifdef KESTREL_BF16_DOT
+          if constexpr (DOT) {
+#pragma GCC unroll 8
+            for (int j = 0; j < G; ++j) a[j][rr] = _mm512_dpbf16_ps(a[j][rr], (__m512bh)x, st.qb[j][c]);
+            continue;
+          }
+#endif
           const VecF ke = bf16_even(x), ko = bf16_odd(x);
 #pragma GCC unroll 8
           for (int j = 0; j < G; ++j) {
@@ -112,6 +130,7 @@ __attribute__((always_inline)) inline void tile_scores(const PairState<D, G>& st
                                   _mm512_shuffle_f32x4(c4[j][2], c4[j][3], _MM_SHUFFLE(3, 1, 3, 1)));
     s[j] = _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+    if constexpr (DOT) s[j] = _mm512_mul_ps(s[j], splat(st.scale));
   }
 }
 
@@ -163,8 +182,9 @@ __attribute__((always_inline)) inline void chunk_pv(PairState<D, G>& st, const T
   }
 }
 
-template <int D, int G>
-__attribute__((always_inline)) inline void chunk_avx(PairState<D, G>& st, const TileRef* tiles, int nt, int64_t stride) {
+template <int D, int G, bool DOT>
+__attribute__((always_inline)) inline void chunk_avx(PairState<D, G>& st, const TileRef* tiles, int nt, int64_t stride,
+                                                     const char* const* pf, int npf) {
   alignas(64) float p[G][kChunkTiles * 16];
   const VecF ninf = splat(-std::numeric_limits<float>::infinity());
   VecF mx[G];
@@ -173,15 +193,18 @@ __attribute__((always_inline)) inline void chunk_avx(PairState<D, G>& st, const 
     VecF s[G];
     const int n = tiles[t].n;
     if (n == 16) {
-      tile_scores<D, G, true>(st, tiles[t].k, stride, 16, s);
+      tile_scores<D, G, true, DOT>(st, tiles[t].k, stride, 16, s);
     } else {
-      tile_scores<D, G, false>(st, tiles[t].k, stride, n, s);
+      tile_scores<D, G, false, DOT>(st, tiles[t].k, stride, n, s);
       for (int j = 0; j < G; ++j) s[j] = _mm512_mask_mov_ps(ninf, (__mmask16)((1u << n) - 1), s[j]);
     }
     for (int j = 0; j < G; ++j) {
       store(p[j] + 16 * t, s[j]);
       mx[j] = _mm512_max_ps(mx[j], s[j]);
     }
+    // The next chunk's lines, into L2, a share after each tile: a burst of them all at once
+    // fills the miss queues and stalls this chunk's own loads (measured: ~1.9x slower from DRAM).
+    for (int i = npf * t / nt, e = npf * (t + 1) / nt; i < e; ++i) _mm_prefetch(pf[i], _MM_HINT_T1);
   }
   for (int j = 0; j < G; ++j) {
     const float mt = _mm512_reduce_max_ps(mx[j]);
@@ -402,8 +425,8 @@ struct alignas(64) HeadState {
   alignas(64) uint32_t qt[D / 32][16][G];  // AMX: q^T in the VNNI layout
 };
 
-// q [num_seqs, num_heads, D]: bf16 with AMX, else float32. See the comment at the top of this part.
-template <int D, int G, bool AMX>
+// q [num_seqs, num_heads, D]: bf16 with AMX or DOT (vdpbf16ps scores), else float32 (see the top of this part).
+template <int D, int G, bool AMX, bool DOT>
 void run_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
               const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
               int64_t block_size, float scale) {
@@ -462,6 +485,14 @@ void run_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch:
           for (int j = 0; j < G; ++j)
             for (int c = 0; c < C2; ++c)
               for (int i = 0; i < 16; ++i) hs[h].qt[c][i][j] = qd[j * (D / 2) + 16 * c + i];
+        } else if constexpr (DOT) {
+#ifdef KESTREL_BF16_DOT
+          st.scale = scale;
+          for (int j = 0; j < G; ++j) {
+            const uint16_t* qb = static_cast<const uint16_t*>(qp) + (s * num_heads + h * G + j) * D;
+            for (int c = 0; c < C2; ++c) st.qb[j][c] = (__m512bh)_mm512_loadu_si512(qb + 32 * c);
+          }
+#endif
         } else {
           const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
           const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
@@ -499,13 +530,20 @@ void run_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch:
       int pf_n = 0;
       TileRef scratch[kChunkTiles];
       for (int d = 0; d <= kPrefetchChunks; ++d) next_chunk(scratch, pf_b, pf_o, pf_blocks, pf_n);
+      std::vector<const char*> pf_list;  // without AMX: the lines chunk_avx prefetches as it goes
       auto prefetch_part = [&](int64_t h) {
+        pf_list.clear();
         for (int i = 0; i < pf_n; ++i) {
           const char* kb = reinterpret_cast<const char*>(kp + pf_blocks[i] * block_size * stride);
           const char* vb = reinterpret_cast<const char*>(vp + pf_blocks[i] * block_size * stride);
           for (int64_t o = pf_from[h]; o < pf_from[h + 1]; o += 64) {
-            _mm_prefetch(kb + o, _MM_HINT_T0);
-            _mm_prefetch(vb + o, _MM_HINT_T0);
+            if constexpr (AMX) {
+              _mm_prefetch(kb + o, _MM_HINT_T0);
+              _mm_prefetch(vb + o, _MM_HINT_T0);
+            } else {
+              pf_list.push_back(kb + o);
+              pf_list.push_back(vb + o);
+            }
           }
         }
         if (h == kv_heads - 1) next_chunk(scratch, pf_b, pf_o, pf_blocks, pf_n);
@@ -553,7 +591,7 @@ void run_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch:
           chunk_amx<D, G>(hs[uh].st, hs[uh].lv, tl[cur], ntl[cur], stride, scale, pbuf[cur]);
         }
 #endif
-        if constexpr (!AMX) chunk_avx<D, G>(hs[uh].st, tl[cur], ntl[cur], stride);
+        if constexpr (!AMX) chunk_avx<D, G, DOT>(hs[uh].st, tl[cur], ntl[cur], stride, pf_list.data(), (int)pf_list.size());
         cur ^= 1;
         uh = nh;
       }
