@@ -1,5 +1,6 @@
-"""The AMX prefill-attention kernel (kestrel/ops/cpu_prefill.cpp) against exact attention and SDPA,
-and its wiring in the CPU kernels attention backend (fresh prompts, chunks over a cached context)."""
+"""The prefill-attention kernel (kestrel/ops/cpu_prefill.cpp), on AMX tiles where the CPU has them
+and by AVX512-BF16 dot products on every AVX512-BF16 CPU, against exact attention and SDPA, and its
+wiring in the CPU kernels attention backend (fresh prompts, chunks over a cached context)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,22 @@ from kestrel.attention import CommonAttentionMetadata, CpuKernelsBackend, Prefil
 from kestrel.ops import _cpu_flags, cpu_kernels, cpu_prefill
 from kestrel.ops.dispatch import select_rotary
 
-_has_amx = {"amx_bf16", "amx_tile", "avx512f"} <= _cpu_flags()
+_has_bf16 = {"avx512_bf16", "avx512f"} <= _cpu_flags()
+_has_amx = {"amx_bf16", "amx_tile"} <= _cpu_flags()
 kernels = cpu_prefill()
-pytestmark = pytest.mark.skipif(not _has_amx, reason="this CPU has no AMX-BF16")
+pytestmark = pytest.mark.skipif(not _has_bf16, reason="this CPU has no AVX512-BF16")
+# Both paths where the CPU has AMX (the AVX512-BF16 one runs on every such CPU), else the one.
+PATHS = ["amx", "avx512"] if _has_amx else ["avx512"]
+
+
+@pytest.fixture(params=PATHS)
+def prefill_attention(request):
+    return getattr(kernels, f"prefill_attention_{request.param}")
 
 
 def test_kernel_builds_and_runs_on_this_cpu():
-    assert kernels is not None and kernels.usable()
+    assert kernels is not None and kernels.amx_usable() == _has_amx
+    assert not hasattr(kernels, "prefill_attention_amx") or _has_amx
 
 
 def _exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -45,13 +55,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> to
 @pytest.mark.parametrize("lq,lk", [(1, 1), (2, 2), (15, 15), (16, 16), (17, 17), (31, 31), (33, 33), (100, 100),
                                    (300, 300), (1, 77), (40, 300), (16, 48), (5, 1000)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 64), (8, 2, 128), (2, 1, 32)])
-def test_matches_exact_attention_as_closely_as_sdpa(lq, lk, heads, kv_heads, head_dim):
+def test_matches_exact_attention_as_closely_as_sdpa(prefill_attention, lq, lk, heads, kv_heads, head_dim):
     gen = torch.Generator().manual_seed(lq * 7919 + lk * 31 + heads)
     # q, k and v as slices of one fused projection, as the model passes them (strided rows).
     qkv = (torch.randn(lk, heads + 2 * kv_heads, head_dim, generator=gen) * 2).bfloat16()
     q, k, v = qkv[lk - lq:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
     scale = 1 / math.sqrt(head_dim)
-    out = kernels.prefill_attention(q, k, v, scale)
+    out = prefill_attention(q, k, v, scale)
     assert out.dtype == torch.bfloat16 and out.shape == (lq, heads, head_dim) and out.is_contiguous()
     exact = _exact(q, k, v, scale)
     err = (out.double() - exact).abs().max().item()
@@ -60,7 +70,7 @@ def test_matches_exact_attention_as_closely_as_sdpa(lq, lk, heads, kv_heads, hea
     assert err <= 2 * sdpa_err + 2 ** -8, (err, sdpa_err)
 
 
-def test_large_scores_and_a_late_maximum_rescale_the_output():
+def test_large_scores_and_a_late_maximum_rescale_the_output(prefill_attention):
     # Scores of several hundred: the running max rises late in the row (the rescaling path), and
     # exp would overflow without subtracting it.
     lk, heads, kv_heads, d = 200, 4, 2, 64
@@ -69,7 +79,7 @@ def test_large_scores_and_a_late_maximum_rescale_the_output():
     k = (torch.randn(lk, kv_heads, d, generator=gen) * 4).bfloat16()
     k[150:] *= 3
     v = torch.randn(lk, kv_heads, d, generator=gen).bfloat16()
-    out = kernels.prefill_attention(q, k, v, 1.0)
+    out = prefill_attention(q, k, v, 1.0)
     assert torch.isfinite(out.float()).all()
     exact = _exact(q, k, v, 1.0)
     sdpa_error = (_sdpa(q, k, v, 1.0).double() - exact).abs().max().item()
@@ -77,33 +87,33 @@ def test_large_scores_and_a_late_maximum_rescale_the_output():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_same_result_on_any_number_of_threads(threads):
+def test_same_result_on_any_number_of_threads(prefill_attention, threads):
     gen = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(300, h, 64, generator=gen).bfloat16() for h in (9, 3, 3))
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        out = kernels.prefill_attention(q, k, v, 0.125)
+        out = prefill_attention(q, k, v, 0.125)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(out, kernels.prefill_attention(q, k, v, 0.125))
+    assert torch.equal(out, prefill_attention(q, k, v, 0.125))
 
 
-def test_rejects_what_it_cannot_do():
+def test_rejects_what_it_cannot_do(prefill_attention):
     q, kv = torch.zeros(4, 4, 64, dtype=torch.bfloat16), torch.zeros(4, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError):
-        kernels.prefill_attention(q.float(), kv.float(), kv.float(), 1.0)         # float32
+        prefill_attention(q.float(), kv.float(), kv.float(), 1.0)         # float32
     with pytest.raises(RuntimeError):
-        kernels.prefill_attention(q, kv[:3], kv[:3], 1.0)                          # fewer keys than queries
+        prefill_attention(q, kv[:3], kv[:3], 1.0)                          # fewer keys than queries
     with pytest.raises(RuntimeError):
-        kernels.prefill_attention(q[..., :48], kv[..., :48], kv[..., :48], 1.0)    # head_dim % 32 != 0
+        prefill_attention(q[..., :48], kv[..., :48], kv[..., :48], 1.0)    # head_dim % 32 != 0
     with pytest.raises(RuntimeError):
-        kernels.prefill_attention(torch.zeros(4, 3, 64, dtype=torch.bfloat16), kv, kv, 1.0)  # 3 heads on 2
+        prefill_attention(torch.zeros(4, 3, 64, dtype=torch.bfloat16), kv, kv, 1.0)  # 3 heads on 2
     with pytest.raises(RuntimeError):
-        kernels.prefill_attention(q.transpose(1, 2).contiguous().transpose(1, 2), kv, kv, 1.0)  # strided D
+        prefill_attention(q.transpose(1, 2).contiguous().transpose(1, 2), kv, kv, 1.0)  # strided D
 
 
-def test_cpu_backend_uses_it_for_fresh_and_continued_chunks():
+def test_cpu_backend_uses_it_for_fresh_and_continued_chunks(prefill_attention):
     """A step of two prefill chunks, one a fresh prompt and one continuing a context already in the
     paged cache: the CPU backend (on the kernel) agrees with the PyTorch reference backend (SDPA)."""
     heads, kv_heads, d, bs = 9, 3, 64, 16
@@ -128,11 +138,22 @@ def test_cpu_backend_uses_it_for_fresh_and_continued_chunks():
                                      spans)
     rotary = select_rotary(torch.device("cpu"), torch.bfloat16)
     backends = (TorchSDPABackend(torch.bfloat16, rotary),
-                CpuKernelsBackend(cpu_kernels(), kernels.prefill_attention, False, rotary))
+                CpuKernelsBackend(cpu_kernels(), prefill_attention, False, rotary))
     outs = [b.forward(q, k, v, cache, b.build_metadata(common), 0.125) for b in backends]
     sdpa_out, kernel_out = (o.double() for o in outs)
     assert (kernel_out - sdpa_out).abs().max().item() < 2 ** -5
     # Each query's output is a weighted mean of the V rows it may see: the chunk over a context
     # must differ from attention over its own 20 tokens alone.
-    alone = kernels.prefill_attention(q[n_a:], k[n_a:], v[n_a:], 0.125).double()
+    alone = prefill_attention(q[n_a:], k[n_a:], v[n_a:], 0.125).double()
     assert (kernel_out[n_a:] - alone).abs().max().item() > 0.1
+
+
+@pytest.mark.skipif(not _has_amx, reason="one path only on a CPU without AMX")
+def test_the_two_paths_agree():
+    """The same products (exact bf16 pairs summed in float32) and the same softmax: the paths differ
+    only in the order of the float32 sums, so the outputs differ by at most a bf16 rounding or two."""
+    gen = torch.Generator().manual_seed(17)
+    q, k, v = (torch.randn(333, h, 64, generator=gen).bfloat16() for h in (9, 3, 3))
+    amx, dot = (getattr(kernels, f"prefill_attention_{p}")(q, k, v, 0.125).float() for p in PATHS)
+    assert (amx - dot).abs().max().item() <= 2 ** -6
+

@@ -1,7 +1,8 @@
 """The CPU kernels backend (kestrel/ops/cpu_kernels*.cpp, cpu_prefill.cpp): decode attention reads the
 paged cache in place (bf16/float32 or int8 cache), all decodes of a step in one call; the q/k rotary
-and the KV write run as one fused kernel; prefill chunks run on the AMX prefill kernel where the CPU
-has AMX and the model is bf16 with head_dim % 32 == 0 (up to 256), else on the reference's SDPA path.
+and the KV write run as one fused kernel; prefill chunks run on the prefill kernel (AMX tiles, or
+AVX512-BF16 dot products) where the CPU has AVX512-BF16 and the model is bf16 with head_dim % 32 == 0
+(up to 256), else on the reference's SDPA path.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class CpuKernelsBackend(AttentionBackend):
 
     def __init__(self, kernels, prefill_kernel: Callable | None, kv_int8: bool, rotary: Rotary) -> None:
         """`kernels`: the cpu_kernels() build, which supports the model's (head_dim, group);
-        `prefill_kernel`: cpu_prefill's prefill_attention, or None where chunks take SDPA."""
+        `prefill_kernel`: cpu_prefill's prefill_attention_amx or _avx512, or None where chunks take SDPA."""
         self.kv_int8 = kv_int8
         self.rotary = rotary
         self.prefill_kernel = prefill_kernel
@@ -49,7 +50,7 @@ class CpuKernelsBackend(AttentionBackend):
             self._prefill_chunk, self._prefill = masked_prefill_chunk, prefill_attention
 
     def describe(self) -> str:
-        prefill = "the AMX prefill kernel" if self.prefill_kernel is not None else "SDPA prefill"
+        prefill = f"the {self.prefill_kernel.__name__} kernel" if self.prefill_kernel is not None else "SDPA prefill"
         return f"cpu (decode kernel{' on the int8 cache' if self.kv_int8 else ''}, {prefill})"
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:

@@ -61,12 +61,15 @@ def _cpu_backend(config: EngineConfig) -> CpuKernelsBackend:
 
 
 def _prefill_kernel(config: EngineConfig):
-    """The AMX prefill-attention kernel where it serves the model (bf16, head_dim a multiple of 32 up
-    to 256, AMX usable and not disabled), else None."""
+    """The prefill-attention kernel where it serves the model (bf16, head_dim a multiple of 32 up to
+    256): on AMX tiles where usable and not disabled, else by AVX512-BF16 dot products; None where
+    the kernel is not built (chunks then take SDPA)."""
     m = config.model
-    if m.dtype != torch.bfloat16 or m.head_dim % 32 != 0 or m.head_dim > 256 or amx_disabled():
+    if m.dtype != torch.bfloat16 or m.head_dim % 32 != 0 or m.head_dim > 256:
         return None
     kernels = cpu_prefill()
-    if kernels is None or not kernels.usable():
+    if kernels is None:
         return None
-    return kernels.prefill_attention
+    if kernels.amx_usable() and not amx_disabled():
+        return kernels.prefill_attention_amx
+    return kernels.prefill_attention_avx512

@@ -2,7 +2,8 @@
 (medians of --calls calls, after a warm-up).
 
 `python -m kestrel.bench.kernels [--lengths 64 128 ...] [--heads 9 --kv-heads 3 --head-dim 64]`: the
-AMX prefill-attention kernel against SDPA, one layer.
+prefill-attention kernel (its AMX path where the CPU has one, and its AVX512-BF16 path) against SDPA,
+one layer.
 
 `python -m kestrel.bench.kernels --linear [--rows 1 8 ...]`: the four projections of one decoder
 layer, bf16 (as Kestrel runs them: AMX up to 128 rows where the CPU has it, the small-batch kernel
@@ -36,20 +37,25 @@ def prefill_attention_table(lengths: list[int], heads: int, kv_heads: int, head_
     from kestrel.ops import cpu_prefill
 
     kernels = cpu_prefill()
-    if kernels is None or not kernels.usable():
-        raise SystemExit("the AMX prefill kernel is not available on this machine")
+    if kernels is None:
+        raise SystemExit("the prefill-attention kernel is not available on this machine (it needs AVX512-BF16)")
+    paths = (["amx"] if kernels.amx_usable() else []) + ["avx512"]
     scale = head_dim ** -0.5
-    rows = ["| prompt tokens | SDPA | AMX kernel | speed-up |", "|---|---|---|---|"]
+    rows = ["| prompt tokens | SDPA | " + " | ".join(f"{p} kernel | speed-up" for p in paths) + " |",
+            "|---|---|" + "---|---|" * len(paths)]
     for n in lengths:
         qkv = torch.randn(n, heads + 2 * kv_heads, head_dim).bfloat16()
         q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         sdpa = _median_us(lambda qh=qh, kh=kh, vh=vh: F.scaled_dot_product_attention(
             qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True), calls)
-        amx = _median_us(lambda q=q, k=k, v=v: kernels.prefill_attention(q, k, v, scale), calls)
         flops = n * n / 2 * heads * head_dim * 4  # causal: QK^T and PV over half the square
-        rows.append(f"| {n} | {sdpa:.0f} µs ({flops / sdpa / 1e3:.0f} GFLOP/s) | {amx:.0f} µs "
-                    f"({flops / amx / 1e3:.0f} GFLOP/s) | {sdpa / amx:.2f}× |")
+        cells = [f"{n}", f"{sdpa:.0f} µs ({flops / sdpa / 1e3:.0f} GFLOP/s)"]
+        for p in paths:
+            fn = getattr(kernels, f"prefill_attention_{p}")
+            t = _median_us(lambda q=q, k=k, v=v, fn=fn: fn(q, k, v, scale), calls)
+            cells += [f"{t:.0f} µs ({flops / t / 1e3:.0f} GFLOP/s)", f"{sdpa / t:.2f}×"]
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 

@@ -207,8 +207,7 @@ def cpu_gemv():
 
 @functools.cache
 def cpu_prefill():
-    """The AMX prefill-attention kernel (cpu_prefill.cpp), or None where unavailable (no AMX-BF16,
+    """The prefill-attention kernel (cpu_prefill.cpp: prefill_attention_amx where `amx_usable()`,
+    prefill_attention_avx512 on every AVX512-BF16 CPU), or None where unavailable (no AVX512-BF16,
     no compiler, or KESTREL_DISABLE_CPU_KERNELS=1)."""
-    flags = _cpu_flags()
-    return _load_or_none("cpu_prefill.cpp", "CPU prefill-attention kernel",
-                         "amx_bf16" in flags and "amx_tile" in flags and "avx512f" in flags)
+    return _load_or_none("cpu_prefill.cpp", "CPU prefill-attention kernel", _cpu_has_avx512_bf16())

@@ -1,6 +1,8 @@
-// Prefill attention on AMX tiles (bf16 in, bf16 out, float32 softmax and sums): causal attention of
-// a chunk of queries over its keys, both products (Q K^T and P V) on AMX. Its PyTorch reference is
-// the SDPA call in kestrel/attention/torch_sdpa.py; tests/test_cpu_prefill.py compares.
+// Prefill attention (bf16 in, bf16 out, float32 softmax and sums): causal attention of a chunk of
+// queries over its keys, both products (Q K^T and P V) on AMX tiles, or where the CPU (or process)
+// has no AMX on AVX512-BF16, each tile product done as tdpbf16ps does it by 16 x 16 vdpbf16ps
+// (pairs of exact products summed in float32) into 16 vector accumulators. Its PyTorch reference is
+// the SDPA call in kestrel/attention/torch_sdpa.py; tests/test_cpu_prefill.py compares both paths.
 //
 // q [Lq, H, D], k and v [Lk, KV, D] (any row and head strides, the last dim contiguous), Lk >= Lq:
 // query i sits at position Lk - Lq + i and sees keys 0..Lk - Lq + i (bottom-right causal: a chunk
@@ -33,14 +35,18 @@
 #include <limits>
 #include <vector>
 
-#if !(defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__))
-#error "this kernel needs AMX-BF16; kestrel uses SDPA elsewhere"
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__))
+#error "this kernel needs AVX512-BF16; kestrel uses SDPA elsewhere"
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define KESTREL_PREFILL_AMX 1
 #endif
 
 namespace {
 
-using kestrel_amx::amx_usable;
+#ifdef KESTREL_PREFILL_AMX
 using kestrel_amx::TileConfig;
+#endif
 using kestrel_simd::round_to_bf16_bits;
 using kestrel_simd::transpose16;
 
@@ -103,6 +109,7 @@ void load_q(Block& b, const uint16_t* q, int64_t q_stride, int rows, int d) {
   }
 }
 
+#ifdef KESTREL_PREFILL_AMX
 // S^T = K Q^T for chunk c into b.st: two C tiles (keys 0-15, 16-31), K as A tiles (tmm4/tmm5), Q^T
 // as B tiles (tmm2/tmm3 by the parity of the D step).
 void scores_chunk(Block& b, const uint16_t* kt, int64_t c, int d) {
@@ -124,6 +131,32 @@ void scores_chunk(Block& b, const uint16_t* kt, int64_t c, int d) {
   }
   _tile_stored(0, b.st, 64);
   _tile_stored(1, b.st + 16 * kRows, 64);
+}
+#endif
+
+// C += A B as tdpbf16ps computes it, C's 16 rows in vectors: A a tile of 16 rows x 16 bf16 pairs,
+// B a tile of 16 pairs x 16 columns (a vector each). Row m of A, pair k, broadcast to every lane.
+inline void dot_tile(__m512 (&c)[16], const uint16_t* a, const uint16_t* b) {
+  for (int k = 0; k < 16; ++k) {
+    const __m512bh bk = (__m512bh)_mm512_loadu_si512(b + 32 * k);
+#pragma GCC unroll 16
+    for (int m = 0; m < 16; ++m) {
+      uint32_t pair;
+      std::memcpy(&pair, a + 32 * m + 2 * k, sizeof(pair));
+      c[m] = _mm512_dpbf16_ps(c[m], bk, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)));
+    }
+  }
+}
+
+// scores_chunk without AMX: the same K and Q^T tiles through dot_tile.
+void scores_chunk_dot(Block& b, const uint16_t* kt, int64_t c, int d) {
+  const int dt_n = d / 32;
+  for (int half = 0; half < 2; ++half) {
+    __m512 acc[16];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    for (int dt = 0; dt < dt_n; ++dt) dot_tile(acc, kt + ((2 * c + half) * dt_n + dt) * kTileElems, b.qt[dt]);
+    for (int m = 0; m < 16; ++m) _mm512_store_ps(b.st + (16 * half + m) * kRows, acc[m]);
+  }
 }
 
 // 2^x for x <= kMaxSlack2, to the accuracy the weights keep (they are rounded to bf16): 2^n * 2^f,
@@ -199,6 +232,7 @@ void softmax_chunk(Block& b, int64_t c, int d, float scale) {
   b.l = _mm512_add_ps(b.l, _mm512_add_ps(sum0, sum1));
 }
 
+#ifdef KESTREL_PREFILL_AMX
 // O^T += V^T P^T for chunk c: each 16-row slice of V^T (tmm4/tmm5) times P^T (tmm6), accumulated
 // in C tiles (tmm0/tmm1) loaded from and stored back to b.ot.
 void pv_chunk(Block& b, const uint16_t* vt, int64_t c, int64_t chunks, int d) {
@@ -219,8 +253,21 @@ void pv_chunk(Block& b, const uint16_t* vt, int64_t c, int64_t chunks, int d) {
     }
   }
 }
+#endif
+
+// pv_chunk without AMX: the same V^T and P^T tiles through dot_tile, 16 rows of O^T at a time.
+void pv_chunk_dot(Block& b, const uint16_t* vt, int64_t c, int64_t chunks, int d) {
+  for (int db = 0; db < d / 16; ++db) {
+    float* o = b.ot + db * 16 * kRows;
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_load_ps(o + i * kRows);
+    dot_tile(acc, vt + (db * chunks + c) * kTileElems, reinterpret_cast<const uint16_t*>(b.pt));
+    for (int i = 0; i < 16; ++i) _mm512_store_ps(o + i * kRows, acc[i]);
+  }
+}
 
 // One block of `rows` queries (positions first_pos..) of one head, over that head's packed K/V^T.
+template <bool AMX>
 void attend_block(Block& b, const uint16_t* kt, const uint16_t* vt, int64_t chunks_all, const uint16_t* q,
                   int64_t q_stride, int rows, int64_t first_pos, int64_t lk, int d, float scale, uint16_t* out,
                   int64_t out_stride) {
@@ -234,9 +281,17 @@ void attend_block(Block& b, const uint16_t* kt, const uint16_t* vt, int64_t chun
                                  _mm512_set1_epi32(static_cast<int32_t>(lk - 1)));
   const int64_t chunks = std::min(first_pos + rows - 1, lk - 1) / kChunk + 1;
   for (int64_t c = 0; c < chunks; ++c) {
-    scores_chunk(b, kt, c, d);
+#ifdef KESTREL_PREFILL_AMX
+    if constexpr (AMX) {
+      scores_chunk(b, kt, c, d);
+      softmax_chunk(b, c, d, scale);
+      pv_chunk(b, vt, c, chunks_all, d);
+      continue;
+    }
+#endif
+    scores_chunk_dot(b, kt, c, d);
     softmax_chunk(b, c, d, scale);
-    pv_chunk(b, vt, c, chunks_all, d);
+    pv_chunk_dot(b, vt, c, chunks_all, d);
   }
   // O^T / l, back to rows: 16 x 16 transposes.
   const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), b.l);
@@ -250,6 +305,7 @@ void attend_block(Block& b, const uint16_t* kt, const uint16_t* vt, int64_t chun
   }
 }
 
+#ifdef KESTREL_PREFILL_AMX
 TileConfig tile_config() {
   TileConfig cfg;
   for (int i = 0; i < 7; ++i) {  // every tile used is 16 rows of 64 bytes
@@ -258,13 +314,25 @@ TileConfig tile_config() {
   }
   return cfg;
 }
+#endif
+
+// Whether the AMX path is built and this CPU and process may use it.
+bool amx_usable() {
+#ifdef KESTREL_PREFILL_AMX
+  return kestrel_amx::amx_usable();
+#else
+  return false;
+#endif
+}
 
 }  // namespace
 
+namespace {
+
 // Causal attention of q [Lq, H, D] over k, v [Lk, KV, D] (bf16, last dim contiguous, Lk >= Lq, the
 // queries being the last Lq positions) → bf16 [Lq, H, D] contiguous. D % 32 == 0, D <= 256.
+template <bool AMX>
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
-  TORCH_CHECK(amx_usable(), "prefill_attention: this CPU (or process) cannot use AMX");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "prefill_attention: bad ranks or K/V shapes");
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
               v.scalar_type() == torch::kBFloat16, "prefill_attention: bfloat16 only");
@@ -302,8 +370,10 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, nthreads, 1, [&](int64_t tb, int64_t te) {
+#ifdef KESTREL_PREFILL_AMX
     static const TileConfig cfg = tile_config();
-    _tile_loadconfig(&cfg);
+    if constexpr (AMX) _tile_loadconfig(&cfg);
+#endif
     auto block = std::make_unique<Block>();
     for (int64_t t = tb; t < te; ++t) {
       const int64_t lo = std::lower_bound(cost_before.begin(), cost_before.end(), cost_before[items] * t / nthreads) - cost_before.begin();
@@ -311,19 +381,27 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
       for (int64_t i = lo; i < std::min(hi, items); ++i) {
         const int64_t qb = i / heads, h = i % heads, kvh = h / group;
         const int rows = static_cast<int>(std::min<int64_t>(kRows, lq - qb * kRows));
-        attend_block(*block, ktp + kvh * per_head, vtp + kvh * per_head, lk_pad / kChunk, qp + qb * kRows * q.stride(0) + h * q.stride(1),
+        attend_block<AMX>(*block, ktp + kvh * per_head, vtp + kvh * per_head, lk_pad / kChunk, qp + qb * kRows * q.stride(0) + h * q.stride(1),
                      q.stride(0), rows, first_pos0 + qb * kRows, lk, static_cast<int>(d), sc,
                      op + (qb * kRows * heads + h) * d, heads * d);
       }
     }
-    _tile_release();
+#ifdef KESTREL_PREFILL_AMX
+    if constexpr (AMX) _tile_release();
+#endif
   });
   return out;
 }
 
-bool usable() { return amx_usable(); }
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("prefill_attention", &prefill_attention, "causal prefill attention on AMX tiles (bf16, CPU)");
-  m.def("usable", &usable, "whether this CPU and process can run the AMX kernel");
+  m.def("amx_usable", &amx_usable, "whether prefill_attention_amx runs here (built with AMX, and granted to this process)");
+#ifdef KESTREL_PREFILL_AMX
+  m.def("prefill_attention_amx", [](torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+    TORCH_CHECK(amx_usable(), "prefill_attention: this CPU (or process) cannot use AMX");
+    return prefill_attention<true>(q, k, v, scale);
+  }, "causal prefill attention on AMX tiles (bf16, CPU)");
+#endif
+  m.def("prefill_attention_avx512", &prefill_attention<false>, "causal prefill attention by vdpbf16ps (bf16, CPU)");
 }
