@@ -266,6 +266,22 @@ void pv_chunk_dot(Block& b, const uint16_t* vt, int64_t c, int64_t chunks, int d
   }
 }
 
+// The two products of a chunk on the path the caller runs: AMX tiles, or dot_tile.
+template <bool AMX>
+inline void scores(Block& b, const uint16_t* kt, int64_t c, int d) {
+#ifdef KESTREL_PREFILL_AMX
+  if constexpr (AMX) return scores_chunk(b, kt, c, d);
+#endif
+  scores_chunk_dot(b, kt, c, d);
+}
+template <bool AMX>
+inline void pv(Block& b, const uint16_t* vt, int64_t c, int64_t chunks, int d) {
+#ifdef KESTREL_PREFILL_AMX
+  if constexpr (AMX) return pv_chunk(b, vt, c, chunks, d);
+#endif
+  pv_chunk_dot(b, vt, c, chunks, d);
+}
+
 // One block of `rows` queries (positions first_pos..) of one head, over that head's packed K/V^T.
 template <bool AMX>
 void attend_block(Block& b, const uint16_t* kt, const uint16_t* vt, int64_t chunks_all, const uint16_t* q,
@@ -281,17 +297,9 @@ void attend_block(Block& b, const uint16_t* kt, const uint16_t* vt, int64_t chun
                                  _mm512_set1_epi32(static_cast<int32_t>(lk - 1)));
   const int64_t chunks = std::min(first_pos + rows - 1, lk - 1) / kChunk + 1;
   for (int64_t c = 0; c < chunks; ++c) {
-#ifdef KESTREL_PREFILL_AMX
-    if constexpr (AMX) {
-      scores_chunk(b, kt, c, d);
-      softmax_chunk(b, c, d, scale);
-      pv_chunk(b, vt, c, chunks_all, d);
-      continue;
-    }
-#endif
-    scores_chunk_dot(b, kt, c, d);
+    scores<AMX>(b, kt, c, d);
     softmax_chunk(b, c, d, scale);
-    pv_chunk_dot(b, vt, c, chunks_all, d);
+    pv<AMX>(b, vt, c, chunks_all, d);
   }
   // O^T / l, back to rows: 16 x 16 transposes.
   const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), b.l);
