@@ -22,7 +22,7 @@ def _assert_like_torch(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Non
     assert ((y.double() - torch_y.double()).abs() <= torch_y.double().abs() * 2 ** -7 + 1e-6).all()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 31, 64, 127, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 15, 16, 17, 31, 48, 64, 65, 127, 128])
 @pytest.mark.parametrize("out_f,in_f", [(960, 576), (576, 1536), (49152, 576), (7, 32), (257, 64), (17, 96)])
 def test_avx512_matches_float32_product_rounded_once(rows, out_f, in_f):
     gen = torch.Generator().manual_seed(rows * 1000 + out_f)
@@ -36,23 +36,30 @@ def test_avx512_matches_float32_product_rounded_once(rows, out_f, in_f):
 
 
 def test_avx512_rows_do_not_depend_on_the_batch():
-    """Each output is one row of x against one row of w, summed in one order: a row alone, or at any
-    place in a batch of any size, gives the same bits (so a request's tokens do not depend on its
-    neighbours in the batch)."""
+    """Each output is one row of x against one row of w, summed in one order for batches of 1-15 rows
+    and in one (other) order for 16-128: within each range a row alone, or at any place in a batch of
+    any size, gives the same bits (so a request's tokens do not depend on its neighbours in the batch
+    unless the batch crosses 16 rows)."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(77, 576, generator=gen).bfloat16()
     w = (torch.randn(963, 576, generator=gen) * 0.05).bfloat16()
+    few = kernels.linear_bf16_avx512(x[:15], w)
+    for start, stop in [(0, 1), (5, 7), (10, 13), (2, 10)]:
+        assert torch.equal(kernels.linear_bf16_avx512(x[start:stop], w), few[start:stop])
     full = kernels.linear_bf16_avx512(x, w)
-    for start, stop in [(0, 1), (5, 7), (10, 13), (40, 77), (3, 67)]:
+    for start, stop in [(0, 16), (40, 77), (3, 67), (20, 53), (60, 77)]:
         assert torch.equal(kernels.linear_bf16_avx512(x[start:stop], w), full[start:stop])
-    assert torch.equal(kernels.linear_bf16_avx512(x, w[100:117].contiguous()), full[:, 100:117])
+    for ws in [slice(100, 117), slice(48, 96), slice(0, 1), slice(900, 963)]:
+        assert torch.equal(kernels.linear_bf16_avx512(x, w[ws].contiguous()), full[:, ws])
+        assert torch.equal(kernels.linear_bf16_avx512(x[:15], w[ws].contiguous()), few[:, ws])
 
 
-def test_avx512_keeps_nan_and_inf_and_rejects_what_it_cannot_do():
+@pytest.mark.parametrize("rows", [9, 40])
+def test_avx512_keeps_nan_and_inf_and_rejects_what_it_cannot_do(rows):
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(9, 64, generator=gen).bfloat16()
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
     w = (torch.randn(40, 64, generator=gen) * 0.05).bfloat16()
-    x[3, 0], x[5, 0] = float("nan"), float("inf")
+    x[3, 0], x[5, 0], x[rows - 1, 7] = float("nan"), float("inf"), float("-inf")
     y, ref = kernels.linear_bf16_avx512(x, w), F.linear(x, w)
     assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
     for bad_x, bad_w in [(torch.zeros(129, 64, dtype=torch.bfloat16), w),          # too many rows

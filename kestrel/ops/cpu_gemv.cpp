@@ -2,8 +2,10 @@
 // the weights at a fraction of memory bandwidth.
 //
 // linear_bf16_avx512(x [M, K], w [N, K]) -> y [M, N], M <= 128, K % 32 == 0 (AVX512-BF16, for CPUs
-// without AMX); y bf16, or float32 holding the bf16-rounded values. Dot products along K of blocks of
-// rows of x and of w, each 64-byte piece of a weight row loaded once per block of x rows (see below).
+// without AMX); y bf16, or float32 holding the bf16-rounded values. Up to 15 rows: dot products along
+// K of blocks of rows of x and of w, each 64-byte piece of a weight row loaded once per block of x rows;
+// from 16 rows: x repacked into pairs along K, 16 rows to a vector, against broadcast pairs of w (see
+// below for both).
 //
 // linear_bf16_amx(x [M, K], w [N, K]) -> y [M, N], M <= 128, K % 32 == 0, N % 16 == 0 (AMX-BF16);
 // y bf16, or float32 holding the bf16-rounded values (the output head: logits go on in float32).
@@ -143,6 +145,120 @@ void dp_run(const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t 
     if (M == 1) dp_rows<1, 16>(x, w, M, K, n_begin, n_end, sink);
     else if (M == 2) dp_rows<2, 8>(x, w, M, K, n_begin, n_end, sink);
     else dp_rows<4, 4>(x, w, M, K, n_begin, n_end, sink);
+  });
+}
+
+// ---- linear_bf16_avx512 from 16 rows: the rows of x in the lanes ----------------------------------
+//
+// x is repacked once per call into pairs along K ([K/2][Mp] dwords, Mp = M rounded up to 16, rows past M
+// zero), so that one vector holds one pair of K for 16 rows; each pair of a weight row is broadcast
+// from w as it is stored. An accumulator is then 16 rows of one output column, summed over K one pair
+// at a time: no horizontal sum, and 12-24 accumulators per block keep the dot-product unit busy. Every
+// output is the sum of its row's pairs in K order whatever the batch, so from 16 rows up a row's result
+// does not depend on the other rows either (it does differ in the last bits from the 1-15 row path's).
+constexpr int kLaneRowsMin = 16;  // fewer rows: most lanes would be empty (dp_run)
+constexpr int64_t kUnit = 48;     // output columns per task (every block width R below divides it)
+constexpr int kGroupRows = 64;    // rows of x per pass over a task's weight rows (at most 4 vectors)
+
+// x [M, K] → xp [K/2][Mp] dwords (the pair k, k + 1 of row m at xp[k / 2 * Mp + m]).
+void pack_x_pairs(const uint16_t* x, int64_t M, int64_t K, int64_t Mp, uint32_t* xp) {
+  for (int64_t m0 = 0; m0 < Mp; m0 += 16)
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = m0 + i < M ? _mm512_loadu_si512(x + (m0 + i) * K + k) : _mm512_setzero_si512();
+      kestrel_simd::transpose16(r);
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(xp + (k / 2 + j) * Mp + m0, r[j]);
+    }
+}
+
+// MV vectors of rows (from `xp`, Mp apart per pair) against R weight rows from `w` (r_valid of them
+// real; past them the last is repeated); column r's sums go to ct[r * kGroupRows ...]. `next`: the
+// weight rows to fetch into L2 meanwhile (R of them, a line of each per 16 pairs), or nullptr.
+template <int MV, int R>
+inline void lanes_block(const uint32_t* xp, int64_t Mp, const uint32_t* w, int64_t K2, int r_valid,
+                        const uint32_t* next, float* ct) {
+  __m512 acc[MV * R];
+  for (int i = 0; i < MV * R; ++i) acc[i] = _mm512_setzero_ps();
+  const uint32_t* wr[R];
+  for (int r = 0; r < R; ++r) wr[r] = w + std::min(r, r_valid - 1) * K2;
+  for (int64_t p0 = 0; p0 < K2; p0 += 16) {
+    if (next != nullptr)
+      for (int r = 0; r < R; ++r) prefetch_l2(reinterpret_cast<const uint16_t*>(next + r * K2 + p0));
+    for (int64_t p = p0; p < p0 + 16; ++p) {
+      __m512bh xv[MV];
+      for (int v = 0; v < MV; ++v) xv[v] = (__m512bh)_mm512_load_si512(xp + p * Mp + 16 * v);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh wb = (__m512bh)_mm512_set1_epi32(static_cast<int>(wr[r][p]));
+        for (int v = 0; v < MV; ++v) acc[v * R + r] = _mm512_dpbf16_ps(acc[v * R + r], xv[v], wb);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < MV; ++v) _mm512_store_ps(ct + r * kGroupRows + 16 * v, acc[v * R + r]);
+}
+
+// Columns [0, cols) of a task (weight rows from w); `rows_after`: the weight rows after them, to prefetch.
+template <int MV, int R>
+void lanes_columns(const uint32_t* xp, int64_t Mp, const uint32_t* w, int64_t K2, int64_t cols,
+                   int64_t rows_after, float* ct) {
+  static_assert(kUnit % R == 0);
+  for (int64_t c = 0; c < cols; c += R) {
+    const uint32_t* next = c + R + R <= cols + rows_after ? w + (c + R) * K2 : nullptr;
+    lanes_block<MV, R>(xp, Mp, w + c * K2, K2, static_cast<int>(std::min<int64_t>(R, cols - c)), next,
+                       ct + c * kGroupRows);
+  }
+}
+
+// ct [cols][kGroupRows] (y transposed) → y rows m0 .. m0 + rows, columns n0 .. n0 + cols, rounded to bf16.
+template <typename Out>
+void store_transposed(const float* ct, int64_t rows, int64_t cols, Out* y, int64_t N, int64_t m0, int64_t n0) {
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(16, cols - c)) - 1);
+    for (int64_t v = 0; v * 16 < rows; ++v) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(ct + (c + i) * kGroupRows + 16 * v);
+      kestrel_simd::transpose16(r);
+      for (int j = 0; j < 16 && v * 16 + j < rows; ++j) {
+        const __m512i bits = kestrel_simd::round_to_bf16_bits(_mm512_castsi512_ps(r[j]));
+        Out* out = y + (m0 + v * 16 + j) * N + n0 + c;
+        if constexpr (std::is_same_v<Out, float>)
+          _mm512_mask_storeu_epi32(out, valid, _mm512_slli_epi32(bits, 16));
+        else
+          _mm256_mask_storeu_epi16(out, valid, _mm512_cvtepi32_epi16(bits));
+      }
+    }
+  }
+}
+
+template <typename Out>
+void lanes_run(const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K, Out* y) {
+  const int64_t Mp = (M + 15) / 16 * 16, K2 = K / 2;
+  thread_local std::vector<uint32_t> buffer;  // kept and grown: an allocation per call costs as much as a small product
+  if ((int64_t)buffer.size() < K2 * Mp + 16) buffer.resize(K2 * Mp + 16);
+  uint32_t* xp = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+  pack_x_pairs(x, M, K, Mp, xp);
+  const auto* w32 = reinterpret_cast<const uint32_t*>(w);
+  at::parallel_for(0, (N + kUnit - 1) / kUnit, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float ct[kUnit * kGroupRows];
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t n0 = u * kUnit, cols = std::min(kUnit, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += kGroupRows) {
+        const int64_t rows = std::min<int64_t>(kGroupRows, M - m0);
+        const uint32_t* xg = xp + m0;
+        const uint32_t* wu = w32 + n0 * K2;
+        // The next task's weights are fetched during this one's last pass over its own.
+        const int64_t after = m0 + kGroupRows >= M ? std::min(kUnit, N - n0 - cols) : 0;
+        // One vector: 12 weight rows, not 24 (24 row pointers spilled, and ran at a fifth of the speed).
+        switch ((rows + 15) / 16) {
+          case 1: lanes_columns<1, 12>(xg, Mp, wu, K2, cols, after, ct); break;
+          case 2: lanes_columns<2, 12>(xg, Mp, wu, K2, cols, after, ct); break;
+          case 3: lanes_columns<3, 8>(xg, Mp, wu, K2, cols, after, ct); break;
+          default: lanes_columns<4, 6>(xg, Mp, wu, K2, cols, after, ct); break;
+        }
+        store_transposed(ct, rows, cols, y, N, m0, n0);
+      }
+    }
   });
 }
 
@@ -540,8 +656,14 @@ torch::Tensor linear_bf16_avx512(torch::Tensor x, torch::Tensor w, bool float_ou
   auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat32 : torch::kBFloat16));
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  if (float_out) dp_run(xp, wp, M, N, K, DpSink<float>{y.data_ptr<float>(), N});
-  else dp_run(xp, wp, M, N, K, DpSink<uint16_t>{reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), N});
+  if (M >= kLaneRowsMin) {
+    if (float_out) lanes_run(xp, wp, M, N, K, y.data_ptr<float>());
+    else lanes_run(xp, wp, M, N, K, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  } else if (float_out) {
+    dp_run(xp, wp, M, N, K, DpSink<float>{y.data_ptr<float>(), N});
+  } else {
+    dp_run(xp, wp, M, N, K, DpSink<uint16_t>{reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), N});
+  }
   return y;
 }
 

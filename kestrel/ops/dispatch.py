@@ -35,12 +35,12 @@ Argmax = Callable[[torch.Tensor], torch.Tensor]
 # 1.2-2x torch's GEMM at every size from 1 to 128 rows on this machine; prefill chunks above it go
 # to torch's GEMM, which reaches the AMX rate there.
 AMX_MAX_ROWS = 128
-# Without AMX (AVX512-BF16 only, as AMD Zen 4): linear_bf16_avx512 up to this many rows. On a 2-core Zen 4
-# (2026-12-02, two runs timing each shape alone, medians of 15 calls), over the
-# default model's four layer shapes it took 0.20-0.27x torch's bf16 GEMM's time at 1 row, 0.38x at 4,
-# 0.61-0.75x at 16 and 0.83-0.93x at 32; at 64 rows 0.97-1.29x, above that torch's GEMM is faster. On
-# the output head (49152 x 576, streamed from memory) 0.29x at 1 row, 0.24x at 4, 0.82x at 32.
-AVX512_MAX_ROWS = 32
+# Without AMX (AVX512-BF16 only, as AMD Zen 4): linear_bf16_avx512 up to this many rows (all it takes).
+# On a 2-core Zen 4 (2026-12-03, medians of 30 calls of the default model's four layer shapes), it took
+# 0.4x torch's bf16 GEMM's time at 8 rows, 0.6x at 16-32, 0.7x at 64 and 0.8x at 128 (its rows-in-lanes
+# path from 16 rows, 330-380 GFLOP/s); on the output head (49152 x 576) 0.3-0.75x. Prefill chunks
+# beyond it take torch's GEMM, which reaches ~370 GFLOP/s there.
+AVX512_MAX_ROWS = 128
 # Float32 (no bf16 on AVX2 machines): the small-batch kernel (linear_f32) up to this many rows. Over the
 # default model's weights as a decode step reads them (538 MB, from memory), torch's GEMM takes 1.6-3.6x
 # its time at 1-16 rows and 1.04-1.3x at 64-128 (BENCHMARKS.md); prefill chunks beyond it go to torch's
