@@ -258,21 +258,20 @@ def _amx_linear(gemv) -> LinearOps:
 
 
 def _avx512_bf16_linear(gemv) -> LinearOps:
+    # The kernel takes every product `_bf16_kernel_takes` admits (AVX512_MAX_ROWS == AMX_MAX_ROWS), so it
+    # is the plan's matmul as it is.
+    assert AVX512_MAX_ROWS == AMX_MAX_ROWS
     avx512 = gemv.linear_bf16_avx512
 
-    def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """What `linear` does with a bf16 product the kernels take (the plan's matmul)."""
-        return avx512(x, weight) if x.shape[0] <= AVX512_MAX_ROWS else F.linear(x, weight)
-
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return matmul(x, weight) if _bf16_kernel_takes(x, weight, bias) else F.linear(x, weight, bias)
+        return avx512(x, weight) if _bf16_kernel_takes(x, weight, bias) else F.linear(x, weight, bias)
 
     def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if _bf16_kernel_takes(x, weight, None) and x.shape[0] <= AVX512_MAX_ROWS:
+        if _bf16_kernel_takes(x, weight, None):
             return avx512(x, weight, float_out=True)
         return linear(x, weight).float()
 
-    return LinearOps(linear, linear_to_float, PlanMatmul(matmul, torch.bfloat16, AMX_MAX_ROWS, 1, 32))
+    return LinearOps(linear, linear_to_float, PlanMatmul(avx512, torch.bfloat16, AVX512_MAX_ROWS, 1, 32))
 
 
 def _f32_linear(f32: F32Kernels) -> LinearOps:
