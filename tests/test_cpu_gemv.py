@@ -126,6 +126,9 @@ def test_linear_dispatch_matches_torch(rows, out_f, use_amx):
             calls.append(("amx", x.shape[0]))
             return kernels.linear_bf16_amx(x, w, float_out) if kernels.amx_usable() else F.linear(x, w)
 
+        def matmul_address(self, name):
+            return kernels.matmul_address(name)
+
     linear = (dispatch._amx_linear(Spy()) if use_amx else dispatch._avx512_bf16_linear(Spy())).linear
     x = torch.randn(rows, 576).bfloat16()
     w = (torch.randn(out_f, 576) * 0.05).bfloat16()
@@ -167,3 +170,10 @@ def test_amx_float_out_is_the_bf16_result_widened(rows):
     assert torch.equal(ops.linear_to_float(x, w), y)
     # float32 inputs (the parity tests) keep torch's path
     assert torch.equal(ops.linear_to_float(x.float(), w.float()), F.linear(x.float(), w.float()))
+
+
+def test_matmul_address_names_only_this_modules_matmuls():
+    """The plan's C++ layer loop calls the bf16 matmuls by these addresses (cpu_kernels' DecodeLayers)."""
+    assert kernels.matmul_address("linear_bf16_avx512") != kernels.matmul_address("linear_bf16_amx") != 0
+    with pytest.raises(RuntimeError, match="no matmul"):
+        kernels.matmul_address("linear_f32")

@@ -224,8 +224,8 @@ def test_argmax_rows_ties_infinities_and_nan_follow_torch():
 def test_every_build_exports_the_same_functions():
     """Callers never ask which build they got: both have every kernel, at their own vector width."""
     for name in ("argmax_rows", "rms_norm", "silu_and_mul", "paged_decode_attention", "rotary_write_kv",
-                 "rotary_write_kv_int8", "paged_decode_attention_int8", "supports", "linear_f32", "DecodeLayersF32",
-                 "linear_int8", "int8_linear"):
+                 "rotary_write_kv_int8", "paged_decode_attention_int8", "supports", "linear_f32", "DecodeLayers",
+                 "matmul_address", "linear_int8", "int8_linear"):
         assert hasattr(kernels, name), name
     assert kernels.lanes == {"avx512": 16, "avx2": 8}[cpu_kernels_isa()]
     assert kernels.supports(64, 3) and not kernels.supports(64, 6)
@@ -270,7 +270,7 @@ def test_linear_f32_rejects_bad_shapes():
 
 
 def _decode_layers_in_python(weights, caches, x, cos, sin, slots, table, seq_lens, heads, eps, scale):
-    """DecodeLayersF32's loop, kernel call by kernel call, in Python."""
+    """DecodeLayers' loop over linear_f32, kernel call by kernel call, in Python."""
     residual = None
     for layer in range(len(caches) // 2):
         norm_in, qkv_w, o_w, norm_post, gate_up_w, down_w = weights[6 * layer:6 * layer + 6]
@@ -289,7 +289,7 @@ def _decode_layers_in_python(weights, caches, x, cos, sin, slots, table, seq_len
 
 @pytest.mark.parametrize("rows", [1, 3, 6])
 def test_decode_layers_f32_is_its_kernels_in_order(rows):
-    """DecodeLayersF32 (in every build) against the same kernels called from Python, bit for bit, and
+    """DecodeLayers over linear_f32 (in every build) against the same kernels called from Python, bit for bit, and
     within float32 rounding of the PyTorch references."""
     g = torch.Generator().manual_seed(rows)
     heads, kv_heads, head_dim, hidden, inter, layers_n, eps = 4, 2, 64, 256, 512, 2, 1e-5
@@ -311,9 +311,21 @@ def test_decode_layers_f32_is_its_kernels_in_order(rows):
     cos, sin = angle.cos(), angle.sin()
     seq_lens = torch.tensor(lens)
     native_caches = [c.clone() for c in caches]
-    native = kernels.DecodeLayersF32(weights, native_caches, heads, eps, scale)(
+    native = kernels.DecodeLayers(weights, native_caches, heads, eps, scale, kernels.matmul_address("linear_f32"))(
         x.clone(), cos, sin, slots, table, seq_lens, 16)
     python_loop = _decode_layers_in_python(weights, caches, x.clone(), cos, sin, slots, table, seq_lens,
                                            heads, eps, scale)
     assert torch.equal(native, python_loop)
     assert all(torch.equal(a, b) for a, b in zip(native_caches, caches))  # the same K/V written
+
+
+def test_decode_layers_rejects_what_it_cannot_run():
+    with pytest.raises(RuntimeError, match="no matmul"):
+        kernels.matmul_address("linear_bf16_avx512")   # cpu_gemv's, not this module's
+    weights = [torch.ones(32), torch.randn(96, 32), torch.randn(32, 32), torch.ones(32),
+               torch.randn(64, 32).bfloat16(), torch.randn(32, 32)]
+    caches = [torch.zeros(16, 1, 32), torch.zeros(16, 1, 32)]
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernels.DecodeLayers(weights, caches, 1, 1e-5, 1.0, kernels.matmul_address("linear_f32"))
+    with pytest.raises(RuntimeError, match="6 weights and 2 caches"):
+        kernels.DecodeLayers(weights[:5], caches, 1, 1e-5, 1.0, kernels.matmul_address("linear_f32"))

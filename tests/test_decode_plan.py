@@ -73,6 +73,10 @@ def test_plan_gives_the_model_forward_bit_for_bit(model, quantization, kv_cache_
     with and without the plan give the same tokens and logprobs."""
     llm = LLM(model=request.getfixturevalue(model), dtype="bfloat16", max_model_len=512, kv_cache_memory=16 << 20,
               max_num_batched_tokens=64, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    runner = _runner_of(llm)
+    # The Llama's layer loop runs in C++ (DecodeLayers) where every projection is on the plan's matmul.
+    native = runner.decode_plan.native_layers(runner.kv_caches)
+    assert (native is not None) == (model == "tiny_bf16" and quantization is None and kv_cache_dtype == "auto")
     _check_plan_against_the_forward(llm, engine_check)
 
 
@@ -81,7 +85,7 @@ def test_plan_gives_the_model_forward_bit_for_bit(model, quantization, kv_cache_
                          [("tiny_bf16", "auto"), ("tiny_qwen3", "auto"), ("tiny_bf16", "int8")])
 def test_float32_plan_gives_the_model_forward_bit_for_bit(model, kv_cache_dtype, request, engine_check):
     """The same on a float32 model (the default dtype on a CPU without bf16), its projections on linear_f32.
-    The Llama on the float cache runs its layer loop in C++ (DecodeLayersF32); the Qwen3, with q/k
+    The Llama on the float cache runs its layer loop in C++ (DecodeLayers); the Qwen3, with q/k
     norms, and any model on the int8 cache, in Python."""
     llm = LLM(model=request.getfixturevalue(model), dtype="float32", max_model_len=512, kv_cache_memory=16 << 20,
               max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype)
@@ -94,10 +98,11 @@ def test_float32_plan_gives_the_model_forward_bit_for_bit(model, kv_cache_dtype,
     _check_plan_against_the_forward(llm, engine_check)
 
 
-@needs_f32_plan
-def test_native_layer_loop_matches_the_python_loop(tiny_bf16):
-    """DecodeLayersF32 against the plan's own Python loop on the same steps, bit for bit."""
-    llm = LLM(model=tiny_bf16, dtype="float32", max_model_len=512, kv_cache_memory=16 << 20)
+@pytest.mark.parametrize("dtype", [
+    pytest.param("float32", marks=needs_f32_plan), pytest.param("bfloat16", marks=needs_plan)])
+def test_native_layer_loop_matches_the_python_loop(tiny_bf16, dtype):
+    """DecodeLayers against the plan's own Python loop on the same steps, bit for bit."""
+    llm = LLM(model=tiny_bf16, dtype=dtype, max_model_len=512, kv_cache_memory=16 << 20)
     runner = _runner_of(llm)
     plan = runner.decode_plan
     native_class, steps = plan.native_class, []

@@ -6,10 +6,11 @@ At batch 1 a decode step of the default model is ~300 kernel calls, and the Pyth
 dispatch) cost ~1.9 ms of a ~13.4 ms forward pass (measured against the same kernels called
 straight). Everything those checks decide is fixed for a model (dtype, shapes, AMX) or for a step
 (decode-only, rows), so a plan settles it once: it holds, per layer, the kernels and weights to call,
-and runs a decode-only step as a straight list of calls. For a float32 Llama-family model on the
-AVX2 build (no q/k norms, no biases, the float cache) the list itself runs in C++
-(`DecodeLayersF32`): the same kernels in the same order, without the Python between them (~2 ms of
-a ~27 ms batch-1 step on 2 AVX2 cores).
+and runs a decode-only step as a straight list of calls. For a Llama-family model (no q/k norms, no
+biases, the model-dtype cache) whose every projection is on the plan's matmul, the list itself runs
+in C++ (cpu_kernels' `DecodeLayers`, calling the matmul by its address): the same kernels in the
+same order, without the Python between them (~2 ms of a ~27 ms batch-1 step on 2 AVX2 cores in
+float32, ~1.2 ms of ~14 ms on 2 Zen 4 cores in bf16).
 
 The plan takes its kernels from the selections made once for the model: the op families'
 (`model.ops.plan_kernels`: the norm and activation kernels and the matmul its projections bind) and the
@@ -77,13 +78,14 @@ class DecodePlan:
         self.silu_and_mul = kernels.silu_and_mul
         self.rotary_write_kv = step.rotary_write_kv
         self.decode_attention = step.decode_attention
-        # The whole layer loop in one C++ call (float32 where the build has DecodeLayersF32, no q/k norms,
-        # every projection bound, the float cache): built on the first step, once the KV caches exist.
-        self.native_class = kernels.matmul.layer_loop if self._native_eligible(model, kernels.matmul, step) else None
+        # The whole layer loop in one C++ call (no q/k norms, every projection bound to a matmul with an
+        # address, the model-dtype cache): built on the first step, once the KV caches exist.
+        self.matmul_address = kernels.matmul.address
+        self.native_class = kernels.layer_loop if self._native_eligible(model, kernels.matmul, step) else None
         self._native: tuple[list[KVCache], Callable] | None = None
 
     def _native_eligible(self, model: torch.nn.Module, matmul: PlanMatmul, step: DecodeStepKernels) -> bool:
-        return (model.cfg.dtype == torch.float32 and not model.cfg.qk_norm and not step.kv_int8
+        return (matmul.address is not None and not model.cfg.qk_norm and not step.kv_int8
                 and all(isinstance(p, BoundMatmul) and p.matmul is matmul.kernel
                         for layer in self.layers
                         for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)))
@@ -97,7 +99,8 @@ class DecodePlan:
                 layer.input_norm, layer.qkv_proj.weight, layer.o_proj.weight, layer.post_attention_norm,
                 layer.gate_up_proj.weight, layer.down_proj.weight)]
             caches = [t for cache in kv_caches for t in cache]
-            self._native = (kv_caches, self.native_class(weights, caches, self.heads, self.eps, self.scale))
+            self._native = (kv_caches, self.native_class(weights, caches, self.heads, self.eps, self.scale,
+                                                         self.matmul_address))
         return self._native[1]
 
     @classmethod

@@ -183,7 +183,7 @@ def cpu_kernels_source() -> str | None:
 def cpu_kernels():
     """Paged attention (over the model-dtype or the int8 KV cache), norm, activation, rotary + KV-write,
     argmax, float32 linear and int8 linear (--quantization int8; `int8_linear` says whether the build
-    has it: not an AVX-512 CPU without VNNI) kernels, and the float32 decode plan's layer loop (DecodeLayersF32), in
+    has it: not an AVX-512 CPU without VNNI) kernels, and the decode plan's layer loop (DecodeLayers), in
     the build for this CPU (cpu_kernels_isa()), or None where unavailable. Every build has every
     function; `lanes` says the vector width it was compiled for."""
     isa = cpu_kernels_isa()

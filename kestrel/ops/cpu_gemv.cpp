@@ -717,6 +717,13 @@ torch::Tensor linear_int8_amx(torch::Tensor, torch::Tensor, torch::Tensor) { TOR
 bool amx_usable() { return false; }
 #endif
 
+namespace {
+// The plan's matmuls as plain functions y = x w^T (bf16 y), whose addresses `matmul_address` gives
+// cpu_kernels.cpp's DecodeLayers (see MatmulFn there).
+torch::Tensor avx512_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_bf16_avx512(x, w, false); }
+torch::Tensor amx_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_bf16_amx(x, w, false); }
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_avx512", &linear_bf16_avx512,
         "y = x w^T for bf16 x of 1..128 rows (CPU, AVX512-BF16, no AMX); float_out: y in float32, rounded as bf16",
@@ -728,4 +735,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x w^T, bf16 x quantized per row to int8, w int8 with a float32 scale per row; y bf16 (CPU, AMX-INT8)",
         py::arg("x"), py::arg("qweight"), py::arg("wscale"));
   m.def("amx_usable", [] { return amx_usable(); }, "whether linear_bf16_amx can run here");
+  m.def("matmul_address", [](const std::string& name) -> int64_t {
+    using MatmulFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&);
+    MatmulFn fn = name == "linear_bf16_avx512" ? &avx512_matmul : name == "linear_bf16_amx" ? &amx_matmul : nullptr;
+    TORCH_CHECK(fn != nullptr, "matmul_address: no matmul ", name);
+    return reinterpret_cast<int64_t>(fn);
+  }, "the address of a matmul as a plain function y = x w^T, for cpu_kernels' DecodeLayers", py::arg("name"));
 }

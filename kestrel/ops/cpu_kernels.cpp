@@ -12,8 +12,8 @@
 // part behind KESTREL_VEC_AVX512).
 // paged_decode_attention_int8 and rotary_write_kv_int8: the int8 KV cache (int8_kv.h).
 // rms_norm (optionally fused with the residual add), silu_and_mul, rotary_write_kv and argmax_rows:
-// one pass over each row. linear_f32 and DecodeLayersF32: float32 decode-sized products and the
-// float32 decode plan's layer loop. linear_int8: --quantization int8's products where there is no AMX
+// one pass over each row. linear_f32: float32 decode-sized products. DecodeLayers: the decode plan's
+// layer loop, over the matmul the plan binds. linear_int8: --quantization int8's products where there is no AMX
 // (AVX512-VNNI or AVX2; see "int8 linear layers" below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -1308,23 +1308,36 @@ torch::Tensor linear_int8(torch::Tensor, torch::Tensor, torch::Tensor) {
 }
 #endif
 
-// ---- the float32 decode plan's layer loop ----
+// ---- the decode plan's layer loop ----
 
-// The layer loop of kestrel/model/decode_plan.py for a float32 Llama-family model without q/k norms
-// or biases, in C++: the same kernels in the same order on the same tensors, so its hidden states
-// are bit-identical to the Python loop's (and so to the model's forward). What it saves is the
-// Python between the ~300 kernel calls of a step: ~1.5-2 ms of a ~27 ms batch-1 step (AVX2 machine).
-class DecodeLayersF32 {
+// A matmul y = x w^T (x [M, K], w [N, K]; y in x's dtype) as a plain function, for DecodeLayers to call:
+// linear_f32 here, or a bf16 kernel of cpu_gemv.cpp, whose module exports its address the same way
+// (`matmul_address`). Both modules are built by the same compiler against the same torch, and stay
+// loaded for the life of the process (kestrel/ops caches them), so the address stays valid.
+using MatmulFn = torch::Tensor (*)(const torch::Tensor& x, const torch::Tensor& w);
+
+torch::Tensor linear_f32_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_f32(x, w); }
+
+// The layer loop of kestrel/model/decode_plan.py for a Llama-family model without q/k norms or biases,
+// on the model-dtype cache, in C++: the same kernels in the same order on the same tensors (the matmul
+// the plan binds, by its address), so its hidden states are bit-identical to the Python loop's (and so
+// to the model's forward). What it saves is the Python between the ~300 kernel calls of a step:
+// ~1.5-2 ms of a ~27 ms batch-1 step on 2 AVX2 cores (float32), ~1.2 ms of a ~14 ms one on 2 Zen 4
+// cores (bf16).
+class DecodeLayers {
  public:
-  // weights: 6 per layer (input norm, qkv, o, post-attention norm, gate_up, down); caches: k, v per
-  // layer, each [num_slots, kv_heads, head_dim].
-  DecodeLayersF32(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches, int64_t heads,
-                  double eps, double scale)
-      : weights_(std::move(weights)), caches_(std::move(caches)), heads_(heads), eps_(eps), scale_(scale) {
+  // weights: 6 per layer (input norm, qkv, o, post-attention norm, gate_up, down), one dtype; caches:
+  // k, v per layer, each [num_slots, kv_heads, head_dim]; matmul_address: a MatmulFn for this dtype.
+  DecodeLayers(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches, int64_t heads,
+               double eps, double scale, int64_t matmul_address)
+      : weights_(std::move(weights)), caches_(std::move(caches)), heads_(heads), eps_(eps), scale_(scale),
+        matmul_(reinterpret_cast<MatmulFn>(matmul_address)) {
     TORCH_CHECK(weights_.size() % 6 == 0 && caches_.size() * 3 == weights_.size(),
-                "DecodeLayersF32: 6 weights and 2 caches per layer");
+                "DecodeLayers: 6 weights and 2 caches per layer");
+    TORCH_CHECK(matmul_ != nullptr, "DecodeLayers: no matmul");
     for (const auto& w : weights_)
-      TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous(), "DecodeLayersF32: float32 contiguous weights");
+      TORCH_CHECK(w.scalar_type() == weights_[0].scalar_type() && w.is_contiguous(),
+                  "DecodeLayers: contiguous weights of one dtype");
   }
 
   // x [n, hidden]: the embedded tokens. Returns the hidden states before the final norm.
@@ -1342,12 +1355,12 @@ class DecodeLayersF32 {
         h = rms_norm(x, residual, w[0], eps_);  // residual += x, in place
       }
       const int64_t head_dim = k_cache.size(2), kv_heads = k_cache.size(1);
-      torch::Tensor qkv = linear_f32(h, w[1]).view({n, heads_ + 2 * kv_heads, head_dim});
+      torch::Tensor qkv = matmul_(h, w[1]).view({n, heads_ + 2 * kv_heads, head_dim});
       rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads_);
       torch::Tensor out = paged_decode_attention(qkv.slice(1, 0, heads_), k_cache, v_cache, table, seq_lens,
                                                  block_size, scale_, true);
-      h = rms_norm(linear_f32(out.view({n, heads_ * head_dim}), w[2]), residual, w[3], eps_);
-      x = linear_f32(silu_and_mul(linear_f32(h, w[4])), w[5]);
+      h = rms_norm(matmul_(out.view({n, heads_ * head_dim}), w[2]), residual, w[3], eps_);
+      x = matmul_(silu_and_mul(matmul_(h, w[4])), w[5]);
     }
     return x + residual;
   }
@@ -1356,6 +1369,7 @@ class DecodeLayersF32 {
   std::vector<torch::Tensor> weights_, caches_;
   int64_t heads_;
   double eps_, scale_;
+  MatmulFn matmul_;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1382,9 +1396,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8", &linear_int8,
         "y = x w^T, bf16 x quantized per row to int8, w int8 with a float32 scale per row; y bf16 (CPU, "
         "AVX512-VNNI or AVX2)", py::arg("x"), py::arg("qweight"), py::arg("wscale"));
-  py::class_<DecodeLayersF32>(m, "DecodeLayersF32")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, double, double>(),
-           py::arg("weights"), py::arg("caches"), py::arg("heads"), py::arg("eps"), py::arg("scale"))
-      .def("__call__", &DecodeLayersF32::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
+  m.def("matmul_address", [](const std::string& name) -> int64_t {
+    TORCH_CHECK(name == "linear_f32", "matmul_address: no matmul ", name);
+    return reinterpret_cast<int64_t>(&linear_f32_matmul);
+  }, "the address of a matmul as a MatmulFn, for DecodeLayers", py::arg("name"));
+  py::class_<DecodeLayers>(m, "DecodeLayers")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, double, double, int64_t>(),
+           py::arg("weights"), py::arg("caches"), py::arg("heads"), py::arg("eps"), py::arg("scale"),
+           py::arg("matmul_address"))
+      .def("__call__", &DecodeLayers::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
            py::arg("table"), py::arg("seq_lens"), py::arg("block_size"));
 }

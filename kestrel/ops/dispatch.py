@@ -117,19 +117,19 @@ def int8_kernels():
 
 @dataclass(frozen=True)
 class F32Kernels:
-    """The float32 matmul of a kernel build, and its C++ decode layer loop (DecodeLayersF32)."""
+    """The float32 matmul of a kernel build, and its address for the C++ decode layer loop."""
     linear_f32: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    decode_layers: type
+    address: int
 
 
 def f32_kernels() -> F32Kernels | None:
-    """The float32 small-batch matmul (linear_f32) and its C++ decode layer loop, where float32 products
+    """The float32 small-batch matmul (linear_f32) and its address, where float32 products
     should take them (ops.linear_f32_preferred: the AVX2 build; on AVX-512 torch's GEMM stays faster at
     most shapes); None elsewhere. Every caller takes the answer from here."""
     if not linear_f32_preferred():
         return None
     kernels = cpu_kernels()
-    return F32Kernels(kernels.linear_f32, kernels.DecodeLayersF32)
+    return F32Kernels(kernels.linear_f32, kernels.matmul_address("linear_f32"))
 
 
 # ---- the families ------------------------------------------------------------------------------
@@ -206,7 +206,9 @@ class PlanMatmul:
     max_rows: int
     n_multiple: int
     k_multiple: int
-    layer_loop: type | None = None   # the whole layer loop in C++ over this matmul (DecodeLayersF32)
+    # The kernel as a plain C++ function (its module's `matmul_address`), for the layer loop in C++
+    # (cpu_kernels' DecodeLayers); None: the plan's layers run in Python.
+    address: int | None = None
 
 
 @dataclass(frozen=True)
@@ -254,7 +256,8 @@ def _amx_linear(gemv) -> LinearOps:
             return amx(x, weight, float_out=True)
         return linear(x, weight).float()
 
-    return LinearOps(linear, linear_to_float, PlanMatmul(amx, torch.bfloat16, AMX_MAX_ROWS, 16, 32))
+    return LinearOps(linear, linear_to_float, PlanMatmul(amx, torch.bfloat16, AMX_MAX_ROWS, 16, 32,
+                                                         gemv.matmul_address("linear_bf16_amx")))
 
 
 def _avx512_bf16_linear(gemv) -> LinearOps:
@@ -271,7 +274,8 @@ def _avx512_bf16_linear(gemv) -> LinearOps:
             return avx512(x, weight, float_out=True)
         return linear(x, weight).float()
 
-    return LinearOps(linear, linear_to_float, PlanMatmul(avx512, torch.bfloat16, AVX512_MAX_ROWS, 1, 32))
+    return LinearOps(linear, linear_to_float, PlanMatmul(avx512, torch.bfloat16, AVX512_MAX_ROWS, 1, 32,
+                                                         gemv.matmul_address("linear_bf16_avx512")))
 
 
 def _f32_linear(f32: F32Kernels) -> LinearOps:
@@ -287,7 +291,7 @@ def _f32_linear(f32: F32Kernels) -> LinearOps:
     def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return linear(x, weight).float()
 
-    return LinearOps(linear, linear_to_float, PlanMatmul(kernel, torch.float32, F32_MAX_ROWS, 1, 8, f32.decode_layers))
+    return LinearOps(linear, linear_to_float, PlanMatmul(kernel, torch.float32, F32_MAX_ROWS, 1, 8, f32.address))
 
 
 def select_argmax(device: torch.device) -> Argmax:
@@ -312,6 +316,7 @@ class PlanKernels:
     rms_norm: Callable     # rms_norm(x, residual or None, weight, eps); residual += x in place
     silu_and_mul: Callable
     matmul: PlanMatmul
+    layer_loop: type   # cpu_kernels' DecodeLayers: the layer loop in C++, over a matmul with an address
 
 
 @dataclass(frozen=True)
@@ -332,6 +337,6 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> Ops:
     elementwise = elementwise_kernels(device, dtype)
     plan = None
     if elementwise is not None and linear.plan_matmul is not None:
-        plan = PlanKernels(elementwise.rms_norm, elementwise.silu_and_mul, linear.plan_matmul)
+        plan = PlanKernels(elementwise.rms_norm, elementwise.silu_and_mul, linear.plan_matmul, elementwise.DecodeLayers)
     return Ops(rms_norm, add_rms_norm, select_activation(device, dtype), select_rotary(device, dtype),
                linear.linear, linear.linear_to_float, plan)
