@@ -1322,8 +1322,8 @@ torch::Tensor linear_f32_matmul(const torch::Tensor& x, const torch::Tensor& w) 
 // on the model-dtype cache, in C++: the same kernels in the same order on the same tensors (the matmul
 // the plan binds, by its address), so its hidden states are bit-identical to the Python loop's (and so
 // to the model's forward). What it saves is the Python between the ~300 kernel calls of a step:
-// ~1.5-2 ms of a ~27 ms batch-1 step on 2 AVX2 cores (float32), ~1.2 ms of a ~14 ms one on 2 Zen 4
-// cores (bf16).
+// ~1.5-2 ms of a ~27 ms batch-1 step on 2 AVX2 cores (float32), ~0.3 ms of a ~11.5 ms one on 2 Zen 4
+// cores (bf16; interleaved A/B, BENCHMARKS.md).
 class DecodeLayers {
  public:
   // weights: 6 per layer (input norm, qkv, o, post-attention norm, gate_up, down), one dtype; caches:
