@@ -30,6 +30,7 @@
 #include <immintrin.h>
 
 #include "amx.h"
+#include "matmul_fn.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -718,8 +719,8 @@ bool amx_usable() { return false; }
 #endif
 
 namespace {
-// The plan's matmuls as plain functions y = x w^T (bf16 y), whose addresses `matmul_address` gives
-// cpu_kernels.cpp's DecodeLayers (see MatmulFn there).
+// The plan's matmuls as MatmulFn (matmul_fn.h), whose addresses `matmul_address` gives cpu_kernels.cpp's
+// DecodeLayers.
 torch::Tensor avx512_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_bf16_avx512(x, w, false); }
 torch::Tensor amx_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_bf16_amx(x, w, false); }
 }  // namespace
@@ -736,8 +737,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qweight"), py::arg("wscale"));
   m.def("amx_usable", [] { return amx_usable(); }, "whether linear_bf16_amx can run here");
   m.def("matmul_address", [](const std::string& name) -> int64_t {
-    using MatmulFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&);
-    MatmulFn fn = name == "linear_bf16_avx512" ? &avx512_matmul : name == "linear_bf16_amx" ? &amx_matmul : nullptr;
+    kestrel_matmul::MatmulFn fn = name == "linear_bf16_avx512" ? &avx512_matmul
+                                  : name == "linear_bf16_amx"  ? &amx_matmul
+                                                               : nullptr;
     TORCH_CHECK(fn != nullptr, "matmul_address: no matmul ", name);
     return reinterpret_cast<int64_t>(fn);
   }, "the address of a matmul as a plain function y = x w^T, for cpu_kernels' DecodeLayers", py::arg("name"));

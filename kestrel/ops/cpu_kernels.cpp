@@ -28,6 +28,7 @@
 #error "build with -DKESTREL_VEC_AVX512 or -DKESTREL_VEC_AVX2 (kestrel/ops/__init__.py does)"
 #endif
 #include "int8_kv.h"
+#include "matmul_fn.h"
 #include "parallel.h"
 
 #include <algorithm>
@@ -1310,11 +1311,8 @@ torch::Tensor linear_int8(torch::Tensor, torch::Tensor, torch::Tensor) {
 
 // ---- the decode plan's layer loop ----
 
-// A matmul y = x w^T (x [M, K], w [N, K]; y in x's dtype) as a plain function, for DecodeLayers to call:
-// linear_f32 here, or a bf16 kernel of cpu_gemv.cpp, whose module exports its address the same way
-// (`matmul_address`). Both modules are built by the same compiler against the same torch, and stay
-// loaded for the life of the process (kestrel/ops caches them), so the address stays valid.
-using MatmulFn = torch::Tensor (*)(const torch::Tensor& x, const torch::Tensor& w);
+// The matmul DecodeLayers calls (matmul_fn.h): linear_f32 here, or a bf16 kernel of cpu_gemv.cpp.
+using kestrel_matmul::MatmulFn;
 
 torch::Tensor linear_f32_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_f32(x, w); }
 
