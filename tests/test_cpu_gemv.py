@@ -129,6 +129,9 @@ def test_linear_dispatch_matches_torch(rows, out_f, use_amx):
         def matmul_address(self, name):
             return kernels.matmul_address(name)
 
+        def matmul_slice_address(self, name):
+            return kernels.matmul_slice_address(name)
+
     linear = (dispatch._amx_linear(Spy()) if use_amx else dispatch._avx512_bf16_linear(Spy())).linear
     x = torch.randn(rows, 576).bfloat16()
     w = (torch.randn(out_f, 576) * 0.05).bfloat16()
@@ -177,3 +180,82 @@ def test_matmul_address_names_only_this_modules_matmuls():
     assert kernels.matmul_address("linear_bf16_avx512") != kernels.matmul_address("linear_bf16_amx") != 0
     with pytest.raises(RuntimeError, match="no matmul"):
         kernels.matmul_address("linear_f32")
+
+
+def test_matmul_slice_address_names_only_the_avx512_matmul():
+    """The C++ layer loop's per-thread shares exist for the AVX512-BF16 matmul's 1..15-row path only (the
+    AMX kernel sums in another order, which the shares would not reproduce)."""
+    assert kernels.matmul_slice_address("linear_bf16_avx512") != 0
+    for name in ("linear_bf16_amx", "linear_f32"):
+        with pytest.raises(RuntimeError, match="no slice"):
+            kernels.matmul_slice_address(name)
+
+
+def _bf16_layers(g, heads, kv_heads, head_dim, hidden, inter, layers):
+    weights = []
+    for _ in range(layers):
+        weights += [1 + 0.1 * torch.randn(hidden, generator=g),
+                    0.05 * torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=g),
+                    0.05 * torch.randn(hidden, heads * head_dim, generator=g),
+                    1 + 0.1 * torch.randn(hidden, generator=g),
+                    0.05 * torch.randn(2 * inter, hidden, generator=g),
+                    0.05 * torch.randn(hidden, inter, generator=g)]
+    return [w.bfloat16() for w in weights]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 15, 16])
+def test_decode_layers_in_one_region_per_layer_match_the_kernel_by_kernel_loop(rows, threads):
+    """cpu_kernels' DecodeLayers on the slice matmul (1..15 rows: a layer in three parallel regions, each
+    thread computing its share of every projection) against the same loop calling the whole matmul per
+    kernel, bit for bit, the K/V written included; from 16 rows both call the whole matmul. Three threads
+    split the 16-column blocks unevenly."""
+    from kestrel.ops import cpu_kernels
+    loop = cpu_kernels()
+    g = torch.Generator().manual_seed(rows)
+    heads, kv_heads, head_dim, hidden, inter, layers = 6, 2, 64, 320, 416, 3
+    weights = _bf16_layers(g, heads, kv_heads, head_dim, hidden, inter, layers)
+    lens = [5 + 11 * i for i in range(rows)]
+    blocks = max(lens) // 16 + 1
+    table = torch.arange(rows * blocks).view(rows, blocks) + 1
+    slots = torch.tensor([table[i, (n - 1) // 16].item() * 16 + (n - 1) % 16 for i, n in enumerate(lens)])
+    caches = [(0.5 * torch.randn((rows * blocks + 1) * 16, kv_heads, head_dim, generator=g)).bfloat16()
+              for _ in range(2 * layers)]
+    x = torch.randn(rows, hidden, generator=g).bfloat16()
+    angle = torch.tensor(lens, dtype=torch.float32)[:, None] * torch.linspace(0.01, 1, head_dim)[None, :]
+    cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
+    seq_lens = torch.tensor(lens)
+    address = kernels.matmul_address("linear_bf16_avx512")
+    per_kernel_caches = [c.clone() for c in caches]
+    before = torch.get_num_threads()
+    # Both under the same threads: the decode attention splits long contexts by the thread count.
+    torch.set_num_threads(threads)
+    try:
+        per_kernel = loop.DecodeLayers(weights, per_kernel_caches, heads, 1e-5, head_dim ** -0.5, address)(
+            x.clone(), cos, sin, slots, table, seq_lens, 16)
+        in_regions = loop.DecodeLayers(weights, caches, heads, 1e-5, head_dim ** -0.5, address,
+                                       kernels.matmul_slice_address("linear_bf16_avx512"))(
+            x.clone(), cos, sin, slots, table, seq_lens, 16)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(in_regions, per_kernel)
+    assert all(torch.equal(a, b) for a, b in zip(caches, per_kernel_caches))
+    assert torch.isfinite(in_regions.float()).all() and in_regions.float().abs().max() > 0
+
+
+def test_decode_layers_in_regions_report_a_kernel_error_after_the_region():
+    """An error inside the parallel region (here the rotary kernel's shape check, on thread 0) comes out
+    as the kernel's RuntimeError, not an abort, and the loop runs again afterwards."""
+    from kestrel.ops import cpu_kernels
+    loop = cpu_kernels()
+    g = torch.Generator().manual_seed(0)
+    weights = _bf16_layers(g, 2, 1, 64, 128, 64, 1)
+    caches = [torch.zeros(32, 1, 64, dtype=torch.bfloat16) for _ in range(2)]
+    layers = loop.DecodeLayers(weights, caches, 2, 1e-5, 0.125, kernels.matmul_address("linear_bf16_avx512"),
+                               kernels.matmul_slice_address("linear_bf16_avx512"))
+    x = torch.randn(1, 128, generator=g).bfloat16()
+    args = (torch.tensor([3]), torch.tensor([[1]]), torch.tensor([4]), 16)
+    with pytest.raises(RuntimeError):
+        layers(x.clone(), torch.ones(1, 32, dtype=torch.bfloat16), torch.zeros(1, 32, dtype=torch.bfloat16), *args)
+    ok = layers(x.clone(), torch.ones(1, 64, dtype=torch.bfloat16), torch.zeros(1, 64, dtype=torch.bfloat16), *args)
+    assert ok.shape == (1, 128) and torch.isfinite(ok.float()).all()

@@ -137,15 +137,21 @@ void dp_rows(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, int64_t
   }
 }
 
+// Weight rows [n_begin, n_end) for 1..15 rows of x, on the calling thread.
+template <typename Sink>
+void dp_share(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, int64_t n_begin, int64_t n_end,
+              const Sink& sink) {
+  if (M == 1) dp_rows<1, 16>(x, w, M, K, n_begin, n_end, sink);
+  else if (M == 2) dp_rows<2, 8>(x, w, M, K, n_begin, n_end, sink);
+  else dp_rows<4, 4>(x, w, M, K, n_begin, n_end, sink);
+}
+
 // One x row: 16 weight rows a block; two: 8; more: 4 by 4.
 template <typename Sink>
 void dp_run(const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K, const Sink& sink) {
   // Tasks of whole blocks of 16 weight rows, so that a block never straddles two threads.
   at::parallel_for(0, (N + 15) / 16, 8, [&](int64_t begin, int64_t end) {
-    const int64_t n_begin = begin * 16, n_end = std::min(N, end * 16);
-    if (M == 1) dp_rows<1, 16>(x, w, M, K, n_begin, n_end, sink);
-    else if (M == 2) dp_rows<2, 8>(x, w, M, K, n_begin, n_end, sink);
-    else dp_rows<4, 4>(x, w, M, K, n_begin, n_end, sink);
+    dp_share(x, w, M, K, begin * 16, std::min(N, end * 16), sink);
   });
 }
 
@@ -723,6 +729,14 @@ namespace {
 // DecodeLayers.
 torch::Tensor avx512_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_bf16_avx512(x, w, false); }
 torch::Tensor amx_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_bf16_amx(x, w, false); }
+
+// linear_bf16_avx512's share for one thread (matmul_fn.h's MatmulSliceFn): its 1..15-row path, whose
+// blocks of 16 weight rows give every output the same sum whichever thread computes it.
+void avx512_matmul_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t M, int64_t N, int64_t K,
+                         int64_t n_begin, int64_t n_end) {
+  static_assert(kestrel_matmul::kSliceMaxRows == kLaneRowsMin && kestrel_matmul::kSliceColumns == 16);
+  dp_share(x, w, M, K, n_begin, n_end, DpSink<uint16_t>{y, N});
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -743,4 +757,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TORCH_CHECK(fn != nullptr, "matmul_address: no matmul ", name);
     return reinterpret_cast<int64_t>(fn);
   }, "the address of a matmul as a plain function y = x w^T, for cpu_kernels' DecodeLayers", py::arg("name"));
+  m.def("matmul_slice_address", [](const std::string& name) -> int64_t {
+    TORCH_CHECK(name == "linear_bf16_avx512", "matmul_slice_address: no slice of ", name);
+    return reinterpret_cast<int64_t>(static_cast<kestrel_matmul::MatmulSliceFn>(&avx512_matmul_slice));
+  }, "the address of one thread's share of a matmul of 1..15 rows (matmul_fn.h's MatmulSliceFn), for "
+     "cpu_kernels' DecodeLayers", py::arg("name"));
 }

@@ -31,9 +31,13 @@
 #include "matmul_fn.h"
 #include "parallel.h"
 
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -1311,10 +1315,80 @@ torch::Tensor linear_int8(torch::Tensor, torch::Tensor, torch::Tensor) {
 
 // ---- the decode plan's layer loop ----
 
-// The matmul DecodeLayers calls (matmul_fn.h): linear_f32 here, or a bf16 kernel of cpu_gemv.cpp.
+// The matmuls DecodeLayers calls (matmul_fn.h): linear_f32 here, or a bf16 kernel of cpu_gemv.cpp, and
+// for a bf16 batch of 1..15 rows cpu_gemv's per-thread share of one.
 using kestrel_matmul::MatmulFn;
+using kestrel_matmul::MatmulSliceFn;
 
 torch::Tensor linear_f32_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_f32(x, w); }
+
+// The first error of a region's threads.
+struct RegionError {
+  std::atomic<bool> raised{false};
+  std::exception_ptr error;
+};
+
+// The threads of one parallel region, walking a layer's phases in step: a matmul phase gives each
+// thread its share of the output columns, a serial phase runs on thread 0 (the small row-wise kernels,
+// whose own at::parallel_for runs inline inside a region); a barrier ends each phase. A serial phase
+// that throws stops the work of every later phase (the barriers still meet) and the error is
+// rethrown once the region has ended: nothing may leave an OpenMP region by an exception.
+class Team {
+ public:
+  Team(int thread, int threads, RegionError& error) : thread_(thread), threads_(threads), error_(error) {}
+
+  template <typename F>
+  void serial(const F& f) {
+    if (thread_ == 0) guarded(f);
+#pragma omp barrier
+  }
+
+  // y = x w^T by the slice matmul.
+  void matmul(MatmulSliceFn slice, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& y) {
+    guarded([&] {
+      const auto [begin, end] = share(w.size(0));
+      if (begin < end) slice(bits(x), bits(w), bits(y), x.size(0), w.size(0), w.size(1), begin, end);
+    });
+#pragma omp barrier
+  }
+
+ private:
+  template <typename F>
+  void guarded(const F& f) {
+    if (error_.raised.load()) return;
+    try {
+      f();
+    } catch (...) {
+#pragma omp critical(kestrel_region_error)
+      if (!error_.raised.exchange(true)) error_.error = std::current_exception();
+    }
+  }
+
+  static uint16_t* bits(const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); }
+
+  // This thread's output columns of N: whole blocks of kSliceColumns, as even as they go.
+  std::pair<int64_t, int64_t> share(int64_t N) const {
+    const int64_t blocks = (N + kestrel_matmul::kSliceColumns - 1) / kestrel_matmul::kSliceColumns;
+    const int64_t b0 = blocks * thread_ / threads_, b1 = blocks * (thread_ + 1) / threads_;
+    return {b0 * kestrel_matmul::kSliceColumns, std::min(N, b1 * kestrel_matmul::kSliceColumns)};
+  }
+
+  int thread_, threads_;
+  RegionError& error_;
+};
+
+// f(team) on every thread of one OpenMP region (the same threads as at::parallel_for's).
+template <typename F>
+void in_one_region(const F& f) {
+  RegionError error;
+  const int threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+    Team team(omp_get_thread_num(), omp_get_num_threads(), error);
+    f(team);
+  }
+  if (error.raised.load()) std::rethrow_exception(error.error);
+}
 
 // The layer loop of kestrel/model/decode_plan.py for a Llama-family model without q/k norms or biases,
 // on the model-dtype cache, in C++: the same kernels in the same order on the same tensors (the matmul
@@ -1322,25 +1396,39 @@ torch::Tensor linear_f32_matmul(const torch::Tensor& x, const torch::Tensor& w) 
 // to the model's forward). What it saves is the Python between the ~300 kernel calls of a step:
 // ~1.5-2 ms of a ~27 ms batch-1 step on 2 AVX2 cores (float32), ~0.3 ms of a ~11.5 ms one on 2 Zen 4
 // cores (bf16; interleaved A/B, BENCHMARKS.md).
+//
+// With a slice matmul (bf16, 1..15 rows) a layer runs in three parallel regions instead of ~6: the
+// attention's two (its own kernel, as in the loop above), and one from the o projection through the
+// next layer's qkv projection and rotary write, in which each thread computes its share of each
+// projection and the small kernels run on thread 0 between barriers: the threads no longer fork and
+// join around every kernel. The serial phases call the same kernels, and the shares sum every output
+// as the whole matmul does, so the results stay bit-identical. Measured on 2 Zen 4 cores (in-process,
+// interleaved): -0.3 to -0.5 ms of a ~12 ms batch-1 step, -0.6 ms of an ~18 ms step of 8 rows.
+// (Prefetching the start of each thread's next share across the barrier measured nothing.)
 class DecodeLayers {
  public:
   // weights: 6 per layer (input norm, qkv, o, post-attention norm, gate_up, down), one dtype; caches:
-  // k, v per layer, each [num_slots, kv_heads, head_dim]; matmul_address: a MatmulFn for this dtype.
+  // k, v per layer, each [num_slots, kv_heads, head_dim]; matmul_address: a MatmulFn for this dtype;
+  // slice_address: its MatmulSliceFn for 1..15 rows (bf16 only), or 0.
   DecodeLayers(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches, int64_t heads,
-               double eps, double scale, int64_t matmul_address)
+               double eps, double scale, int64_t matmul_address, int64_t slice_address)
       : weights_(std::move(weights)), caches_(std::move(caches)), heads_(heads), eps_(eps), scale_(scale),
-        matmul_(reinterpret_cast<MatmulFn>(matmul_address)) {
+        matmul_(reinterpret_cast<MatmulFn>(matmul_address)), slice_(reinterpret_cast<MatmulSliceFn>(slice_address)) {
     TORCH_CHECK(weights_.size() % 6 == 0 && caches_.size() * 3 == weights_.size(),
                 "DecodeLayers: 6 weights and 2 caches per layer");
     TORCH_CHECK(matmul_ != nullptr, "DecodeLayers: no matmul");
     for (const auto& w : weights_)
       TORCH_CHECK(w.scalar_type() == weights_[0].scalar_type() && w.is_contiguous(),
                   "DecodeLayers: contiguous weights of one dtype");
+    TORCH_CHECK(slice_ == nullptr || weights_.empty() || weights_[0].scalar_type() == torch::kBFloat16,
+                "DecodeLayers: a slice matmul takes bf16 weights");
   }
 
   // x [n, hidden]: the embedded tokens. Returns the hidden states before the final norm.
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
                         torch::Tensor table, torch::Tensor seq_lens, int64_t block_size) const {
+    if (slice_ != nullptr && x.size(0) < kestrel_matmul::kSliceMaxRows && !caches_.empty())
+      return forward_in_regions(x, cos, sin, slots, table, seq_lens, block_size);
     const int64_t n = x.size(0), layers = static_cast<int64_t>(caches_.size() / 2);
     torch::Tensor residual, h;
     for (int64_t l = 0; l < layers; ++l) {
@@ -1364,10 +1452,56 @@ class DecodeLayers {
   }
 
  private:
+  // The loop above for 1..15 rows on the slice matmul, a layer in two parallel regions (see the class).
+  torch::Tensor forward_in_regions(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                   const torch::Tensor& slots, const torch::Tensor& table,
+                                   const torch::Tensor& seq_lens, int64_t block_size) const {
+    const int64_t n = x.size(0), layers = static_cast<int64_t>(caches_.size() / 2);
+    const int64_t head_dim = caches_[0].size(2), kv_heads = caches_[0].size(1);
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2 &&
+                x.size(1) == weights_[1].size(1), "DecodeLayers: x must be contiguous bf16 [n, hidden]");
+    const auto w = [&](int64_t l, int i) -> const torch::Tensor& { return weights_[6 * l + i]; };
+    torch::Tensor residual = x, h, act;
+    torch::Tensor qkv = torch::empty({n, w(0, 1).size(0)}, x.options());
+    torch::Tensor o = torch::empty({n, w(0, 2).size(0)}, x.options());
+    torch::Tensor gate_up = torch::empty({n, w(0, 4).size(0)}, x.options());
+    torch::Tensor down = torch::empty({n, w(0, 5).size(0)}, x.options());
+    const auto qkv_heads = qkv.view({n, heads_ + 2 * kv_heads, head_dim});
+    // The first layer's input norm, qkv projection and rotary write; each region below ends with the
+    // next layer's.
+    const auto into_qkv = [&](Team& team, int64_t l) {
+      team.matmul(slice_, h, w(l, 1), qkv);
+      team.serial([&] { rotary_write_kv(qkv_heads, cos, sin, caches_[2 * l], caches_[2 * l + 1], slots, heads_); });
+    };
+    in_one_region([&](Team& team) {
+      team.serial([&] { h = rms_norm(x, c10::nullopt, w(0, 0), eps_); });
+      into_qkv(team, 0);
+    });
+    for (int64_t l = 0; l < layers; ++l) {
+      const torch::Tensor out = paged_decode_attention(qkv_heads.slice(1, 0, heads_), caches_[2 * l],
+                                                       caches_[2 * l + 1], table, seq_lens, block_size, scale_, true)
+                                    .view({n, heads_ * head_dim});
+      const bool last = l + 1 == layers;
+      in_one_region([&](Team& team) {
+        team.matmul(slice_, out, w(l, 2), o);
+        team.serial([&] { h = rms_norm(o, residual, w(l, 3), eps_); });  // residual += o, in place
+        team.matmul(slice_, h, w(l, 4), gate_up);
+        team.serial([&] { act = silu_and_mul(gate_up); });
+        team.matmul(slice_, act, w(l, 5), down);
+        if (!last) {
+          team.serial([&] { h = rms_norm(down, residual, w(l + 1, 0), eps_); });  // residual += down
+          into_qkv(team, l + 1);
+        }
+      });
+    }
+    return down + residual;
+  }
+
   std::vector<torch::Tensor> weights_, caches_;
   int64_t heads_;
   double eps_, scale_;
   MatmulFn matmul_;
+  MatmulSliceFn slice_;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1399,9 +1533,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return reinterpret_cast<int64_t>(&linear_f32_matmul);
   }, "the address of a matmul as a MatmulFn, for DecodeLayers", py::arg("name"));
   py::class_<DecodeLayers>(m, "DecodeLayers")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, double, double, int64_t>(),
+      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, double, double, int64_t,
+                    int64_t>(),
            py::arg("weights"), py::arg("caches"), py::arg("heads"), py::arg("eps"), py::arg("scale"),
-           py::arg("matmul_address"))
+           py::arg("matmul_address"), py::arg("slice_address") = 0)
       .def("__call__", &DecodeLayers::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slots"),
            py::arg("table"), py::arg("seq_lens"), py::arg("block_size"));
 }

@@ -209,6 +209,9 @@ class PlanMatmul:
     # The kernel as a plain C++ function (its module's `matmul_address`), for the layer loop in C++
     # (cpu_kernels' DecodeLayers); None: the plan's layers run in Python.
     address: int | None = None
+    # One thread's share of the kernel for 1..15 rows (`matmul_slice_address`), with which the C++ loop
+    # runs a layer in fewer parallel regions; None: it calls the whole kernel.
+    slice_address: int | None = None
 
 
 @dataclass(frozen=True)
@@ -275,7 +278,8 @@ def _avx512_bf16_linear(gemv) -> LinearOps:
         return linear(x, weight).float()
 
     return LinearOps(linear, linear_to_float, PlanMatmul(avx512, torch.bfloat16, AVX512_MAX_ROWS, 1, 32,
-                                                         gemv.matmul_address("linear_bf16_avx512")))
+                                                         gemv.matmul_address("linear_bf16_avx512"),
+                                                         gemv.matmul_slice_address("linear_bf16_avx512")))
 
 
 def _f32_linear(f32: F32Kernels) -> LinearOps:

@@ -7,8 +7,19 @@
 
 #include <torch/extension.h>
 
+#include <cstdint>
+
 namespace kestrel_matmul {
 
 using MatmulFn = torch::Tensor (*)(const torch::Tensor& x, const torch::Tensor& w);
+
+// One thread's share of a bf16 y = x w^T (x [M, K], w [N, K], y [M, N], 1 <= M < kSliceMaxRows),
+// computed on the calling thread inside a layer loop's own parallel region: the output columns
+// [n_begin, n_end), which are multiples of kSliceColumns (n_end may be N). Each output is the same sum
+// in the same order as the module's whole matmul gives it, so the shares make the same y.
+using MatmulSliceFn = void (*)(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t M, int64_t N, int64_t K,
+                               int64_t n_begin, int64_t n_end);
+constexpr int64_t kSliceMaxRows = 16;
+constexpr int64_t kSliceColumns = 16;
 
 }  // namespace kestrel_matmul
