@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from decode_layers_case import decode_layers_case
 
 from kestrel.ops import cpu_gemv, dispatch
 
@@ -191,18 +192,6 @@ def test_matmul_slice_address_names_only_the_avx512_matmul():
             kernels.matmul_slice_address(name)
 
 
-def _bf16_layers(g, heads, kv_heads, head_dim, hidden, inter, layers):
-    weights = []
-    for _ in range(layers):
-        weights += [1 + 0.1 * torch.randn(hidden, generator=g),
-                    0.05 * torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=g),
-                    0.05 * torch.randn(hidden, heads * head_dim, generator=g),
-                    1 + 0.1 * torch.randn(hidden, generator=g),
-                    0.05 * torch.randn(2 * inter, hidden, generator=g),
-                    0.05 * torch.randn(hidden, inter, generator=g)]
-    return [w.bfloat16() for w in weights]
-
-
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 15, 16])
 def test_decode_layers_in_one_region_per_layer_match_the_kernel_by_kernel_loop(rows, threads):
@@ -212,34 +201,23 @@ def test_decode_layers_in_one_region_per_layer_match_the_kernel_by_kernel_loop(r
     split the 16-column blocks unevenly."""
     from kestrel.ops import cpu_kernels
     loop = cpu_kernels()
-    g = torch.Generator().manual_seed(rows)
-    heads, kv_heads, head_dim, hidden, inter, layers = 6, 2, 64, 320, 416, 3
-    weights = _bf16_layers(g, heads, kv_heads, head_dim, hidden, inter, layers)
-    lens = [5 + 11 * i for i in range(rows)]
-    blocks = max(lens) // 16 + 1
-    table = torch.arange(rows * blocks).view(rows, blocks) + 1
-    slots = torch.tensor([table[i, (n - 1) // 16].item() * 16 + (n - 1) % 16 for i, n in enumerate(lens)])
-    caches = [(0.5 * torch.randn((rows * blocks + 1) * 16, kv_heads, head_dim, generator=g)).bfloat16()
-              for _ in range(2 * layers)]
-    x = torch.randn(rows, hidden, generator=g).bfloat16()
-    angle = torch.tensor(lens, dtype=torch.float32)[:, None] * torch.linspace(0.01, 1, head_dim)[None, :]
-    cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
-    seq_lens = torch.tensor(lens)
+    case = decode_layers_case(rows, torch.bfloat16, heads=6, kv_heads=2, head_dim=64, hidden=320, inter=416,
+                              layers=3, seed=rows)
     address = kernels.matmul_address("linear_bf16_avx512")
-    per_kernel_caches = [c.clone() for c in caches]
+    per_kernel_caches = [c.clone() for c in case.caches]
     before = torch.get_num_threads()
     # Both under the same threads: the decode attention splits long contexts by the thread count.
     torch.set_num_threads(threads)
     try:
-        per_kernel = loop.DecodeLayers(weights, per_kernel_caches, heads, 1e-5, head_dim ** -0.5, address)(
-            x.clone(), cos, sin, slots, table, seq_lens, 16)
-        in_regions = loop.DecodeLayers(weights, caches, heads, 1e-5, head_dim ** -0.5, address,
+        per_kernel = loop.DecodeLayers(case.weights, per_kernel_caches, case.heads, 1e-5, case.scale, address)(
+            case.x.clone(), *case.step_args())
+        in_regions = loop.DecodeLayers(case.weights, case.caches, case.heads, 1e-5, case.scale, address,
                                        kernels.matmul_slice_address("linear_bf16_avx512"))(
-            x.clone(), cos, sin, slots, table, seq_lens, 16)
+            case.x.clone(), *case.step_args())
     finally:
         torch.set_num_threads(before)
     assert torch.equal(in_regions, per_kernel)
-    assert all(torch.equal(a, b) for a, b in zip(caches, per_kernel_caches))
+    assert all(torch.equal(a, b) for a, b in zip(case.caches, per_kernel_caches))
     assert torch.isfinite(in_regions.float()).all() and in_regions.float().abs().max() > 0
 
 
@@ -248,14 +226,12 @@ def test_decode_layers_in_regions_report_a_kernel_error_after_the_region():
     as the kernel's RuntimeError, not an abort, and the loop runs again afterwards."""
     from kestrel.ops import cpu_kernels
     loop = cpu_kernels()
-    g = torch.Generator().manual_seed(0)
-    weights = _bf16_layers(g, 2, 1, 64, 128, 64, 1)
-    caches = [torch.zeros(32, 1, 64, dtype=torch.bfloat16) for _ in range(2)]
-    layers = loop.DecodeLayers(weights, caches, 2, 1e-5, 0.125, kernels.matmul_address("linear_bf16_avx512"),
+    case = decode_layers_case(1, torch.bfloat16, heads=2, kv_heads=1, head_dim=64, hidden=128, inter=64, layers=1,
+                              seed=0)
+    layers = loop.DecodeLayers(case.weights, case.caches, case.heads, 1e-5, case.scale,
+                               kernels.matmul_address("linear_bf16_avx512"),
                                kernels.matmul_slice_address("linear_bf16_avx512"))
-    x = torch.randn(1, 128, generator=g).bfloat16()
-    args = (torch.tensor([3]), torch.tensor([[1]]), torch.tensor([4]), 16)
-    with pytest.raises(RuntimeError):
-        layers(x.clone(), torch.ones(1, 32, dtype=torch.bfloat16), torch.zeros(1, 32, dtype=torch.bfloat16), *args)
-    ok = layers(x.clone(), torch.ones(1, 64, dtype=torch.bfloat16), torch.zeros(1, 64, dtype=torch.bfloat16), *args)
+    with pytest.raises(RuntimeError):   # cos and sin of half the head size
+        layers(case.x.clone(), case.cos[:, :32], case.sin[:, :32], *case.step_args()[2:])
+    ok = layers(case.x.clone(), *case.step_args())
     assert ok.shape == (1, 128) and torch.isfinite(ok.float()).all()

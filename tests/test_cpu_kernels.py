@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from decode_layers_case import decode_layers_case
 
 from kestrel.attention.torch_sdpa import DecodeGroup, decode_attention
 from kestrel.model.layers import rms_norm_reference
@@ -291,32 +292,16 @@ def _decode_layers_in_python(weights, caches, x, cos, sin, slots, table, seq_len
 def test_decode_layers_f32_is_its_kernels_in_order(rows):
     """DecodeLayers over linear_f32 (in every build) against the same kernels called from Python, bit for bit, and
     within float32 rounding of the PyTorch references."""
-    g = torch.Generator().manual_seed(rows)
-    heads, kv_heads, head_dim, hidden, inter, layers_n, eps = 4, 2, 64, 256, 512, 2, 1e-5
-    scale = head_dim ** -0.5
-    weights = []
-    for _ in range(layers_n):
-        weights += [1 + 0.1 * torch.randn(hidden, generator=g),
-                    0.05 * torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=g),
-                    0.05 * torch.randn(hidden, heads * head_dim, generator=g),
-                    1 + 0.1 * torch.randn(hidden, generator=g),
-                    0.05 * torch.randn(2 * inter, hidden, generator=g),
-                    0.05 * torch.randn(hidden, inter, generator=g)]
-    lens = [5 + 7 * i for i in range(rows)]
-    table = torch.arange(rows * 4).view(rows, 4) + 1
-    slots = torch.tensor([table[i, (L - 1) // 16].item() * 16 + (L - 1) % 16 for i, L in enumerate(lens)])
-    caches = [0.5 * torch.randn(4 * rows * 16 + 16, kv_heads, head_dim, generator=g) for _ in range(2 * layers_n)]
-    x = torch.randn(rows, hidden, generator=g)
-    angle = torch.tensor(lens, dtype=torch.float32)[:, None] * torch.linspace(0.01, 1, head_dim)[None, :]
-    cos, sin = angle.cos(), angle.sin()
-    seq_lens = torch.tensor(lens)
-    native_caches = [c.clone() for c in caches]
-    native = kernels.DecodeLayers(weights, native_caches, heads, eps, scale, kernels.matmul_address("linear_f32"))(
-        x.clone(), cos, sin, slots, table, seq_lens, 16)
-    python_loop = _decode_layers_in_python(weights, caches, x.clone(), cos, sin, slots, table, seq_lens,
-                                           heads, eps, scale)
+    case = decode_layers_case(rows, torch.float32, heads=4, kv_heads=2, head_dim=64, hidden=256, inter=512, layers=2,
+                              seed=rows)
+    eps = 1e-5
+    native_caches = [c.clone() for c in case.caches]
+    native = kernels.DecodeLayers(case.weights, native_caches, case.heads, eps, case.scale,
+                                  kernels.matmul_address("linear_f32"))(case.x.clone(), *case.step_args())
+    python_loop = _decode_layers_in_python(case.weights, case.caches, case.x.clone(), case.cos, case.sin, case.slots,
+                                           case.table, case.seq_lens, case.heads, eps, case.scale)
     assert torch.equal(native, python_loop)
-    assert all(torch.equal(a, b) for a, b in zip(native_caches, caches))  # the same K/V written
+    assert all(torch.equal(a, b) for a, b in zip(native_caches, case.caches))  # the same K/V written
 
 
 def test_decode_layers_rejects_what_it_cannot_run():
