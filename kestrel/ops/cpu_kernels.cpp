@@ -1403,7 +1403,7 @@ void in_one_region(const F& f) {
 // projection and the small kernels run on thread 0 between barriers: the threads no longer fork and
 // join around every kernel. The serial phases call the same kernels, and the shares sum every output
 // as the whole matmul does, so the results stay bit-identical. Measured on 2 Zen 4 cores (in-process,
-// interleaved): -0.3 to -0.5 ms of a ~12 ms batch-1 step, -0.6 ms of an ~18 ms step of 8 rows.
+// interleaved): -0.1 to -0.5 ms of a ~12 ms batch-1 step, -0.6 ms of an ~18 ms step of 8 rows.
 // (Prefetching the start of each thread's next share across the barrier measured nothing.)
 class DecodeLayers {
  public:
@@ -1452,7 +1452,7 @@ class DecodeLayers {
   }
 
  private:
-  // The loop above for 1..15 rows on the slice matmul, a layer in two parallel regions (see the class).
+  // The loop above for 1..15 rows on the slice matmul, a layer in three parallel regions (see the class).
   torch::Tensor forward_in_regions(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                                    const torch::Tensor& slots, const torch::Tensor& table,
                                    const torch::Tensor& seq_lens, int64_t block_size) const {
