@@ -11,10 +11,10 @@ tables are padded with it.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from kestrel.config import INT8_KV_BLOCK
+from kestrel.ops import huge_pages
 
 KVCache = tuple[torch.Tensor, ...]
 
@@ -23,28 +23,25 @@ def is_int8(cache: KVCache) -> bool:
     return len(cache) == 4
 
 
-def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero tensor. On CPU its pages are mapped lazily (calloc via numpy), so a large KV pool
-    costs RAM only as it fills. Zeros matter: masked padding slots must not hold NaN."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8)
-    return torch.from_numpy(raw).view(dtype).view(shape)
-
-
 def new_kv_caches(num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                   dtype: torch.dtype, int8: bool, device: torch.device) -> list[KVCache]:
-    """One zeroed cache per layer, in the layout above."""
+    """One zeroed cache per layer, in the layout above. Zeros matter: masked padding slots must not
+    hold NaN. On a CPU all layers are one lazily mapped allocation, so that a large KV pool costs RAM
+    only as it fills, in huge pages where the kernel grants them (decode attention streams it)."""
     slots = num_blocks * block_size
     if int8:
-        return [(zeroed((num_blocks, kv_heads, head_dim, block_size), torch.int8, device),
-                 zeroed((num_blocks, kv_heads, block_size), torch.float32, device),
-                 zeroed((slots, kv_heads, head_dim), torch.int8, device),
-                 zeroed((slots, kv_heads), torch.float32, device))
-                for _ in range(num_layers)]
-    shape = (slots, kv_heads, head_dim)
-    return [(zeroed(shape, dtype, device), zeroed(shape, dtype, device)) for _ in range(num_layers)]
+        layer = [((num_blocks, kv_heads, head_dim, block_size), torch.int8),
+                 ((num_blocks, kv_heads, block_size), torch.float32),
+                 ((slots, kv_heads, head_dim), torch.int8), ((slots, kv_heads), torch.float32)]
+    else:
+        layer = [((slots, kv_heads, head_dim), dtype)] * 2
+    specs = layer * num_layers
+    if device.type == "cpu":
+        tensors = huge_pages.zeroed(specs)
+    else:
+        tensors = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in specs]
+    per_layer = len(layer)
+    return [tuple(tensors[i:i + per_layer]) for i in range(0, len(tensors), per_layer)]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ from kestrel.messages import ModelRunnerOutput, SchedulerOutput
 from kestrel.model import build_model, local_attention_config, shard_of_this_rank
 from kestrel.model.loader import ModelSource, resolve_model, weight_reader
 from kestrel.model.quantization import quantize_model_
+from kestrel.ops.huge_pages import move_to_huge_pages
 from kestrel.worker.memory import MemoryProfile, num_blocks_for, profile_cpu, profile_cuda
 from kestrel.worker.model_runner import ModelRunner
 from kestrel.worker.spec_decode import DraftModelProposer
@@ -58,8 +59,9 @@ class Worker:
         self.model = build_model(config.model, self.device, self.attn_backend)
         self.model.load_weights(weight_reader(source))
         quantize_model_(self.model, config.model.quantization)
-        logger.info("loaded %s in %.1f s; attention backend: %s", source.name, time.perf_counter() - start,
-                    self.attn_backend.describe())
+        in_huge_pages = self._into_huge_pages(self.model)
+        logger.info("loaded %s in %.1f s; attention backend: %s%s", source.name, time.perf_counter() - start,
+                    self.attn_backend.describe(), "; weights in huge pages" if in_huge_pages else "")
         self.runner = ModelRunner(config, self.model, self.attn_backend, self._load_draft_model())
         self.memory_profile: MemoryProfile | None = None
         self.profiler: torch.profiler.profile | None = None  # between /start_profile and /stop_profile
@@ -78,6 +80,11 @@ class Worker:
         logger.info("worker rank %d: %s", self.rank, governor.describe())
         return governor
 
+    def _into_huge_pages(self, model: torch.nn.Module) -> bool:
+        """On a CPU, the loaded weights moved into huge pages (kestrel/ops/huge_pages.py): a decode step
+        streams them all from memory. Whether they were."""
+        return self.device.type == "cpu" and move_to_huge_pages(model) > 0
+
     def _load_draft_model(self) -> DraftModelProposer | None:
         """The draft model of speculative method draft_model, with its own attention backend (its head
         shapes may differ from the target's); one worker only, so it is whole."""
@@ -90,6 +97,7 @@ class Worker:
         model = build_model(config.draft_model, self.device, attn)
         source = resolve_model(config.speculative.model)
         model.load_weights(weight_reader(source))
+        self._into_huge_pages(model)
         logger.info("loaded the draft model %s in %.1f s", source.name, time.perf_counter() - start)
         return DraftModelProposer(config, model, attn)
 
