@@ -44,7 +44,8 @@ def transparent_huge_pages() -> str | None:
 
 
 def huge_pages_available() -> bool:
-    """Whether memory asked for here can come in huge pages (decided once per call site, at allocation)."""
+    """Whether memory asked for here can come in huge pages. Read at each allocation, of which a worker
+    makes two: the weights' move and the KV cache."""
     return (not huge_pages_disabled() and sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
             and transparent_huge_pages() in ("always", "madvise"))
 
