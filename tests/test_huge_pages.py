@@ -134,3 +134,18 @@ def test_engine_weights_are_in_huge_pages():
     assert all(advised_for_huge_pages(t.data_ptr()) for cache in runner.kv_caches for t in cache)
     out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@needs_thp
+def test_move_frees_each_old_copy_as_it_goes():
+    """The RSS peaks near the weights plus one storage, not at twice the weights."""
+    from kestrel.worker.memory import _peak_rss_bytes, _reset_peak_rss, _rss_bytes
+    weights = torch.nn.ParameterList(torch.nn.Parameter(torch.full((1024, 4096), float(i), dtype=torch.bfloat16),
+                                                        requires_grad=False) for i in range(48))
+    size = sum(p.numel() * p.element_size() for p in weights)  # 384 MiB
+    before = _rss_bytes()
+    if not _reset_peak_rss():
+        pytest.skip("this kernel cannot reset the peak RSS (/proc/self/clear_refs)")
+    move_to_huge_pages(weights)
+    assert _peak_rss_bytes() - before < size // 4
+    assert all(float(p[0, 0]) == i and advised_for_huge_pages(p.data_ptr()) for i, p in enumerate(weights))

@@ -90,32 +90,29 @@ def move_to_huge_pages(module: torch.nn.Module) -> int:
     the bytes moved (0 where huge pages are not available)."""
     if not huge_pages_available():
         return 0
-    tensors = {id(t): t for t in (*module.parameters(), *module.buffers()) if t.device.type == "cpu"}
-    # (tensor, the address of its storage), taken before any tensor moves.
-    placed = [(t, t.untyped_storage().data_ptr()) for t in tensors.values()]
-    storages: dict[int, torch.UntypedStorage] = {}
-    for t, ptr in placed:
-        storages.setdefault(ptr, t.untyped_storage())
-    # Each storage at a 64-byte boundary (cache lines; what the kernels assume of a tensor's start).
-    offsets, total = {}, 0
-    for ptr, storage in storages.items():
-        offsets[ptr] = total
-        total += _to_cache_line(storage.nbytes())
+    # The tensors by the storage they view (tied weights and views share one).
+    sharing: dict[int, list[torch.Tensor]] = {}
+    for t in {id(t): t for t in (*module.parameters(), *module.buffers()) if t.device.type == "cpu"}.values():
+        sharing.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    total = sum(_to_cache_line(views[0].untyped_storage().nbytes()) for views in sharing.values())
     if total == 0:
         return 0
     arena = zeroed_bytes(total)
-    moved = {ptr: arena[off:off + storages[ptr].nbytes()] for ptr, off in offsets.items()}
-    for ptr, storage in storages.items():
-        moved[ptr].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+    offset = 0
     with torch.no_grad():
-        for t, ptr in placed:
-            target = moved[ptr]
-            view = torch.empty(0, dtype=t.dtype).set_(target.untyped_storage(),
-                                                        target.storage_offset() // t.element_size()
-                                                        + t.storage_offset(), t.shape, t.stride())
-            t.data = view
-    del storages, moved
-    _return_freed_memory()
+        # One storage at a time, each old copy freed (and trimmed) as soon as its tensors have moved: the
+        # RSS peaks at the weights plus one storage, not twice the weights.
+        for views in sharing.values():
+            old = views[0].untyped_storage()
+            new = arena[offset:offset + old.nbytes()]
+            new.copy_(torch.empty(0, dtype=torch.uint8).set_(old))
+            for t in views:
+                t.data = torch.empty(0, dtype=t.dtype).set_(new.untyped_storage(),
+                                                            new.storage_offset() // t.element_size()
+                                                            + t.storage_offset(), t.shape, t.stride())
+            offset += _to_cache_line(old.nbytes())
+            del old, new
+            _return_freed_memory()
     return total
 
 
