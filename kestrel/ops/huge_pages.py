@@ -16,9 +16,11 @@ pages and everything works as before. KESTREL_DISABLE_HUGE_PAGES=1 turns this of
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -118,6 +120,12 @@ def move_to_huge_pages(module: torch.nn.Module) -> int:
 
 def _return_freed_memory() -> None:
     """glibc keeps freed heap memory (the old copies of the weights, among it) mapped until trimmed."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, looked up once (None under another C library)."""
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)
