@@ -226,7 +226,7 @@ def test_every_build_exports_the_same_functions():
     """Callers never ask which build they got: both have every kernel, at their own vector width."""
     for name in ("argmax_rows", "rms_norm", "silu_and_mul", "paged_decode_attention", "rotary_write_kv",
                  "rotary_write_kv_int8", "paged_decode_attention_int8", "supports", "linear_f32", "DecodeLayers",
-                 "matmul_address", "linear_int8", "int8_linear"):
+                 "matmul_address", "linear_int8", "int8_linear", "linear_bf16", "matmul_slice_address"):
         assert hasattr(kernels, name), name
     assert kernels.lanes == {"avx512": 16, "avx2": 8}[cpu_kernels_isa()]
     assert kernels.supports(64, 3) and not kernels.supports(64, 6)

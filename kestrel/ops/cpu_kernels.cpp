@@ -811,22 +811,24 @@ inline VecF load_part(const float* row, int64_t k, int64_t k1) {
   return k + kLanes <= k1 ? load_f32(row + k) : load_first(row + k, k1 - k);
 }
 
-// y[m, n] (+)= x[m, k0:k1] . w[n, k0:k1] for MR rows of x from `x` and NR rows of w from `w`; with
-// `next` given, the same part of the next NR rows of w is prefetched along the way (the weights
-// stream from memory, and the hardware prefetcher alone leaves much of its latency exposed).
+// y[m, n] (+)= x[m, k0:k1] . w[n, k0:k1] for MR rows of x from `x` (rows xK apart) and NR rows of w
+// from `w` (rows wK apart); with `next` given, the same part of the next NR rows of w is prefetched
+// along the way (the weights stream from memory, and the hardware prefetcher alone leaves much of its
+// latency exposed). Each output is its lanes summed in k order, then across the lanes (hsum), then
+// added to y: the same sum for any MR and NR.
 template <int MR, int NR>
-inline void linear_tile(const float* x, const float* w, int64_t K, int64_t k0, int64_t k1, float* y, int64_t N,
-                        bool accumulate, const float* next) {
+inline void linear_tile(const float* x, int64_t xK, const float* w, int64_t wK, int64_t k0, int64_t k1, float* y,
+                        int64_t N, bool accumulate, const float* next) {
   VecF acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = zero();
   const auto step = [&](int64_t k, const auto& load) {
     if (next != nullptr && k % 16 < kLanes)  // a line of each next row per 16 floats
-      for (int n = 0; n < NR; ++n) _mm_prefetch(reinterpret_cast<const char*>(next + n * K + k), _MM_HINT_T0);
+      for (int n = 0; n < NR; ++n) _mm_prefetch(reinterpret_cast<const char*>(next + n * wK + k), _MM_HINT_T0);
     VecF wv[NR];
-    for (int n = 0; n < NR; ++n) wv[n] = load(w + n * K + k);
+    for (int n = 0; n < NR; ++n) wv[n] = load(w + n * wK + k);
     for (int m = 0; m < MR; ++m) {
-      const VecF xv = load(x + m * K + k);
+      const VecF xv = load(x + m * xK + k);
       for (int n = 0; n < NR; ++n) acc[m][n] = fma(xv, wv[n], acc[m][n]);
     }
   };
@@ -844,39 +846,63 @@ void linear_rows(const float* x, const float* w, int64_t M, int64_t K, int64_t k
   const bool acc = k0 > 0;
   const float* wn = w + n0 * K;
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4, next = nullptr) linear_tile<4, NR>(x + m * K, wn, K, k0, k1, y + m * N + n0, N, acc, next);
+  for (; m + 4 <= M; m += 4, next = nullptr) linear_tile<4, NR>(x + m * K, K, wn, K, k0, k1, y + m * N + n0, N, acc, next);
   switch (M - m) {
-    case 3: linear_tile<3, NR>(x + m * K, wn, K, k0, k1, y + m * N + n0, N, acc, next); break;
-    case 2: linear_tile<2, NR>(x + m * K, wn, K, k0, k1, y + m * N + n0, N, acc, next); break;
-    case 1: linear_tile<1, NR>(x + m * K, wn, K, k0, k1, y + m * N + n0, N, acc, next); break;
+    case 3: linear_tile<3, NR>(x + m * K, K, wn, K, k0, k1, y + m * N + n0, N, acc, next); break;
+    case 2: linear_tile<2, NR>(x + m * K, K, wn, K, k0, k1, y + m * N + n0, N, acc, next); break;
+    case 1: linear_tile<1, NR>(x + m * K, K, wn, K, k0, k1, y + m * N + n0, N, acc, next); break;
     default: break;
   }
 }
 
-// y[m, n] = x[m] . w[n] for MR (1-4) rows of x, n in [n0, n1): each weight row is read start to
+// Weights as float32 vectors: float32 as they are, bf16 widened (exactly).
+inline VecF load_weights(const float* p) { return in_register(load_f32(p)); }
+inline VecF load_weights(const uint16_t* p) { return load_bf16(p); }
+inline VecF load_weights_part(const float* row, int64_t k, int64_t k1) { return load_part(row, k, k1); }
+inline VecF load_weights_part(const uint16_t* row, int64_t k, int64_t) { return load_bf16(row + k); }  // K % kLanes == 0
+
+// out(m, n, x[m] . w[n]) for MR (1-4) rows of x, n in [n0, n1): each weight row is read start to
 // end, so that a thread's weights are one sequential stream, the hardware prefetcher's best case
 // (interleaving 3 rows as the tiles do measured 10-15% slower at one row). Two accumulators per
-// row of x hide the FMA latency.
-template <int MR>
-void gemv_rows(const float* x, const float* w, int64_t K, int64_t n0, int64_t n1, float* y, int64_t N) {
+// row of x hide the FMA latency. W: float32, or bf16 with K a multiple of kLanes.
+template <int MR, typename W, typename Out>
+void gemv_rows(const float* x, const W* w, int64_t K, int64_t n0, int64_t n1, const Out& out) {
   for (int64_t n = n0; n < n1; ++n) {
-    const float* wr = w + n * K;
+    const W* wr = w + n * K;
     VecF a[MR][2];
     for (int m = 0; m < MR; ++m) a[m][0] = a[m][1] = zero();
     int64_t k = 0;
     for (; k + 2 * kLanes <= K; k += 2 * kLanes) {
-      const VecF w0 = in_register(load_f32(wr + k)), w1 = in_register(load_f32(wr + k + kLanes));
+      const VecF w0 = load_weights(wr + k), w1 = load_weights(wr + k + kLanes);
       for (int m = 0; m < MR; ++m) {
         a[m][0] = fma(load_f32(x + m * K + k), w0, a[m][0]);
         a[m][1] = fma(load_f32(x + m * K + k + kLanes), w1, a[m][1]);
       }
     }
     for (; k < K; k += kLanes) {
-      const VecF w0 = load_part(wr, k, K);
+      const VecF w0 = load_weights_part(wr, k, K);
       for (int m = 0; m < MR; ++m) a[m][0] = fma(load_part(x + m * K, k, K), w0, a[m][0]);
     }
-    for (int m = 0; m < MR; ++m) y[m * N + n] = hsum(add(a[m][0], a[m][1]));
+    for (int m = 0; m < MR; ++m) out(m, n, hsum(add(a[m][0], a[m][1])));
   }
+}
+
+// gemv_rows for M in 1..4 rows.
+template <typename W, typename Out>
+void gemv_rows_of(int64_t M, const float* x, const W* w, int64_t K, int64_t n0, int64_t n1, const Out& out) {
+  switch (M) {
+    case 1: gemv_rows<1>(x, w, K, n0, n1, out); break;
+    case 2: gemv_rows<2>(x, w, K, n0, n1, out); break;
+    case 3: gemv_rows<3>(x, w, K, n0, n1, out); break;
+    default: gemv_rows<4>(x, w, K, n0, n1, out); break;
+  }
+}
+
+// K's pieces (kMaxKPiece at most, whole vectors): a function of K alone, so that every product with this
+// K sums its pieces at the same places.
+inline int64_t k_piece(int64_t K) {
+  const int64_t pieces = (K + kMaxKPiece - 1) / kMaxKPiece;
+  return ((K + pieces - 1) / pieces + kLanes - 1) / kLanes * kLanes;
 }
 
 }  // namespace
@@ -894,17 +920,11 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w) {
   float* yp = y.data_ptr<float>();
   if (M <= kMaxStreamRows) {
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-      switch (M) {
-        case 1: gemv_rows<1>(xp, wp, K, begin, end, yp, N); break;
-        case 2: gemv_rows<2>(xp, wp, K, begin, end, yp, N); break;
-        case 3: gemv_rows<3>(xp, wp, K, begin, end, yp, N); break;
-        default: gemv_rows<4>(xp, wp, K, begin, end, yp, N); break;
-      }
+      gemv_rows_of(M, xp, wp, K, begin, end, [&](int64_t m, int64_t n, float v) { yp[m * N + n] = v; });
     });
     return y;
   }
-  const int64_t pieces = (K + kMaxKPiece - 1) / kMaxKPiece;
-  const int64_t piece = ((K + pieces - 1) / pieces + kLanes - 1) / kLanes * kLanes;
+  const int64_t piece = k_piece(K);
   constexpr int NR = 3;
   const int64_t tiles = N / NR, rest = N - tiles * NR;
   at::parallel_for(0, tiles + (rest > 0), 8, [&](int64_t begin, int64_t end) {
@@ -919,6 +939,146 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w) {
     }
   });
   return y;
+}
+
+// ---- bf16 linear layers without AVX512-BF16 ----
+//
+// linear_bf16(x [M, K], w [N, K]) -> y [M, N] = x w^T for bf16 x and w, any M, K % kLanes == 0: the
+// products summed in float32 and rounded once to bf16, as torch's bf16 F.linear gives them (to an ulp
+// where the order of the float32 sums differs); float_out: y in float32, holding those bf16 values.
+// For CPUs without AVX512-BF16, where torch's bf16 GEMM runs at a fraction of its float32 rate (AVX2,
+// Zen 3, 2026-12-03: ~17 GFLOP/s at every size from 16 to 512 rows, against 130-140 in float32). x
+// is widened to float32 once per call. At 1..4 rows each weight row streams from memory and is widened
+// as it is read (gemv_rows). Above, a thread widens a panel of 3 weight rows by a piece of K into L1
+// and walks linear_f32's register tiles down a block of up to kBf16RowBlock rows of x with it, so the
+// widening is paid once per block of rows. Every output is summed in an order fixed by M's class
+// (1..4, or more) and K alone: not by its row's place in the batch, nor by how the columns are split
+// between threads, so linear_bf16_slice's shares make the same y as the whole.
+
+namespace {
+
+constexpr int64_t kBf16RowBlock = 128;
+constexpr int kBf16Tile = 3;  // weight rows per panel (linear_f32's tile)
+
+inline float bf16_bits_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// n bf16 values widened into dst.
+inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) store(dst + i, load_bf16(src + i));
+  for (; i < n; ++i) dst[i] = bf16_bits_to_float(src[i]);
+}
+
+// Where linear_bf16 puts y[m, n]: rounded to bf16, or that value in float32.
+struct Bf16Out {
+  void* y;
+  int64_t N;
+  bool float_out;
+  void operator()(int64_t m, int64_t n, float v) const {
+    const c10::BFloat16 r(v);  // to nearest even; NaN stays NaN
+    if (float_out) static_cast<float*>(y)[m * N + n] = static_cast<float>(r);
+    else static_cast<c10::BFloat16*>(y)[m * N + n] = r;
+  }
+};
+
+// acc[m, j] (+)= x[m, k0:k0+len] . panel[j] for the M rows of x (rows xK apart, x at k0) and the nr
+// (1..3) rows of a widened panel (rows len apart); acc rows are `stride` apart.
+void bf16_panel_rows(const float* x, int64_t xK, int64_t M, const float* panel, int64_t len, int nr, float* acc,
+                     int64_t stride, bool accumulate) {
+  const auto run = [&](auto NRc) {
+    constexpr int NR = decltype(NRc)::value;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) linear_tile<4, NR>(x + m * xK, xK, panel, len, 0, len, acc + m * stride, stride, accumulate, nullptr);
+    switch (M - m) {
+      case 3: linear_tile<3, NR>(x + m * xK, xK, panel, len, 0, len, acc + m * stride, stride, accumulate, nullptr); break;
+      case 2: linear_tile<2, NR>(x + m * xK, xK, panel, len, 0, len, acc + m * stride, stride, accumulate, nullptr); break;
+      case 1: linear_tile<1, NR>(x + m * xK, xK, panel, len, 0, len, acc + m * stride, stride, accumulate, nullptr); break;
+      default: break;
+    }
+  };
+  if (nr == 3) run(std::integral_constant<int, 3>{});
+  else if (nr == 2) run(std::integral_constant<int, 2>{});
+  else run(std::integral_constant<int, 1>{});
+}
+
+// out(m, n, y[m, n]) for all M rows of x (widened, [M, K]) and the columns [n0, n1), from 5 rows up.
+template <typename Out>
+void bf16_tiles(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
+  const int64_t piece = k_piece(K), cols = n1 - n0;
+  thread_local std::vector<float> panel_buffer, acc_buffer;  // kept and grown across calls
+  panel_buffer.resize(kBf16Tile * piece);
+  float* panel = panel_buffer.data();
+  for (int64_t m0 = 0; m0 < M; m0 += kBf16RowBlock) {
+    const int64_t mb = std::min(kBf16RowBlock, M - m0);
+    acc_buffer.resize(mb * cols);
+    float* acc = acc_buffer.data();
+    const float* xb = x + m0 * K;
+    // The weights of columns n..n+nr over [k0, k1) into the panel, then down the block of rows. Either
+    // loop order sums the same pieces in the same order; pieces outside keeps a piece of the block of
+    // x in L2 across the panels where the whole block would not fit, tiles outside reads each weight
+    // row start to end where it does.
+    const auto panel_pass = [&](int64_t n, int64_t k0) {
+      const int64_t k1 = std::min(K, k0 + piece), len = k1 - k0;
+      const int nr = static_cast<int>(std::min<int64_t>(kBf16Tile, n1 - n));
+      for (int j = 0; j < nr; ++j) widen_bf16(w + (n + j) * K + k0, panel + j * len, len);
+      bf16_panel_rows(xb + k0, K, mb, panel, len, nr, acc + (n - n0), cols, k0 > 0);
+    };
+    if (mb * K * static_cast<int64_t>(sizeof(float)) <= (256 << 10)) {
+      for (int64_t n = n0; n < n1; n += kBf16Tile)
+        for (int64_t k0 = 0; k0 < K; k0 += piece) panel_pass(n, k0);
+    } else {
+      for (int64_t k0 = 0; k0 < K; k0 += piece)
+        for (int64_t n = n0; n < n1; n += kBf16Tile) panel_pass(n, k0);
+    }
+    for (int64_t m = 0; m < mb; ++m)
+      for (int64_t c = 0; c < cols; ++c) out(m0 + m, n0 + c, acc[m * cols + c]);
+  }
+}
+
+// y's columns [n0, n1) for the widened x [M, K].
+template <typename Out>
+void linear_bf16_columns(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_t n0, int64_t n1,
+                         const Out& out) {
+  if (M <= kMaxStreamRows) gemv_rows_of(M, x, w, K, n0, n1, out);
+  else bf16_tiles(x, w, M, K, n0, n1, out);
+}
+
+}  // namespace
+
+torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, bool float_out) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_bf16: x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "linear_bf16: bf16 only");
+  TORCH_CHECK(x.size(1) % kLanes == 0, "linear_bf16: K must be a multiple of ", kLanes);
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat32 : torch::kBFloat16));
+  if (M == 0 || N == 0) return y;
+  std::vector<float> xf(M * K);
+  widen_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), xf.data(), M * K);
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
+  const Bf16Out out{y.data_ptr(), N, float_out};
+  // Whole tiles of columns to each thread; a stream of rows is split finer (16 rows).
+  const int64_t unit = M <= kMaxStreamRows ? 1 : kBf16Tile, grain = M <= kMaxStreamRows ? 16 : 8;
+  at::parallel_for(0, (N + unit - 1) / unit, grain, [&](int64_t begin, int64_t end) {
+    linear_bf16_columns(xf.data(), wp, M, K, begin * unit, std::min(N, end * unit), out);
+  });
+  return y;
+}
+
+// One thread's share of linear_bf16 for 1..15 rows (kestrel_matmul::MatmulSliceFn): the columns
+// [n_begin, n_end) of y, x widened by the thread itself.
+void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t M, int64_t N, int64_t K,
+                       int64_t n_begin, int64_t n_end) {
+  thread_local std::vector<float> xf;
+  xf.resize(M * K);
+  widen_bf16(x, xf.data(), M * K);
+  linear_bf16_columns(xf.data(), w, M, K, n_begin, n_end, Bf16Out{y, N, false});
 }
 
 // ---- int8 linear layers (--quantization int8) without AMX ----
@@ -1065,13 +1225,6 @@ inline void hadamard64(VecF v[kHadamardRegs]) {
         v[i + h] = sub(a, b);
       }
   for (int i = 0; i < kHadamardRegs; ++i) v[i] = mul(v[i], splat(0.125f));
-}
-
-inline float bf16_bits_to_float(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
 }
 
 // q = round_even(clamp(v * inv, -127, 127)), NaN (0 * inf, where max|r| is subnormal) to 0: the
@@ -1321,6 +1474,7 @@ using kestrel_matmul::MatmulFn;
 using kestrel_matmul::MatmulSliceFn;
 
 torch::Tensor linear_f32_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_f32(x, w); }
+torch::Tensor linear_bf16_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_bf16(x, w, false); }
 
 // The first error of a region's threads.
 struct RegionError {
@@ -1528,10 +1682,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8", &linear_int8,
         "y = x w^T, bf16 x quantized per row to int8, w int8 with a float32 scale per row; y bf16 (CPU, "
         "AVX512-VNNI or AVX2)", py::arg("x"), py::arg("qweight"), py::arg("wscale"));
+  m.def("linear_bf16", &linear_bf16,
+        "y = x w^T for bf16 x and w, any rows (CPU, without AVX512-BF16); float_out: y in float32, rounded as bf16",
+        py::arg("x"), py::arg("w"), py::arg("float_out") = false);
   m.def("matmul_address", [](const std::string& name) -> int64_t {
+    if (name == "linear_bf16") return reinterpret_cast<int64_t>(&linear_bf16_matmul);
     TORCH_CHECK(name == "linear_f32", "matmul_address: no matmul ", name);
     return reinterpret_cast<int64_t>(&linear_f32_matmul);
   }, "the address of a matmul as a MatmulFn, for DecodeLayers", py::arg("name"));
+  m.def("matmul_slice_address", [](const std::string& name) -> int64_t {
+    TORCH_CHECK(name == "linear_bf16", "matmul_slice_address: no slice of ", name);
+    return reinterpret_cast<int64_t>(&linear_bf16_slice);
+  }, "the address of one thread's share of a matmul (1..15 rows) as a MatmulSliceFn, for DecodeLayers",
+        py::arg("name"));
   py::class_<DecodeLayers>(m, "DecodeLayers")
       .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, double, double, int64_t,
                     int64_t>(),

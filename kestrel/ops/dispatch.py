@@ -46,6 +46,9 @@ AVX512_MAX_ROWS = 128
 # its time at 1-16 rows and 1.04-1.3x at 64-128 (BENCHMARKS.md); prefill chunks beyond it go to torch's
 # GEMM, which reaches ~140 GFLOP/s there.
 F32_MAX_ROWS = 128
+# bf16 without AVX512-BF16 (linear_bf16, which takes every row count): the decode plan covers steps of
+# up to this many rows, as on the other bf16 kernels.
+WIDENING_BF16_PLAN_ROWS = 128
 
 
 # ---- the PyTorch references -------------------------------------------------------------------
@@ -222,13 +225,17 @@ class LinearOps:
 
 
 def select_linear(device: torch.device, dtype: torch.dtype) -> LinearOps:
-    """The linear layer: the AMX matmul (bf16, AMX), else the AVX512-BF16 one (bf16), or linear_f32
-    (float32, where the build has it), each for decode-sized products; torch's GEMM for the rest."""
+    """The linear layer: the AMX matmul (bf16, AMX), else the AVX512-BF16 one (bf16), each for
+    decode-sized products; on a CPU without AVX512-BF16, cpu_kernels' linear_bf16 for every bf16
+    product; linear_f32 (float32, where the build has it) for decode-sized products; torch's GEMM for
+    the rest."""
     if device.type == "cpu" and dtype == torch.bfloat16:
         if (gemv := amx_gemv()) is not None:
             return _amx_linear(gemv)
         if (gemv := cpu_gemv()) is not None:
             return _avx512_bf16_linear(gemv)
+        if (kernels := cpu_kernels()) is not None:
+            return _widening_bf16_linear(kernels)
     if device.type == "cpu" and dtype == torch.float32 and (f32 := f32_kernels()) is not None:
         return _f32_linear(f32)
     return LinearOps(F.linear, linear_to_float_reference, None)
@@ -280,6 +287,27 @@ def _avx512_bf16_linear(gemv) -> LinearOps:
     return LinearOps(linear, linear_to_float, PlanMatmul(avx512, torch.bfloat16, AVX512_MAX_ROWS, 1, 32,
                                                          gemv.matmul_address("linear_bf16_avx512"),
                                                          gemv.matmul_slice_address("linear_bf16_avx512")))
+
+
+def _widening_bf16_linear(kernels) -> LinearOps:
+    """bf16 products on cpu_kernels' linear_bf16 (the weights widened to float32 in the kernel), at
+    every row count: torch's bf16 GEMM runs at ~17 GFLOP/s on AVX2 (Zen 3, 2026-12-03), the kernel at
+    ~55-115 (and at 1-4 rows it streams half the bytes of the float32 weights)."""
+    kernel, lanes = kernels.linear_bf16, kernels.lanes
+
+    def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        return (bias is None and x.dim() == 2 and x.shape[0] >= 1 and x.dtype == torch.bfloat16
+                and x.shape[1] % lanes == 0 and weight.dtype == torch.bfloat16 and weight.is_contiguous())
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return kernel(x, weight) if takes(x, weight, bias) else F.linear(x, weight, bias)
+
+    def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return kernel(x, weight, float_out=True) if takes(x, weight, None) else linear(x, weight).float()
+
+    return LinearOps(linear, linear_to_float, PlanMatmul(kernel, torch.bfloat16, WIDENING_BF16_PLAN_ROWS, 1, lanes,
+                                                         kernels.matmul_address("linear_bf16"),
+                                                         kernels.matmul_slice_address("linear_bf16")))
 
 
 def _f32_linear(f32: F32Kernels) -> LinearOps:
