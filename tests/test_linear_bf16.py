@@ -25,9 +25,9 @@ def _assert_like_torch(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Non
     assert ((y.double() - torch_y.double()).abs() <= torch_y.double().abs() * 2 ** -7 + 1e-6).all()
 
 
-# Rows on both sides of each change of path: the row stream (1..4), the register tiles (5..) and a
-# second block of rows (129..); K of one vector, of several pieces (1536) and an odd number of vectors.
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 15, 16, 64, 128, 129, 300])
+# Rows on both sides of each change of path: the row stream (1..4), the dot-product tiles (5..47), the
+# panels (48..) and a second block of rows (129..); K of one vector, of several pieces (1536) and an odd number of vectors.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 15, 16, 47, 48, 53, 128, 129, 300])
 @pytest.mark.parametrize("out_f,in_f", [(960, 576), (576, 1536), (49152, 576), (7, 32), (257, 48), (1, 16)])
 def test_matches_the_float32_product_rounded_once(rows, out_f, in_f):
     gen = torch.Generator().manual_seed(rows * 1000 + out_f)
@@ -41,27 +41,32 @@ def test_matches_the_float32_product_rounded_once(rows, out_f, in_f):
 
 
 def test_rows_and_columns_do_not_depend_on_the_batch_or_the_split():
-    """Each output is summed in one order for 1..4 rows and in one (other) order from 5 rows up: within
-    each range a row alone or anywhere in a batch, a column alone or in any slice of w, gives the same
-    bits (so a request's tokens do not depend on its neighbours in the batch unless the batch crosses 4
-    rows, nor on the thread count)."""
+    """Each output is summed in one order for 1..4 rows, in another for 5..47 and in a third from 48 rows
+    up: within each range a row alone or anywhere in a batch, a column alone or in any slice of w, gives
+    the same bits (so a request's tokens do not depend on its neighbours in the batch unless the batch
+    crosses a range, nor on the thread count)."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(300, 1536, generator=gen).bfloat16()
     w = (torch.randn(963, 1536, generator=gen) * 0.05).bfloat16()
     few = kernels.linear_bf16(x[:4], w)
     for start, stop in [(0, 1), (1, 3), (3, 4)]:
         assert torch.equal(kernels.linear_bf16(x[start:stop], w), few[start:stop])
+    some = kernels.linear_bf16(x[:47], w)
+    for start, stop in [(0, 5), (10, 17), (3, 47)]:
+        assert torch.equal(kernels.linear_bf16(x[start:stop], w), some[start:stop])
     full = kernels.linear_bf16(x, w)
-    for start, stop in [(0, 5), (40, 77), (3, 131), (100, 300), (295, 300)]:
+    for start, stop in [(0, 48), (40, 100), (3, 131), (100, 300), (252, 300)]:
         assert torch.equal(kernels.linear_bf16(x[start:stop], w), full[start:stop])
     for ws in [slice(100, 117), slice(0, 1), slice(900, 963), slice(1, 3)]:
         assert torch.equal(kernels.linear_bf16(x, w[ws].contiguous()), full[:, ws])
+        assert torch.equal(kernels.linear_bf16(x[:47], w[ws].contiguous()), some[:, ws])
         assert torch.equal(kernels.linear_bf16(x[:4], w[ws].contiguous()), few[:, ws])
     before = torch.get_num_threads()
     try:
         for threads in (1, 3):
             torch.set_num_threads(threads)
             assert torch.equal(kernels.linear_bf16(x, w), full)
+            assert torch.equal(kernels.linear_bf16(x[:47], w), some)
             assert torch.equal(kernels.linear_bf16(x[:4], w), few)
     finally:
         torch.set_num_threads(before)

@@ -1040,12 +1040,109 @@ void bf16_tiles(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_t
   }
 }
 
+// From kPanelMinRows rows: an outer-product register tile. A panel holds kPanelCols columns of w by a
+// piece of K (at most kPanelK: 16 KB, in L1), widened and transposed so that each k is a row of
+// kPanelCols floats; kPanelRows rows of x at a time are each broadcast one value per k against the
+// panel's row, into kPanelRows x kPanelVecs accumulators (12 of the 16 AVX2 registers). Per k: 2 panel loads
+// and 6 broadcasts feed 12 FMAs, where the dot-product tiles above load 7 vectors for 12 and stream
+// x from L2; each output is a single sum down k in its lane, with no horizontal sums.
+constexpr int64_t kPanelMinRows = 48;
+constexpr int kPanelCols = 16;
+constexpr int kPanelVecs = kPanelCols / kLanes;
+constexpr int kPanelRows = std::min(12, (kRegisters - kPanelVecs - 1) / kPanelVecs);  // AVX2: 6; AVX-512: 12
+constexpr int64_t kPanelK = 256;
+
+// K's pieces for the panels (kPanelK at most, whole vectors): a function of K alone.
+inline int64_t panel_k_piece(int64_t K) {
+  const int64_t pieces = (K + kPanelK - 1) / kPanelK;
+  return ((K + pieces - 1) / pieces + kLanes - 1) / kLanes * kLanes;
+}
+
+// panel[k][c] = w[n + c][k0 + k] widened, for c < cols (zeros beyond, up to kPanelCols), k < len (a
+// multiple of kLanes).
+inline void widen_transposed(const uint16_t* w, int64_t K, int64_t n, int cols, int64_t k0, int64_t len,
+                             float* panel) {
+  for (int64_t k = 0; k < len; k += kLanes)
+    for (int c0 = 0; c0 < kPanelCols; c0 += kLanes) {
+      VecF r[kLanes];
+      for (int j = 0; j < kLanes; ++j) r[j] = c0 + j < cols ? load_bf16(w + (n + c0 + j) * K + k0 + k) : zero();
+      transpose_lanes(r);
+      for (int i = 0; i < kLanes; ++i) store(panel + (k + i) * kPanelCols + c0, r[i]);
+    }
+}
+
+// acc[m, c] (+)= x[m, 0:len] . panel[0:len, c] for MR rows of x (rows xK apart) and the panel's first
+// `cols` columns; acc rows are `stride` apart.
+template <int MR>
+void panel_tile(const float* x, int64_t xK, const float* panel, int64_t len, float* acc, int64_t stride, int cols,
+                bool accumulate) {
+  VecF c[MR][kPanelVecs];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < kPanelVecs; ++v) c[m][v] = zero();
+  for (int64_t k = 0; k < len; ++k) {
+    VecF b[kPanelVecs];
+    for (int v = 0; v < kPanelVecs; ++v) b[v] = load_f32(panel + k * kPanelCols + v * kLanes);
+    for (int m = 0; m < MR; ++m) {
+      const VecF a = splat(x[m * xK + k]);
+      for (int v = 0; v < kPanelVecs; ++v) c[m][v] = fma(a, b[v], c[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    float* row = acc + m * stride;
+    if (cols == kPanelCols) {
+      for (int v = 0; v < kPanelVecs; ++v)
+        store(row + v * kLanes, accumulate ? add(load_f32(row + v * kLanes), c[m][v]) : c[m][v]);
+    } else {
+      float part[kPanelCols];
+      for (int v = 0; v < kPanelVecs; ++v) store(part + v * kLanes, c[m][v]);
+      for (int j = 0; j < cols; ++j) row[j] = accumulate ? row[j] + part[j] : part[j];
+    }
+  }
+}
+
+template <int MR = kPanelRows>
+void panel_tile_rows(int64_t rows, const float* x, int64_t xK, const float* panel, int64_t len, float* acc,
+                     int64_t stride, int cols, bool accumulate) {
+  if constexpr (MR >= 1) {
+    if (rows == MR) panel_tile<MR>(x, xK, panel, len, acc, stride, cols, accumulate);
+    else panel_tile_rows<MR - 1>(rows, x, xK, panel, len, acc, stride, cols, accumulate);
+  }
+}
+
+// out(m, n, y[m, n]) for all M rows of x (widened, [M, K]) and the columns [n0, n1), from kPanelMinRows rows.
+template <typename Out>
+void bf16_panels(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
+  const int64_t piece = panel_k_piece(K), cols = n1 - n0;
+  thread_local std::vector<float> panel_buffer, acc_buffer;
+  panel_buffer.resize(kPanelCols * piece);
+  float* panel = panel_buffer.data();
+  for (int64_t m0 = 0; m0 < M; m0 += kBf16RowBlock) {
+    const int64_t mb = std::min(kBf16RowBlock, M - m0);
+    acc_buffer.resize(mb * cols);
+    float* acc = acc_buffer.data();
+    // Pieces outside: a piece of the block of x (128 KB at most) stays in L2 across the panels.
+    for (int64_t k0 = 0; k0 < K; k0 += piece) {
+      const int64_t len = std::min(K, k0 + piece) - k0;
+      for (int64_t n = n0; n < n1; n += kPanelCols) {
+        const int nc = static_cast<int>(std::min<int64_t>(kPanelCols, n1 - n));
+        widen_transposed(w, K, n, nc, k0, len, panel);
+        for (int64_t m = 0; m < mb; m += kPanelRows)
+          panel_tile_rows(std::min<int64_t>(kPanelRows, mb - m), x + (m0 + m) * K + k0, K, panel, len,
+                          acc + m * cols + (n - n0), cols, nc, k0 > 0);
+      }
+    }
+    for (int64_t m = 0; m < mb; ++m)
+      for (int64_t c = 0; c < cols; ++c) out(m0 + m, n0 + c, acc[m * cols + c]);
+  }
+}
+
 // y's columns [n0, n1) for the widened x [M, K].
 template <typename Out>
 void linear_bf16_columns(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_t n0, int64_t n1,
                          const Out& out) {
   if (M <= kMaxStreamRows) gemv_rows_of(M, x, w, K, n0, n1, out);
-  else bf16_tiles(x, w, M, K, n0, n1, out);
+  else if (M < kPanelMinRows) bf16_tiles(x, w, M, K, n0, n1, out);
+  else bf16_panels(x, w, M, K, n0, n1, out);
 }
 
 }  // namespace
@@ -1063,8 +1160,9 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, bool float_out) {
   widen_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), xf.data(), M * K);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
   const Bf16Out out{y.data_ptr(), N, float_out};
-  // Whole tiles of columns to each thread; a stream of rows is split finer (16 rows).
-  const int64_t unit = M <= kMaxStreamRows ? 1 : kBf16Tile, grain = M <= kMaxStreamRows ? 16 : 8;
+  // Whole tiles or panels of columns to each thread; a stream of rows is split finer (16 rows).
+  const int64_t unit = M <= kMaxStreamRows ? 1 : M < kPanelMinRows ? kBf16Tile : kPanelCols;
+  const int64_t grain = M <= kMaxStreamRows ? 16 : M < kPanelMinRows ? 8 : 2;
   at::parallel_for(0, (N + unit - 1) / unit, grain, [&](int64_t begin, int64_t end) {
     linear_bf16_columns(xf.data(), wp, M, K, begin * unit, std::min(N, end * unit), out);
   });
