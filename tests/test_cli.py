@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from kestrel.bench.workloads import w1_offline_throughput
-from kestrel.config import EngineArgs
+from kestrel.config import EngineArgs, cpu_supports_bf16
 from kestrel.engine.arg_utils import create_engine_config
 from kestrel.entrypoints.cli import ENGINE_FLAGS, build_parser, engine_kwargs, main, parse_bytes
 
@@ -168,10 +168,11 @@ def test_bench_throughput_writes_json(tmp_path):
     # SmolLM2-135M: 30 layers of 3.54 M parameters, a 49152 x 576 output head.
     assert roof["non_embedding_params"] == 30 * 3_540_096 + 576
     assert roof["output_head_params"] == 49152 * 576
-    # The roofline is the matmul rate in the dtype the model runs in (float32 on a CPU without bf16).
+    # The roofline is the matmul rate in the dtype the model computes in (float32 on a CPU without bf16).
     dtype = report["engine"]["dtype"]
-    assert roof["roofline_dtype"] == ("float32" if dtype == "float32" else "bfloat16")
-    assert roof["roofline_gflops"] == roof["fp32_gflops" if dtype == "float32" else "bf16_gflops"]
+    native = dtype == "bfloat16" and cpu_supports_bf16()
+    assert roof["roofline_dtype"] == ("bfloat16" if native else "float32")
+    assert roof["roofline_gflops"] == roof["bf16_gflops" if native else "fp32_gflops"]
     assert 0 < roof["fraction_of_roofline"] < 1.5
     # The run is also set against that rate measured just before it.
     [rate] = roof["per_run_roofline_gflops"]
@@ -190,10 +191,19 @@ def test_bench_throughput_writes_json(tmp_path):
     # the streaming read rate the floor assumes.)
     assert 0 < roof["fraction_of_full_roofline"] < 3
     text = (tmp_path / "BENCHMARKS.md").read_text()
-    short = "fp32" if dtype == "float32" else "bf16"
+    short = "bf16" if native else "fp32"
     assert "offline throughput" in text and f"of the {short} roofline" in text
     assert f"against the {short} rate measured just before it" in text
     assert "streaming read rate measured in this run" in text
+
+
+def test_roofline_of_a_bf16_model_is_the_float32_rate_without_bf16_instructions():
+    """Where the CPU has no bf16 instructions a bf16 model's products run as float32 FMAs (linear_bf16),
+    so its runs are set against the float32 matmul rate, not torch's emulated bf16 GEMM."""
+    from kestrel.bench.roofline import roofline_dtype
+    assert roofline_dtype("bfloat16", native_bf16=True) == "bfloat16"
+    assert roofline_dtype("bfloat16", native_bf16=False) == "float32"
+    assert roofline_dtype("float32", native_bf16=True) == roofline_dtype("float32", native_bf16=False) == "float32"
 
 
 def test_roofline_line_says_when_the_memory_floor_caps_the_compute_target():

@@ -26,7 +26,8 @@ def _assert_like_torch(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Non
 
 
 # Rows on both sides of each change of path: the row stream (1..4), the dot-product tiles (5..47), the
-# panels (48..) and a second block of rows (129..); K of one vector, of several pieces (1536) and an odd number of vectors.
+# panels (48..) and a second block of rows (129..); K of one vector, of several pieces (1536) and an odd
+# number of vectors.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 15, 16, 47, 48, 53, 128, 129, 300])
 @pytest.mark.parametrize("out_f,in_f", [(960, 576), (576, 1536), (49152, 576), (7, 32), (257, 48), (1, 16)])
 def test_matches_the_float32_product_rounded_once(rows, out_f, in_f):

@@ -168,10 +168,15 @@ def flop_weighted(rates: list[float], shapes: list[tuple[int, int]]) -> float:
     return sum(flops) / sum(f / r for f, r in zip(flops, rates))
 
 
-def roofline_dtype(model_dtype: str) -> str:
-    """The matmul rate a model's runs are set against: float32 for a float32 model (on a CPU without
-    bf16 instructions Kestrel runs float32, and emulated bf16 is no limit of it), else bfloat16."""
-    return "float32" if model_dtype == "float32" else "bfloat16"
+def roofline_dtype(model_dtype: str, native_bf16: bool | None = None) -> str:
+    """The matmul rate a model's runs are set against: bfloat16 for a bf16 model on a CPU with bf16
+    instructions (`native_bf16`, default: this CPU's), else float32. Without them a bf16 model's products
+    run as float32 FMAs on widened weights (cpu_kernels' linear_bf16), and torch's emulated bf16 GEMM
+    (~17 GFLOP/s on 2 Zen 3 cores, against ~130 in float32) is no limit of the machine."""
+    if native_bf16 is None:
+        from kestrel.config import cpu_supports_bf16
+        native_bf16 = cpu_supports_bf16()
+    return "bfloat16" if model_dtype == "bfloat16" and native_bf16 else "float32"
 
 
 def gflops_of(shapes: list[tuple[int, int]], dtype: str) -> float:

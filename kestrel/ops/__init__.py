@@ -3,7 +3,7 @@ time on 2 cores), cached under ~/.cache/kestrel/kernels (KESTREL_KERNEL_CACHE ov
 
 Each has a pure-PyTorch reference that the tests compare it with, and that runs wherever the kernel
 cannot be built (no compiler, or a CPU without the instructions it needs) or when
-KESTREL_DISABLE_CPU_KERNELS=1. The attention, norm, rotary, argmax and float32 linear kernels
+KESTREL_DISABLE_CPU_KERNELS=1. The attention, norm, rotary, argmax, float32 and bf16 linear kernels
 (cpu_kernels.cpp) are one source written on a small vector interface, compiled once per instruction
 set: for AVX-512 on vec_avx512.h (16 lanes; AMX where present) and for AVX2 + FMA on vec_avx2.h
 (8 lanes). Both builds export the same functions.
@@ -182,8 +182,9 @@ def cpu_kernels_source() -> str | None:
 @functools.cache
 def cpu_kernels():
     """Paged attention (over the model-dtype or the int8 KV cache), norm, activation, rotary + KV-write,
-    argmax, float32 linear and int8 linear (--quantization int8; `int8_linear` says whether the build
-    has it: not an AVX-512 CPU without VNNI) kernels, and the decode plan's layer loop (DecodeLayers), in
+    argmax, float32 linear, bf16 linear (linear_bf16, for CPUs without AVX512-BF16) and int8 linear
+    (--quantization int8; `int8_linear` says whether the build has it: not an AVX-512 CPU without VNNI)
+    kernels, and the decode plan's layer loop (DecodeLayers), in
     the build for this CPU (cpu_kernels_isa()), or None where unavailable. Every build has every
     function; `lanes` says the vector width it was compiled for."""
     isa = cpu_kernels_isa()

@@ -12,7 +12,8 @@
 // part behind KESTREL_VEC_AVX512).
 // paged_decode_attention_int8 and rotary_write_kv_int8: the int8 KV cache (int8_kv.h).
 // rms_norm (optionally fused with the residual add), silu_and_mul, rotary_write_kv and argmax_rows:
-// one pass over each row. linear_f32: float32 decode-sized products. DecodeLayers: the decode plan's
+// one pass over each row. linear_f32: float32 decode-sized products. linear_bf16: bf16 products of any
+// size where there is no AVX512-BF16 (see "bf16 linear layers" below). DecodeLayers: the decode plan's
 // layer loop, over the matmul the plan binds. linear_int8: --quantization int8's products where there is no AMX
 // (AVX512-VNNI or AVX2; see "int8 linear layers" below).
 #include <torch/extension.h>
