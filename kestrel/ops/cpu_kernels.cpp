@@ -950,11 +950,12 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w) {
 // For CPUs without AVX512-BF16, where torch's bf16 GEMM runs at a fraction of its float32 rate (AVX2,
 // Zen 3, 2026-12-03: ~17 GFLOP/s at every size from 16 to 512 rows, against 130-140 in float32). x
 // is widened to float32 once per call. At 1..4 rows each weight row streams from memory and is widened
-// as it is read (gemv_rows). Above, a thread widens a panel of 3 weight rows by a piece of K into L1
+// as it is read (gemv_rows). At 5..47 a thread widens a panel of 3 weight rows by a piece of K into L1
 // and walks linear_f32's register tiles down a block of up to kBf16RowBlock rows of x with it, so the
-// widening is paid once per block of rows. Every output is summed in an order fixed by M's class
-// (1..4, or more) and K alone: not by its row's place in the batch, nor by how the columns are split
-// between threads, so linear_bf16_slice's shares make the same y as the whole.
+// widening is paid once per block of rows; from 48, the same with transposed panels of 16 columns
+// under an outer-product tile (bf16_panels). Every output is summed in an order fixed by M's class
+// (1..4, 5..47, or more) and K alone: not by its row's place in the batch, nor by how the columns are
+// split between threads, so linear_bf16_slice's shares make the same y as the whole.
 
 namespace {
 
@@ -1007,17 +1008,29 @@ void bf16_panel_rows(const float* x, int64_t xK, int64_t M, const float* panel, 
   else run(std::integral_constant<int, 1>{});
 }
 
-// out(m, n, y[m, n]) for all M rows of x (widened, [M, K]) and the columns [n0, n1), from 5 rows up.
-template <typename Out>
-void bf16_tiles(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
-  const int64_t piece = k_piece(K), cols = n1 - n0;
+// For each block of up to kBf16RowBlock rows of x: pass(m0, mb, acc, panel) sums the block's rows
+// against the columns [n0, n1) into acc [mb, n1 - n0] (float32), with `panel` (panel_floats) to widen
+// weights into; then out() takes each sum.
+template <typename Pass, typename Out>
+void by_row_blocks(int64_t M, int64_t n0, int64_t n1, int64_t panel_floats, const Pass& pass, const Out& out) {
+  const int64_t cols = n1 - n0;
   thread_local std::vector<float> panel_buffer, acc_buffer;  // kept and grown across calls
-  panel_buffer.resize(kBf16Tile * piece);
-  float* panel = panel_buffer.data();
+  panel_buffer.resize(panel_floats);
   for (int64_t m0 = 0; m0 < M; m0 += kBf16RowBlock) {
     const int64_t mb = std::min(kBf16RowBlock, M - m0);
     acc_buffer.resize(mb * cols);
     float* acc = acc_buffer.data();
+    pass(m0, mb, acc, panel_buffer.data());
+    for (int64_t m = 0; m < mb; ++m)
+      for (int64_t c = 0; c < cols; ++c) out(m0 + m, n0 + c, acc[m * cols + c]);
+  }
+}
+
+// out(m, n, y[m, n]) for all M rows of x (widened, [M, K]) and the columns [n0, n1), from 5 rows up.
+template <typename Out>
+void bf16_tiles(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
+  const int64_t piece = k_piece(K), cols = n1 - n0;
+  by_row_blocks(M, n0, n1, kBf16Tile * piece, [&](int64_t m0, int64_t mb, float* acc, float* panel) {
     const float* xb = x + m0 * K;
     // The weights of columns n..n+nr over [k0, k1) into the panel, then down the block of rows. Either
     // loop order sums the same pieces in the same order; pieces outside keeps a piece of the block of
@@ -1036,9 +1049,7 @@ void bf16_tiles(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_t
       for (int64_t k0 = 0; k0 < K; k0 += piece)
         for (int64_t n = n0; n < n1; n += kBf16Tile) panel_pass(n, k0);
     }
-    for (int64_t m = 0; m < mb; ++m)
-      for (int64_t c = 0; c < cols; ++c) out(m0 + m, n0 + c, acc[m * cols + c]);
-  }
+  }, out);
 }
 
 // From kPanelMinRows rows: an outer-product register tile. A panel holds kPanelCols columns of w by a
@@ -1114,13 +1125,7 @@ void panel_tile_rows(int64_t rows, const float* x, int64_t xK, const float* pane
 template <typename Out>
 void bf16_panels(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
   const int64_t piece = panel_k_piece(K), cols = n1 - n0;
-  thread_local std::vector<float> panel_buffer, acc_buffer;
-  panel_buffer.resize(kPanelCols * piece);
-  float* panel = panel_buffer.data();
-  for (int64_t m0 = 0; m0 < M; m0 += kBf16RowBlock) {
-    const int64_t mb = std::min(kBf16RowBlock, M - m0);
-    acc_buffer.resize(mb * cols);
-    float* acc = acc_buffer.data();
+  by_row_blocks(M, n0, n1, kPanelCols * piece, [&](int64_t m0, int64_t mb, float* acc, float* panel) {
     // Pieces outside: a piece of the block of x (128 KB at most) stays in L2 across the panels.
     for (int64_t k0 = 0; k0 < K; k0 += piece) {
       const int64_t len = std::min(K, k0 + piece) - k0;
@@ -1132,9 +1137,7 @@ void bf16_panels(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_
                           acc + m * cols + (n - n0), cols, nc, k0 > 0);
       }
     }
-    for (int64_t m = 0; m < mb; ++m)
-      for (int64_t c = 0; c < cols; ++c) out(m0 + m, n0 + c, acc[m * cols + c]);
-  }
+  }, out);
 }
 
 // y's columns [n0, n1) for the widened x [M, K].
