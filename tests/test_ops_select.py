@@ -43,3 +43,16 @@ def test_a_bare_llama_server_peer_runs_kestrels_precision(monkeypatch, has_bf16,
     monkeypatch.setattr(kestrel.config, "cpu_supports_bf16", lambda: has_bf16)
     assert peer_label("llama-server") == label
     assert peer_label("llama-server:q4_1") == "llama-server:q4_1" and peer_label("kestrel") == "kestrel"
+    # Beside a Kestrel whose dtype is given, a bare llama-server runs in that precision.
+    assert peer_label("llama-server", "bfloat16") == "llama-server:bf16"
+    assert peer_label("llama-server", "float32") == "llama-server:f32"
+    assert peer_label("llama-server", "auto") == label
+    assert peer_label("llama-server:q8_0", "bfloat16") == "llama-server:q8_0"
+
+
+def test_the_dtype_among_kestrels_flags():
+    from kestrel.bench.launch import dtype_in_flags
+    assert dtype_in_flags([]) is None and dtype_in_flags(["--async-scheduling"]) is None
+    assert dtype_in_flags(["--dtype", "bfloat16", "--enforce-eager"]) == "bfloat16"
+    assert dtype_in_flags(["--dtype=float32"]) == "float32"
+    assert dtype_in_flags(["--dtype", "float32", "--dtype", "bf16"]) == "bf16"  # the last one counts, as argparse

@@ -36,7 +36,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kestrel.bench.common import log, machine_info, warn_if_busy
-from kestrel.bench.launch import PEER_SPECS, check_spec, is_llama, launch_server, peer_label
+from kestrel.bench.launch import PEER_SPECS, check_spec, dtype_in_flags, is_llama, launch_server, peer_label
 from kestrel.bench.neighbours import BusyNeighbours
 from kestrel.bench.peers import RssSampler
 from kestrel.bench.report import load_averages, markdown_table, text_table, write_report
@@ -151,8 +151,11 @@ def rounds_to_run(concurrency: list[int], runs: int) -> list[tuple[int, int]]:
 
 
 def start_engine(stack: ExitStack, spec: str, args: argparse.Namespace) -> LiveEngine:
+    kestrel_flags = shlex.split(args.kestrel_flags)
+    if is_llama(spec):  # a bare llama-server runs in the precision of Kestrel's --dtype
+        spec = peer_label(spec, dtype_in_flags(kestrel_flags))
     server = launch_server(spec, parallel=max(args.concurrency), ctx_per_slot=args.input_len + args.output_len + 16,
-                           kestrel_flags=shlex.split(args.kestrel_flags), model=args.model)
+                           kestrel_flags=kestrel_flags, model=args.model)
     log(f"{spec}: starting")
     stack.enter_context(server)
     rss = stack.enter_context(RssSampler(server.pid))

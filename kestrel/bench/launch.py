@@ -50,15 +50,32 @@ def is_kestrel_variant(spec: str) -> bool:
     return spec.startswith("kestrel:") and bool(spec.partition(":")[2].strip())
 
 
-def default_precision() -> str:
-    """What a bare `llama-server` runs: Kestrel's default dtype here, so that the pair matches."""
+def default_precision(dtype: str | None = None) -> str:
+    """What a bare `llama-server` runs: the precision of Kestrel's dtype in the same benchmark (`dtype`
+    as --dtype takes it; None or "auto": Kestrel's default here), so that the pair matches."""
+    if dtype in ("bfloat16", "bf16"):
+        return "bf16"
+    if dtype in ("float32", "float", "fp32"):
+        return "f32"
     from kestrel.config import cpu_supports_bf16
     return "bf16" if cpu_supports_bf16() else "f32"
 
 
-def peer_label(spec: str) -> str:
-    """The spec with its precision spelled out: llama-server -> llama-server:bf16 (or :f32)."""
-    return spec if spec.startswith("kestrel") or ":" in spec else f"{spec}:{default_precision()}"
+def dtype_in_flags(flags: Sequence[str]) -> str | None:
+    """The value of the last --dtype among Kestrel's command-line flags, or None."""
+    value = None
+    for i, flag in enumerate(flags):
+        if flag == "--dtype" and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif flag.startswith("--dtype="):
+            value = flag.partition("=")[2]
+    return value
+
+
+def peer_label(spec: str, dtype: str | None = None) -> str:
+    """The spec with its precision spelled out: llama-server -> llama-server:bf16 (or :f32), matching
+    Kestrel's `dtype` (default_precision)."""
+    return spec if spec.startswith("kestrel") or ":" in spec else f"{spec}:{default_precision(dtype)}"
 
 
 def is_llama(spec: str) -> bool:

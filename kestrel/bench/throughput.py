@@ -145,8 +145,9 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
                 batch_size=args.peer_batch_size, runs=args.runs, num_threads=args.num_threads)))
         else:
             gguf = w6_peer_gguf(peer, w6) if w6 is not None else None
-            results.append(run_server_peer(peer, requests, args.runs, args.workload, engine_kwargs.get("model"),
-                                           gguf))
+            # A bare llama-server runs in the precision of the dtype Kestrel ran in.
+            results.append(run_server_peer(peer_label(peer, engine_info["dtype"]), requests, args.runs, args.workload,
+                                           engine_kwargs.get("model"), gguf))
     report = build_report(args, requests, results, engine_info, started, load_average, limits)
     write_report(report, format_summary(report), format_markdown(report), args.output_json, args.append_md)
     return 0
