@@ -1160,15 +1160,19 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, bool float_out) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat32 : torch::kBFloat16));
   if (M == 0 || N == 0) return y;
-  std::vector<float> xf(M * K);
-  widen_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), xf.data(), M * K);
+  // Kept and grown: no allocation (nor zeroing) per call. The workers take the pointer: a thread_local
+  // named inside the lambda would be each worker's own.
+  thread_local std::vector<float> x_buffer;
+  x_buffer.resize(M * K);
+  float* xf = x_buffer.data();
+  widen_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), xf, M * K);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
   const Bf16Out out{y.data_ptr(), N, float_out};
   // Whole tiles or panels of columns to each thread; a stream of rows is split finer (16 rows).
   const int64_t unit = M <= kMaxStreamRows ? 1 : M < kPanelMinRows ? kBf16Tile : kPanelCols;
   const int64_t grain = M <= kMaxStreamRows ? 16 : M < kPanelMinRows ? 8 : 2;
   at::parallel_for(0, (N + unit - 1) / unit, grain, [&](int64_t begin, int64_t end) {
-    linear_bf16_columns(xf.data(), wp, M, K, begin * unit, std::min(N, end * unit), out);
+    linear_bf16_columns(xf, wp, M, K, begin * unit, std::min(N, end * unit), out);
   });
   return y;
 }
