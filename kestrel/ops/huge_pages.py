@@ -54,16 +54,21 @@ def huge_pages_available() -> bool:
 
 def zeroed_bytes(nbytes: int) -> torch.Tensor:
     """A zero uint8 tensor of `nbytes` on the CPU whose pages are mapped lazily (RAM is used only as it is
-    written), starting on a 2 MiB boundary in a mapping advised for huge pages where they are available;
-    otherwise calloc'd memory (numpy), also mapped lazily, starting on a cache line."""
-    if not huge_pages_available() or nbytes < HUGE_PAGE:
+    written). From 2 MiB up it is its own anonymous mapping, starting on a 2 MiB boundary and advised for
+    huge pages where they are available, advised against them where KESTREL_DISABLE_HUGE_PAGES=1 (so that
+    neither numpy's own advice on large arrays nor the kernel's `always` setting brings them back).
+    Smaller ones are calloc'd (numpy), starting on a cache line."""
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         whole = torch.from_numpy(np.zeros(nbytes + 64, dtype=np.uint8))
         start = -whole.data_ptr() % 64
         return whole[start:start + nbytes]
     # One huge page more than asked, so that the tensor can start on a huge-page boundary (mmap only
     # aligns to 4 KiB). The tensor holds the mapping: it is unmapped when the last view goes.
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_HUGEPAGE)
+    if huge_pages_available():
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    elif huge_pages_disabled():
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE
     return whole[start:start + nbytes]
