@@ -114,6 +114,117 @@ def test_linear_op_of_a_bf16_model_without_avx512_bf16():
     assert torch.equal(ops.linear(x, w.float()), F.linear(x, w.float()))
 
 
+def _packed(w: torch.Tensor) -> torch.Tensor:
+    packed = dispatch.pack_bf16_weight(w, kernels.panel_columns, kernels.lanes)
+    assert packed is not None
+    return packed
+
+
+def test_packing_lays_out_panels_of_16_columns():
+    assert kernels.panel_columns == 16
+    w = torch.arange(48 * 32, dtype=torch.float32).view(48, 32).bfloat16()
+    packed = _packed(w)
+    assert packed.shape == (3, 32, 16) and packed.is_contiguous()
+    for p, k, c in [(0, 0, 0), (1, 5, 3), (2, 31, 15)]:
+        assert packed[p, k, c] == w[16 * p + c, k]
+    # what the kernel cannot read packed stays as it is
+    for bad in [torch.zeros(40, 32, dtype=torch.bfloat16), torch.zeros(48, 12, dtype=torch.bfloat16),
+                torch.zeros(48, 32), torch.zeros(0, 32, dtype=torch.bfloat16)]:
+        assert dispatch.pack_bf16_weight(bad, 16, kernels.lanes) is None
+
+
+@pytest.mark.parametrize("out_f,in_f", [(960, 576), (576, 1536), (48, 16), (256, 48)])
+def test_packed_weights_give_every_row_alike_whatever_the_batch(out_f, in_f):
+    """On packed weights every output is one sum down k per piece of K whatever the row count: a row gives
+    the same bits alone, anywhere in a batch of any size, in any slice of the columns and under any thread
+    count; from 48 rows (where the [N, K] weights take the panel tile) the two layouts agree bit for bit."""
+    gen = torch.Generator().manual_seed(out_f + in_f)
+    x = torch.randn(300, in_f, generator=gen).bfloat16()
+    w = (torch.randn(out_f, in_f, generator=gen) * 0.05).bfloat16()
+    packed = _packed(w)
+    full = kernels.linear_bf16(x, packed)
+    assert full.shape == (300, out_f)
+    _assert_like_torch(full, x, w)
+    assert torch.equal(full, kernels.linear_bf16(x, w))
+    assert torch.equal(kernels.linear_bf16(x, packed, float_out=True), full.float())
+    for start, stop in [(0, 1), (7, 8), (0, 2), (3, 6), (5, 12), (0, 17), (40, 88), (100, 300), (1, 300)]:
+        assert torch.equal(kernels.linear_bf16(x[start:stop], packed), full[start:stop]), (start, stop)
+    panels = slice(1, 2) if out_f < 64 else slice(2, 7)
+    cols = slice(panels.start * 16, panels.stop * 16)
+    for rows in (1, 6, 300):
+        assert torch.equal(kernels.linear_bf16(x[:rows], packed[panels].contiguous()), full[:rows, cols])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(kernels.linear_bf16(x, packed), full)
+            assert torch.equal(kernels.linear_bf16(x[:5], packed), full[:5])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_packed_weights_keep_nan_and_inf_and_reject_a_bad_layout():
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(9, 64, generator=gen).bfloat16()
+    w = (torch.randn(32, 64, generator=gen) * 0.05).bfloat16()
+    x[0, 0], x[1, 3], x[8, 7] = float("nan"), float("inf"), float("-inf")
+    y, ref = kernels.linear_bf16(x, _packed(w)), F.linear(x.float(), w.float())
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y.isinf(), ref.isinf())
+    with pytest.raises(RuntimeError, match="packed"):
+        kernels.linear_bf16(x, torch.zeros(2, 64, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="packed"):
+        kernels.linear_bf16(x, torch.zeros(2, 32, 16, dtype=torch.bfloat16))
+
+
+def test_linear_op_packs_weights_and_reads_them():
+    """The widening op family packs a layer's weight after loading (pack_weight) and reads it packed in
+    every call: rows of any count, a bias, x of more dimensions, float logits."""
+    ops = dispatch._widening_bf16_linear(kernels)
+    assert ops.pack_weight is not None
+    if cpu_gemv() is None:
+        assert dispatch.select_ops(torch.device("cpu"), torch.bfloat16).pack_weight is not None
+    gen = torch.Generator().manual_seed(1)
+    w, bias = (torch.randn(960, 576, generator=gen) * 0.05).bfloat16(), torch.randn(960, generator=gen).bfloat16()
+    packed = ops.pack_weight(w)
+    assert packed is not None and packed.shape == (60, 576, 16)
+    assert ops.pack_weight(w[:7].contiguous()) is None
+    for rows in (1, 7, 600):
+        x = torch.randn(rows, 576, generator=gen).bfloat16()
+        y = kernels.linear_bf16(x, packed)
+        assert torch.equal(ops.linear(x, packed), y)
+        assert torch.equal(ops.linear(x, packed, bias), y + bias)
+        assert torch.equal(ops.linear(x.view(1, rows, 576), packed), y.view(1, rows, 960))
+        assert torch.equal(ops.linear_to_float(x, packed), kernels.linear_bf16(x, w, float_out=True)
+                           if rows >= 48 else kernels.linear_bf16(x, packed, float_out=True))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 3, 5, 15, 16])
+def test_decode_layers_on_packed_weights_match_the_kernel_by_kernel_loop(rows, threads):
+    """The same for packed projections, on the packed per-thread share."""
+    case = decode_layers_case(rows, torch.bfloat16, heads=6, kv_heads=2, head_dim=64, hidden=320, inter=416,
+                              layers=3, seed=rows)
+    weights = [_packed(w) if i % 6 not in (0, 3) else w for i, w in enumerate(case.weights)]
+    address = kernels.matmul_address("linear_bf16")
+    per_kernel_caches = [c.clone() for c in case.caches]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        per_kernel = kernels.DecodeLayers(weights, per_kernel_caches, case.heads, 1e-5, case.scale, address)(
+            case.x.clone(), *case.step_args())
+        in_regions = kernels.DecodeLayers(weights, case.caches, case.heads, 1e-5, case.scale, address,
+                                          kernels.matmul_slice_address("linear_bf16_packed"))(
+            case.x.clone(), *case.step_args())
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(in_regions, per_kernel)
+    assert all(torch.equal(a, b) for a, b in zip(case.caches, per_kernel_caches))
+    mixed = list(weights)
+    mixed[2] = case.weights[2]
+    with pytest.raises(RuntimeError, match="all packed or none"):
+        kernels.DecodeLayers(mixed, case.caches, case.heads, 1e-5, case.scale, address)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("rows", [1, 3, 5, 15, 16])
 def test_decode_layers_in_one_region_per_layer_match_the_kernel_by_kernel_loop(rows, threads):

@@ -84,14 +84,16 @@ class DecodePlan:
         # address, the model-dtype cache): built on the first step, once the KV caches exist.
         self.matmul_address = kernels.matmul.address
         self.slice_address = kernels.matmul.slice_address or 0
+        self.packed_slice_address = kernels.matmul.packed_slice_address or 0
         self.native_class = kernels.layer_loop if self._native_eligible(model, kernels.matmul, step) else None
         self._native: tuple[list[KVCache], Callable] | None = None
 
     def _native_eligible(self, model: torch.nn.Module, matmul: PlanMatmul, step: DecodeStepKernels) -> bool:
+        projections = [p for layer in self.layers for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                            layer.down_proj)]
         return (matmul.address is not None and not model.cfg.qk_norm and not step.kv_int8
-                and all(isinstance(p, BoundMatmul) and p.matmul is matmul.kernel
-                        for layer in self.layers
-                        for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)))
+                and all(isinstance(p, BoundMatmul) and p.matmul is matmul.kernel for p in projections)
+                and len({p.weight.dim() for p in projections}) <= 1)   # all packed, or none
 
     def native_layers(self, kv_caches: list[KVCache]) -> Callable | None:
         """The C++ layer loop for these caches, or None where the Python loop runs."""
@@ -102,8 +104,10 @@ class DecodePlan:
                 layer.input_norm, layer.qkv_proj.weight, layer.o_proj.weight, layer.post_attention_norm,
                 layer.gate_up_proj.weight, layer.down_proj.weight)]
             caches = [t for cache in kv_caches for t in cache]
+            packed = weights[1].dim() == 3   # every projection, then (_native_eligible)
             self._native = (kv_caches, self.native_class(weights, caches, self.heads, self.eps, self.scale,
-                                                         self.matmul_address, self.slice_address))
+                                                         self.matmul_address,
+                                                         self.packed_slice_address if packed else self.slice_address))
         return self._native[1]
 
     @classmethod

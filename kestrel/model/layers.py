@@ -56,6 +56,28 @@ class Linear(nn.Linear):
     __call__ = forward
 
 
+def pack_linear_weights_(model: nn.Module) -> int:
+    """Each Linear's weight, and an untied output head's, repacked in place into the layout the linear
+    op reads fastest (the model's `ops.pack_weight`; vLLM's process_weights_after_loading), once, after
+    loading and quantization.
+    The Parameter objects stay; only their data changes. Returns the number of weights packed (0 where
+    the op family keeps [N, K])."""
+    pack = getattr(getattr(model, "ops", None), "pack_weight", None)
+    if pack is None:
+        return 0
+    weights = [module.weight for module in model.modules() if type(module) is Linear]
+    # An output head of its own is read by the linear op alone; a tied one is the embedding's table.
+    head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    if head is not None and head is not embed:
+        weights.append(head.weight)
+    packed = 0
+    for weight in weights:
+        if (layout := pack(weight)) is not None:
+            weight.data = layout
+            packed += 1
+    return packed
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the attention scaling factor for the rope types we support."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))

@@ -955,7 +955,9 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w) {
 // widening is paid once per block of rows; from 48, the same with transposed panels of 16 columns
 // under an outer-product tile (bf16_panels). Every output is summed in an order fixed by M's class
 // (1..4, 5..47, or more) and K alone: not by its row's place in the batch, nor by how the columns are
-// split between threads, so linear_bf16_slice's shares make the same y as the whole.
+// split between threads, so linear_bf16_slice's shares make the same y as the whole. A model's layers
+// pass their weights packed instead (see "packed bf16 weights" below); [N, K] is what the tied output
+// head (the embedding's table) and odd shapes keep.
 
 namespace {
 
@@ -976,15 +978,37 @@ inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = bf16_bits_to_float(src[i]);
 }
 
-// Where linear_bf16 puts y[m, n]: rounded to bf16, or that value in float32.
+// A scratch buffer of at least n floats that only ever grows: resizing a std::vector back up after a
+// smaller call zero-fills the difference, and the calls alternate between sizes (a layer's K is the
+// hidden size or the MLP's, prefill chunks vary).
+inline float* scratch(std::vector<float>& buffer, int64_t n) {
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
+}
+
+// Where linear_bf16 puts y[m, n]: rounded to bf16, or that value in float32. Rounded as c10::BFloat16
+// rounds: to nearest even, every NaN to the one quiet NaN 0x7FC0.
 struct Bf16Out {
   void* y;
   int64_t N;
   bool float_out;
   void operator()(int64_t m, int64_t n, float v) const {
-    const c10::BFloat16 r(v);  // to nearest even; NaN stays NaN
+    const c10::BFloat16 r(v);
     if (float_out) static_cast<float*>(y)[m * N + n] = static_cast<float>(r);
     else static_cast<c10::BFloat16*>(y)[m * N + n] = r;
+  }
+  // y[m, n0 + c] for c < cols from v[c], a vector at a time: at prefill sizes the outputs are as many
+  // as a few percent of the FMAs, too many to round one by one.
+  void row(int64_t m, int64_t n0, const float* v, int64_t cols) const {
+    const VecF nan = splat(std::numeric_limits<float>::quiet_NaN());  // 0x7FC00000, c10's NaN widened
+    int64_t c = 0;
+    for (; c + kLanes <= cols; c += kLanes) {
+      const VecF x = load_f32(v + c);
+      const VecF r = select(is_nan(x), nan, x);
+      if (float_out) store(static_cast<float*>(y) + m * N + n0 + c, bf16_round_trip(r));
+      else store_bf16(static_cast<uint16_t*>(y) + m * N + n0 + c, r);
+    }
+    for (; c < cols; ++c) (*this)(m, n0 + c, v[c]);
   }
 };
 
@@ -1010,19 +1034,17 @@ void bf16_panel_rows(const float* x, int64_t xK, int64_t M, const float* panel, 
 
 // For each block of up to kBf16RowBlock rows of x: pass(m0, mb, acc, panel) sums the block's rows
 // against the columns [n0, n1) into acc [mb, n1 - n0] (float32), with `panel` (panel_floats) to widen
-// weights into; then out() takes each sum.
+// weights into; then out.row() takes each row of sums.
 template <typename Pass, typename Out>
 void by_row_blocks(int64_t M, int64_t n0, int64_t n1, int64_t panel_floats, const Pass& pass, const Out& out) {
   const int64_t cols = n1 - n0;
   thread_local std::vector<float> panel_buffer, acc_buffer;  // kept and grown across calls
-  panel_buffer.resize(panel_floats);
+  float* panel = scratch(panel_buffer, panel_floats);
+  float* acc = scratch(acc_buffer, std::min(kBf16RowBlock, M) * cols);
   for (int64_t m0 = 0; m0 < M; m0 += kBf16RowBlock) {
     const int64_t mb = std::min(kBf16RowBlock, M - m0);
-    acc_buffer.resize(mb * cols);
-    float* acc = acc_buffer.data();
-    pass(m0, mb, acc, panel_buffer.data());
-    for (int64_t m = 0; m < mb; ++m)
-      for (int64_t c = 0; c < cols; ++c) out(m0 + m, n0 + c, acc[m * cols + c]);
+    pass(m0, mb, acc, panel);
+    for (int64_t m = 0; m < mb; ++m) out.row(m0 + m, n0, acc + m * cols, cols);
   }
 }
 
@@ -1121,9 +1143,10 @@ void panel_tile_rows(int64_t rows, const float* x, int64_t xK, const float* pane
   }
 }
 
-// out(m, n, y[m, n]) for all M rows of x (widened, [M, K]) and the columns [n0, n1), from kPanelMinRows rows.
-template <typename Out>
-void bf16_panels(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
+// out(m, n, y[m, n]) for all M rows of x (widened, [M, K]) and the columns [n0, n1) (n0 a multiple of
+// kPanelCols), from kPanelMinRows rows; widen(n, cols, k0, len, panel) fills a panel.
+template <typename Widen, typename Out>
+void bf16_panels(const float* x, const Widen& widen, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
   const int64_t piece = panel_k_piece(K), cols = n1 - n0;
   by_row_blocks(M, n0, n1, kPanelCols * piece, [&](int64_t m0, int64_t mb, float* acc, float* panel) {
     // Pieces outside: a piece of the block of x (128 KB at most) stays in L2 across the panels.
@@ -1131,7 +1154,7 @@ void bf16_panels(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_
       const int64_t len = std::min(K, k0 + piece) - k0;
       for (int64_t n = n0; n < n1; n += kPanelCols) {
         const int nc = static_cast<int>(std::min<int64_t>(kPanelCols, n1 - n));
-        widen_transposed(w, K, n, nc, k0, len, panel);
+        widen(n, nc, k0, len, panel);
         for (int64_t m = 0; m < mb; m += kPanelRows)
           panel_tile_rows(std::min<int64_t>(kPanelRows, mb - m), x + (m0 + m) * K + k0, K, panel, len,
                           acc + m * cols + (n - n0), cols, nc, k0 > 0);
@@ -1146,28 +1169,157 @@ void linear_bf16_columns(const float* x, const uint16_t* w, int64_t M, int64_t K
                          const Out& out) {
   if (M <= kMaxStreamRows) gemv_rows_of(M, x, w, K, n0, n1, out);
   else if (M < kPanelMinRows) bf16_tiles(x, w, M, K, n0, n1, out);
-  else bf16_panels(x, w, M, K, n0, n1, out);
+  else bf16_panels(x, [&](int64_t n, int cols, int64_t k0, int64_t len, float* panel) {
+    widen_transposed(w, K, n, cols, k0, len, panel);
+  }, M, K, n0, n1, out);
+}
+
+// ---- packed bf16 weights ----
+//
+// A weight packed once at load (kestrel/ops/dispatch.py: pack_bf16_weight) as [N / kPanelCols, K,
+// kPanelCols]: panel p holds columns [16p, 16p + 16) with each k a row of 16 values, the layout an
+// outer-product tile reads. A panel is one contiguous stream that the tile widens in registers as it
+// reads it: no transpose per call (which cost ~0.9 ms a layer of the default model at 8 rows on 2 Zen 3
+// cores, more than the FMAs themselves) and no widened copy, so the one tile serves every row count.
+// Every output is one sum down k per piece of K (panel_k_piece), the pieces added in order, whatever M
+// is: a row of y does not depend on the batch at all (and from kPanelMinRows rows it is the sum that
+// bf16_panels makes on [N, K]).
+
+// The packed panel of columns [n, n + kPanelCols), rows [k0, k0 + len).
+inline const uint16_t* packed_panel(const uint16_t* wp, int64_t K, int64_t n, int64_t k0) {
+  return wp + (n / kPanelCols) * K * kPanelCols + k0 * kPanelCols;
+}
+
+// Panels widened in registers as they are read, for up to kPanelRows rows of x: P panels side by
+// side, so that one row still has 2 x kPanelVecs x P independent sums (the FMA latency hidden).
+template <int MR>
+constexpr int kStreamPanels = std::max(1, 8 / (MR * kPanelVecs));
+
+// out(m, n, y[m, n]) for MR rows of x (widened, [MR, K]) and the panels of [n0, n0 + P x kPanelCols).
+template <int MR, int P, typename Out>
+void packed_stream_panels(const float* x, const uint16_t* wp, int64_t K, int64_t n0, const Out& out) {
+  constexpr int V = P * kPanelVecs;
+  const int64_t piece = panel_k_piece(K);
+  VecF total[MR][V];
+  for (int64_t k0 = 0; k0 < K; k0 += piece) {
+    const int64_t len = std::min(K, k0 + piece) - k0;
+    VecF c[MR][V];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < V; ++v) c[m][v] = zero();
+    const uint16_t* panel[P];
+    for (int p = 0; p < P; ++p) panel[p] = packed_panel(wp, K, n0 + p * kPanelCols, k0);
+    for (int64_t k = 0; k < len; ++k) {
+      VecF b[V];
+      for (int p = 0; p < P; ++p)
+        for (int v = 0; v < kPanelVecs; ++v) b[p * kPanelVecs + v] = load_bf16(panel[p] + k * kPanelCols + v * kLanes);
+      for (int m = 0; m < MR; ++m) {
+        const VecF a = splat(x[m * K + k0 + k]);
+        for (int v = 0; v < V; ++v) c[m][v] = fma(a, b[v], c[m][v]);
+      }
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < V; ++v) total[m][v] = k0 == 0 ? c[m][v] : add(total[m][v], c[m][v]);
+  }
+  alignas(64) float row[V * kLanes];
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < V; ++v) store(row + v * kLanes, total[m][v]);
+    out.row(m, n0, row, V * kLanes);
+  }
+}
+
+// The columns [n0, n1) (multiples of kPanelCols) for MR rows.
+template <int MR, typename Out>
+void packed_stream(const float* x, const uint16_t* wp, int64_t K, int64_t n0, int64_t n1, const Out& out) {
+  constexpr int64_t span = kStreamPanels<MR> * kPanelCols;
+  int64_t n = n0;
+  for (; n + span <= n1; n += span) packed_stream_panels<MR, kStreamPanels<MR>>(x, wp, K, n, out);
+  for (; n < n1; n += kPanelCols) packed_stream_panels<MR, 1>(x, wp, K, n, out);
+}
+
+// Rows shifted by m0: out.row(m0 + m, ...).
+template <typename Out>
+struct RowsFrom {
+  const Out& out;
+  int64_t m0;
+  void row(int64_t m, int64_t n0, const float* v, int64_t cols) const { out.row(m0 + m, n0, v, cols); }
+};
+
+// A group of panels at a time (as many as one row streams side by side: 64 columns on AVX2), and under
+// it the rows kPanelRows at a time, so that the group comes from memory once and from L2 after. Each
+// row group converts the panels in registers as it reads them; against widening each panel piece into
+// L1 once for all the rows (bf16_panels), this measured 1.03-1.5x faster at every row count from 16 to
+// 1024 (2 Zen 3 cores, a layer's four products of the default model).
+template <typename Out>
+void packed_row_groups(const float* x, const uint16_t* wp, int64_t M, int64_t K, int64_t n0, int64_t n1,
+                       const Out& out) {
+  constexpr int64_t group = kStreamPanels<1> * kPanelCols;
+  for (int64_t n = n0; n < n1; n += group) {
+    const int64_t n_end = std::min(n1, n + group);
+    for (int64_t m = 0; m < M; m += kPanelRows) {
+      const RowsFrom<Out> rows_out{out, m};
+      const float* xm = x + m * K;
+      const auto rows = [&](auto MRc) { packed_stream<decltype(MRc)::value>(xm, wp, K, n, n_end, rows_out); };
+      switch (std::min<int64_t>(kPanelRows, M - m)) {
+        case 1: rows(std::integral_constant<int, 1>{}); break;
+        case 2: rows(std::integral_constant<int, 2>{}); break;
+        case 3: rows(std::integral_constant<int, 3>{}); break;
+        case 4: rows(std::integral_constant<int, 4>{}); break;
+        case 5: rows(std::integral_constant<int, 5>{}); break;
+#if defined(KESTREL_VEC_AVX512)
+        case 6: rows(std::integral_constant<int, 6>{}); break;
+        case 7: rows(std::integral_constant<int, 7>{}); break;
+        case 8: rows(std::integral_constant<int, 8>{}); break;
+        case 9: rows(std::integral_constant<int, 9>{}); break;
+        case 10: rows(std::integral_constant<int, 10>{}); break;
+        case 11: rows(std::integral_constant<int, 11>{}); break;
+#endif
+        default: rows(std::integral_constant<int, kPanelRows>{}); break;
+      }
+    }
+  }
+}
+
+// y's columns [n0, n1) (multiples of kPanelCols) for the widened x [M, K] and the packed w.
+template <typename Out>
+void linear_bf16_packed_columns(const float* x, const uint16_t* wp, int64_t M, int64_t K, int64_t n0, int64_t n1,
+                                const Out& out) {
+  packed_row_groups(x, wp, M, K, n0, n1, out);
+}
+
+// x [M, K] bf16 widened into this thread's buffer, kept and grown across calls (no allocation nor
+// zeroing per call); large ones by all the threads.
+const float* widened_x(const torch::Tensor& x) {
+  thread_local std::vector<float> x_buffer;
+  const int64_t n = x.numel();
+  float* xf = scratch(x_buffer, n);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  // The workers take the pointer: a thread_local named inside the lambda would be each worker's own.
+  at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) { widen_bf16(xp + begin, xf + begin, end - begin); });
+  return xf;
 }
 
 }  // namespace
 
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, bool float_out) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_bf16: x [M, K], w [N, K]");
+  const bool packed = w.dim() == 3;
+  TORCH_CHECK(x.dim() == 2 && (w.dim() == 2 || (packed && w.size(2) == kPanelCols)) && x.size(1) == w.size(1),
+              "linear_bf16: x [M, K], w [N, K] or packed [N / ", kPanelCols, ", K, ", kPanelCols, "]");
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "linear_bf16: bf16 only");
   TORCH_CHECK(x.size(1) % kLanes == 0, "linear_bf16: K must be a multiple of ", kLanes);
   x = x.contiguous();
   w = w.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = packed ? w.size(0) * kPanelCols : w.size(0);
   auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat32 : torch::kBFloat16));
   if (M == 0 || N == 0) return y;
-  // Kept and grown: no allocation (nor zeroing) per call. The workers take the pointer: a thread_local
-  // named inside the lambda would be each worker's own.
-  thread_local std::vector<float> x_buffer;
-  x_buffer.resize(M * K);
-  float* xf = x_buffer.data();
-  widen_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), xf, M * K);
+  const float* xf = widened_x(x);
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<c10::BFloat16>());
   const Bf16Out out{y.data_ptr(), N, float_out};
+  if (packed) {  // whole panels to each thread
+    at::parallel_for(0, N / kPanelCols, 1, [&](int64_t begin, int64_t end) {
+      linear_bf16_packed_columns(xf, wp, M, K, begin * kPanelCols, end * kPanelCols, out);
+    });
+    return y;
+  }
   // Whole tiles or panels of columns to each thread; a stream of rows is split finer (16 rows).
   const int64_t unit = M <= kMaxStreamRows ? 1 : M < kPanelMinRows ? kBf16Tile : kPanelCols;
   const int64_t grain = M <= kMaxStreamRows ? 16 : M < kPanelMinRows ? 8 : 2;
@@ -1178,13 +1330,21 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, bool float_out) {
 }
 
 // One thread's share of linear_bf16 for 1..15 rows (kestrel_matmul::MatmulSliceFn): the columns
-// [n_begin, n_end) of y, x widened by the thread itself.
+// [n_begin, n_end) of y, x widened by the thread itself; w [N, K], or packed for the _packed one.
 void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t M, int64_t N, int64_t K,
                        int64_t n_begin, int64_t n_end) {
-  thread_local std::vector<float> xf;
-  xf.resize(M * K);
-  widen_bf16(x, xf.data(), M * K);
-  linear_bf16_columns(xf.data(), w, M, K, n_begin, n_end, Bf16Out{y, N, false});
+  thread_local std::vector<float> x_buffer;
+  float* xf = scratch(x_buffer, M * K);
+  widen_bf16(x, xf, M * K);
+  linear_bf16_columns(xf, w, M, K, n_begin, n_end, Bf16Out{y, N, false});
+}
+
+void linear_bf16_packed_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t M, int64_t N, int64_t K,
+                              int64_t n_begin, int64_t n_end) {
+  thread_local std::vector<float> x_buffer;
+  float* xf = scratch(x_buffer, M * K);
+  widen_bf16(x, xf, M * K);
+  linear_bf16_packed_columns(xf, w, M, K, n_begin, n_end, Bf16Out{y, N, false});
 }
 
 // ---- int8 linear layers (--quantization int8) without AMX ----
@@ -1582,6 +1742,9 @@ using kestrel_matmul::MatmulSliceFn;
 torch::Tensor linear_f32_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_f32(x, w); }
 torch::Tensor linear_bf16_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_bf16(x, w, false); }
 
+// A projection's output features: w [N, K], or a packed bf16 weight [N / 16, K, 16].
+inline int64_t out_features(const torch::Tensor& w) { return w.dim() == 3 ? w.size(0) * w.size(2) : w.size(0); }
+
 // The first error of a region's threads.
 struct RegionError {
   std::atomic<bool> raised{false};
@@ -1606,8 +1769,9 @@ class Team {
   // y = x w^T by the slice matmul.
   void matmul(MatmulSliceFn slice, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& y) {
     guarded([&] {
-      const auto [begin, end] = share(w.size(0));
-      if (begin < end) slice(bits(x), bits(w), bits(y), x.size(0), w.size(0), w.size(1), begin, end);
+      const int64_t N = out_features(w);
+      const auto [begin, end] = share(N);
+      if (begin < end) slice(bits(x), bits(w), bits(y), x.size(0), N, w.size(1), begin, end);
     });
 #pragma omp barrier
   }
@@ -1669,7 +1833,8 @@ class DecodeLayers {
  public:
   // weights: 6 per layer (input norm, qkv, o, post-attention norm, gate_up, down), one dtype; caches:
   // k, v per layer, each [num_slots, kv_heads, head_dim]; matmul_address: a MatmulFn for this dtype;
-  // slice_address: its MatmulSliceFn for 1..15 rows (bf16 only), or 0.
+  // slice_address: its MatmulSliceFn for 1..15 rows (bf16 only; for packed weights, the packed one), or 0.
+  // The projections are all [N, K] or all packed [N / 16, K, 16] (bf16).
   DecodeLayers(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches, int64_t heads,
                double eps, double scale, int64_t matmul_address, int64_t slice_address)
       : weights_(std::move(weights)), caches_(std::move(caches)), heads_(heads), eps_(eps), scale_(scale),
@@ -1682,6 +1847,9 @@ class DecodeLayers {
                   "DecodeLayers: contiguous weights of one dtype");
     TORCH_CHECK(slice_ == nullptr || weights_.empty() || weights_[0].scalar_type() == torch::kBFloat16,
                 "DecodeLayers: a slice matmul takes bf16 weights");
+    for (size_t i = 0; i < weights_.size(); ++i)
+      TORCH_CHECK(i % 6 == 0 || i % 6 == 3 || weights_[i].dim() == weights_[1].dim(),
+                  "DecodeLayers: the projections are all packed or none is");
   }
 
   // x [n, hidden]: the embedded tokens. Returns the hidden states before the final norm.
@@ -1722,10 +1890,10 @@ class DecodeLayers {
                 x.size(1) == weights_[1].size(1), "DecodeLayers: x must be contiguous bf16 [n, hidden]");
     const auto w = [&](int64_t l, int i) -> const torch::Tensor& { return weights_[6 * l + i]; };
     torch::Tensor residual = x, h, act;
-    torch::Tensor qkv = torch::empty({n, w(0, 1).size(0)}, x.options());
-    torch::Tensor o = torch::empty({n, w(0, 2).size(0)}, x.options());
-    torch::Tensor gate_up = torch::empty({n, w(0, 4).size(0)}, x.options());
-    torch::Tensor down = torch::empty({n, w(0, 5).size(0)}, x.options());
+    torch::Tensor qkv = torch::empty({n, out_features(w(0, 1))}, x.options());
+    torch::Tensor o = torch::empty({n, out_features(w(0, 2))}, x.options());
+    torch::Tensor gate_up = torch::empty({n, out_features(w(0, 4))}, x.options());
+    torch::Tensor down = torch::empty({n, out_features(w(0, 5))}, x.options());
     const auto qkv_heads = qkv.view({n, heads_ + 2 * kv_heads, head_dim});
     // The first layer's input norm, qkv projection and rotary write; each region below ends with the
     // next layer's.
@@ -1766,6 +1934,7 @@ class DecodeLayers {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("lanes") = kLanes;  // the vector width this build was compiled for (16: AVX-512, 8: AVX2)
+  m.attr("panel_columns") = kPanelCols;  // the columns of a packed bf16 weight's panel
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) for float32 [rows, n] (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (CPU)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
@@ -1789,7 +1958,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x w^T, bf16 x quantized per row to int8, w int8 with a float32 scale per row; y bf16 (CPU, "
         "AVX512-VNNI or AVX2)", py::arg("x"), py::arg("qweight"), py::arg("wscale"));
   m.def("linear_bf16", &linear_bf16,
-        "y = x w^T for bf16 x and w, any rows (CPU, without AVX512-BF16); float_out: y in float32, rounded as bf16",
+        "y = x w^T for bf16 x and w ([N, K], or packed [N / 16, K, 16]), any rows (CPU, without AVX512-BF16); "
+        "float_out: y in float32, rounded as bf16",
         py::arg("x"), py::arg("w"), py::arg("float_out") = false);
   m.def("matmul_address", [](const std::string& name) -> int64_t {
     if (name == "linear_bf16") return reinterpret_cast<int64_t>(&linear_bf16_matmul);
@@ -1797,6 +1967,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return reinterpret_cast<int64_t>(&linear_f32_matmul);
   }, "the address of a matmul as a MatmulFn, for DecodeLayers", py::arg("name"));
   m.def("matmul_slice_address", [](const std::string& name) -> int64_t {
+    if (name == "linear_bf16_packed") return reinterpret_cast<int64_t>(&linear_bf16_packed_slice);
     TORCH_CHECK(name == "linear_bf16", "matmul_slice_address: no slice of ", name);
     return reinterpret_cast<int64_t>(&linear_bf16_slice);
   }, "the address of one thread's share of a matmul (1..15 rows) as a MatmulSliceFn, for DecodeLayers",

@@ -17,6 +17,7 @@ from kestrel.distributed import init_distributed_environment
 from kestrel.distributed.thread_governor import ThreadGovernor, governor_for_worker
 from kestrel.messages import ModelRunnerOutput, SchedulerOutput
 from kestrel.model import build_model, local_attention_config, shard_of_this_rank
+from kestrel.model.layers import pack_linear_weights_
 from kestrel.model.loader import ModelSource, resolve_model, weight_reader
 from kestrel.model.quantization import quantize_model_
 from kestrel.ops.huge_pages import move_to_huge_pages
@@ -59,6 +60,7 @@ class Worker:
         self.model = build_model(config.model, self.device, self.attn_backend)
         self.model.load_weights(weight_reader(source))
         quantize_model_(self.model, config.model.quantization)
+        pack_linear_weights_(self.model)
         in_huge_pages = self._into_huge_pages(self.model)
         logger.info("loaded %s in %.1f s; attention backend: %s%s", source.name, time.perf_counter() - start,
                     self.attn_backend.describe(), "; weights in huge pages" if in_huge_pages else "")
@@ -97,6 +99,7 @@ class Worker:
         model = build_model(config.draft_model, self.device, attn)
         source = resolve_model(config.speculative.model)
         model.load_weights(weight_reader(source))
+        pack_linear_weights_(model)
         self._into_huge_pages(model)
         logger.info("loaded the draft model %s in %.1f s", source.name, time.perf_counter() - start)
         return DraftModelProposer(config, model, attn)
