@@ -198,6 +198,16 @@ def test_linear_op_packs_weights_and_reads_them():
                            if rows >= 48 else kernels.linear_bf16(x, packed, float_out=True))
 
 
+def test_a_packed_embedding_table_gives_the_same_rows():
+    """A tied output head is packed with the embedding table it is: token lookups read it packed."""
+    from kestrel.model.layers import embedding_rows
+    table = torch.randn(96, 48, generator=torch.Generator().manual_seed(2)).bfloat16()
+    ids = torch.tensor([0, 95, 17, 16, 15, 17, 40])
+    assert torch.equal(embedding_rows(_packed(table), ids), F.embedding(ids, table))
+    assert torch.equal(embedding_rows(table, ids), F.embedding(ids, table))
+    assert embedding_rows(_packed(table), ids[:0]).shape == (0, 48)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("rows", [1, 3, 5, 15, 16])
 def test_decode_layers_on_packed_weights_match_the_kernel_by_kernel_loop(rows, threads):

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from kestrel.attention import AttentionBackend, CommonAttentionMetadata, DecodeStepKernels, KVCache
-from kestrel.model.layers import Linear
+from kestrel.model.layers import Linear, embedding_rows
 from kestrel.ops.dispatch import PlanKernels, PlanMatmul
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
@@ -151,7 +151,7 @@ class DecodePlan:
         slots, block_size = batch.slot_mapping, batch.block_size
         table, seq_lens = batch.decode_block_table, batch.decode_seq_lens
         cos, sin = self.rotary.lookup(positions)
-        x = self.embed[input_ids]
+        x = embedding_rows(self.embed, input_ids)
         native = self.native_layers(kv_caches)
         if native is not None:
             return native(x, cos, sin, slots, table, seq_lens, block_size)

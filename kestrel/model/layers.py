@@ -57,8 +57,8 @@ class Linear(nn.Linear):
 
 
 def pack_linear_weights_(model: nn.Module) -> int:
-    """Each Linear's weight, and an untied output head's, repacked in place into the layout the linear
-    op reads fastest (the model's `ops.pack_weight`; vLLM's process_weights_after_loading), once, after
+    """Each Linear's weight, and the output head's, repacked in place into the layout the linear op
+    reads fastest (the model's `ops.pack_weight`; vLLM's process_weights_after_loading), once, after
     loading and quantization.
     The Parameter objects stay; only their data changes. Returns the number of weights packed (0 where
     the op family keeps [N, K])."""
@@ -66,9 +66,10 @@ def pack_linear_weights_(model: nn.Module) -> int:
     if pack is None:
         return 0
     weights = [module.weight for module in model.modules() if type(module) is Linear]
-    # An output head of its own is read by the linear op alone; a tied one is the embedding's table.
-    head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
-    if head is not None and head is not embed:
+    # The output head too, tied to the embedding or not: the model looks tokens up with embedding_rows,
+    # which reads either layout.
+    head = getattr(model, "lm_head", None)
+    if head is not None:
         weights.append(head.weight)
     packed = 0
     for weight in weights:
@@ -76,6 +77,14 @@ def pack_linear_weights_(model: nn.Module) -> int:
             weight.data = layout
             packed += 1
     return packed
+
+
+def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The rows of an embedding table [V, K] for `ids`, or of the same table packed as the output head it
+    is tied to ([V / 16, K, 16], pack_linear_weights_): row v is then column v % 16 of panel v // 16."""
+    if table.dim() == 3:
+        return table[ids // table.shape[2], :, ids % table.shape[2]]
+    return F.embedding(ids, table)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
