@@ -956,8 +956,8 @@ torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w) {
 // under an outer-product tile (bf16_panels). Every output is summed in an order fixed by M's class
 // (1..4, 5..47, or more) and K alone: not by its row's place in the batch, nor by how the columns are
 // split between threads, so linear_bf16_slice's shares make the same y as the whole. A model's layers
-// pass their weights packed instead (see "packed bf16 weights" below); [N, K] is what the tied output
-// head (the embedding's table) and odd shapes keep.
+// and output head pass their weights packed instead (see "packed bf16 weights" below); [N, K] is for
+// the shapes that do not pack (N not a multiple of 16).
 
 namespace {
 

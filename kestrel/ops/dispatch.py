@@ -298,9 +298,9 @@ def _avx512_bf16_linear(gemv) -> LinearOps:
 def _widening_bf16_linear(kernels) -> LinearOps:
     """bf16 products on cpu_kernels' linear_bf16 (the weights widened to float32 in the kernel), at
     every row count: torch's bf16 GEMM runs at ~17 GFLOP/s on AVX2 (Zen 3, 2026-12-03), the kernel at
-    ~55-125. A layer's weight is packed after loading into panels of 16 columns ([N / 16, K, 16], each
-    k a row of 16 values: the layer then runs 1.2-2x faster at decode sizes and ~1.1x at prefill
-    sizes than on [N, K]); the tied output head keeps [N, K], the embedding's layout."""
+    ~55-135. A layer's weight (and the output head) is packed after loading into panels of 16 columns
+    ([N / 16, K, 16], each k a row of 16 values: the layer then runs 1.2-2x faster at decode sizes and
+    ~1.1x at prefill sizes than on [N, K]); [N, K] weights (odd shapes) still take the kernel."""
     kernel, lanes, panel = kernels.linear_bf16, kernels.lanes, kernels.panel_columns
 
     def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
