@@ -225,8 +225,8 @@ class LinearOps:
     linear: Linear
     linear_to_float: LinearToFloat    # linear(x, weight).float(), in one pass where a kernel can
     plan_matmul: PlanMatmul | None    # what a decode plan binds; None: no decode plan for this model
-    # A layer's weight [N, K] repacked once after loading into the layout `linear` reads fastest, or
-    # None where it stays as it is (then so does every weight of this op family: None here).
+    # A layer's weight [N, K] repacked once after loading into the layout `linear` reads fastest (None
+    # for a weight that does not pack); the field is None where this op family reads [N, K] as loaded.
     pack_weight: PackWeight | None = None
 
 

@@ -60,10 +60,11 @@ class Worker:
         self.model = build_model(config.model, self.device, self.attn_backend)
         self.model.load_weights(weight_reader(source))
         quantize_model_(self.model, config.model.quantization)
-        pack_linear_weights_(self.model)
+        packed = pack_linear_weights_(self.model)
         in_huge_pages = self._into_huge_pages(self.model)
-        logger.info("loaded %s in %.1f s; attention backend: %s%s", source.name, time.perf_counter() - start,
-                    self.attn_backend.describe(), "; weights in huge pages" if in_huge_pages else "")
+        logger.info("loaded %s in %.1f s; attention backend: %s%s%s", source.name, time.perf_counter() - start,
+                    self.attn_backend.describe(), f"; {packed} weights packed" if packed else "",
+                    "; weights in huge pages" if in_huge_pages else "")
         self.runner = ModelRunner(config, self.model, self.attn_backend, self._load_draft_model())
         self.memory_profile: MemoryProfile | None = None
         self.profiler: torch.profiler.profile | None = None  # between /start_profile and /stop_profile
