@@ -1330,21 +1330,16 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, bool float_out) {
 }
 
 // One thread's share of linear_bf16 for 1..15 rows (kestrel_matmul::MatmulSliceFn): the columns
-// [n_begin, n_end) of y, x widened by the thread itself; w [N, K], or packed for the _packed one.
+// [n_begin, n_end) of y, x widened by the thread itself; w [N, K], or packed where Packed.
+template <bool Packed>
 void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t M, int64_t N, int64_t K,
                        int64_t n_begin, int64_t n_end) {
   thread_local std::vector<float> x_buffer;
   float* xf = scratch(x_buffer, M * K);
   widen_bf16(x, xf, M * K);
-  linear_bf16_columns(xf, w, M, K, n_begin, n_end, Bf16Out{y, N, false});
-}
-
-void linear_bf16_packed_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t M, int64_t N, int64_t K,
-                              int64_t n_begin, int64_t n_end) {
-  thread_local std::vector<float> x_buffer;
-  float* xf = scratch(x_buffer, M * K);
-  widen_bf16(x, xf, M * K);
-  linear_bf16_packed_columns(xf, w, M, K, n_begin, n_end, Bf16Out{y, N, false});
+  const Bf16Out out{y, N, false};
+  if constexpr (Packed) linear_bf16_packed_columns(xf, w, M, K, n_begin, n_end, out);
+  else linear_bf16_columns(xf, w, M, K, n_begin, n_end, out);
 }
 
 // ---- int8 linear layers (--quantization int8) without AMX ----
@@ -1967,9 +1962,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return reinterpret_cast<int64_t>(&linear_f32_matmul);
   }, "the address of a matmul as a MatmulFn, for DecodeLayers", py::arg("name"));
   m.def("matmul_slice_address", [](const std::string& name) -> int64_t {
-    if (name == "linear_bf16_packed") return reinterpret_cast<int64_t>(&linear_bf16_packed_slice);
+    if (name == "linear_bf16_packed") return reinterpret_cast<int64_t>(&linear_bf16_slice<true>);
     TORCH_CHECK(name == "linear_bf16", "matmul_slice_address: no slice of ", name);
-    return reinterpret_cast<int64_t>(&linear_bf16_slice);
+    return reinterpret_cast<int64_t>(&linear_bf16_slice<false>);
   }, "the address of one thread's share of a matmul (1..15 rows) as a MatmulSliceFn, for DecodeLayers",
         py::arg("name"));
   py::class_<DecodeLayers>(m, "DecodeLayers")
