@@ -1143,10 +1143,9 @@ void panel_tile_rows(int64_t rows, const float* x, int64_t xK, const float* pane
   }
 }
 
-// out(m, n, y[m, n]) for all M rows of x (widened, [M, K]) and the columns [n0, n1) (n0 a multiple of
-// kPanelCols), from kPanelMinRows rows; widen(n, cols, k0, len, panel) fills a panel.
-template <typename Widen, typename Out>
-void bf16_panels(const float* x, const Widen& widen, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
+// out(m, n, y[m, n]) for all M rows of x (widened, [M, K]) and the columns [n0, n1), from kPanelMinRows rows.
+template <typename Out>
+void bf16_panels(const float* x, const uint16_t* w, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
   const int64_t piece = panel_k_piece(K), cols = n1 - n0;
   by_row_blocks(M, n0, n1, kPanelCols * piece, [&](int64_t m0, int64_t mb, float* acc, float* panel) {
     // Pieces outside: a piece of the block of x (128 KB at most) stays in L2 across the panels.
@@ -1154,7 +1153,7 @@ void bf16_panels(const float* x, const Widen& widen, int64_t M, int64_t K, int64
       const int64_t len = std::min(K, k0 + piece) - k0;
       for (int64_t n = n0; n < n1; n += kPanelCols) {
         const int nc = static_cast<int>(std::min<int64_t>(kPanelCols, n1 - n));
-        widen(n, nc, k0, len, panel);
+        widen_transposed(w, K, n, nc, k0, len, panel);
         for (int64_t m = 0; m < mb; m += kPanelRows)
           panel_tile_rows(std::min<int64_t>(kPanelRows, mb - m), x + (m0 + m) * K + k0, K, panel, len,
                           acc + m * cols + (n - n0), cols, nc, k0 > 0);
@@ -1169,9 +1168,7 @@ void linear_bf16_columns(const float* x, const uint16_t* w, int64_t M, int64_t K
                          const Out& out) {
   if (M <= kMaxStreamRows) gemv_rows_of(M, x, w, K, n0, n1, out);
   else if (M < kPanelMinRows) bf16_tiles(x, w, M, K, n0, n1, out);
-  else bf16_panels(x, [&](int64_t n, int cols, int64_t k0, int64_t len, float* panel) {
-    widen_transposed(w, K, n, cols, k0, len, panel);
-  }, M, K, n0, n1, out);
+  else bf16_panels(x, w, M, K, n0, n1, out);
 }
 
 // ---- packed bf16 weights ----
