@@ -22,7 +22,7 @@ from kestrel.attention import (
 from kestrel.attention.torch_sdpa import DECODE_GROUP_SLOTS, decode_attention
 from kestrel.config import DeviceConfig, EngineArgs
 from kestrel.engine.arg_utils import create_engine_config
-from kestrel.ops import _cpu_flags, cpu_kernels
+from kestrel.ops import _cpu_flags, cpu_kernels, prefill_attention_preferred
 from kestrel.ops.dispatch import rotary_reference
 
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="needs the compiled CPU kernels")
@@ -61,18 +61,22 @@ def test_auto_picks_the_cpu_kernels_on_this_cpu(tiny, dtype, kv_cache_dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("disable_amx", ["0", "1"])
-def test_bf16_prefill_takes_amx_where_usable_else_the_dot_products(tiny, monkeypatch, disable_amx):
+def test_prefill_takes_amx_where_usable_else_the_dot_products_else_the_portable_kernel(tiny, monkeypatch,
+                                                                                       disable_amx):
     monkeypatch.setenv("KESTREL_DISABLE_AMX", disable_amx)
     flags = _cpu_flags()
     backend = select_attention_backend(_config(tiny, dtype="bfloat16"))
-    if "avx512_bf16" not in flags:  # the kernel is not built: chunks take SDPA
-        assert backend.prefill_kernel is None and "SDPA prefill" in backend.describe()
+    f32 = select_attention_backend(_config(tiny, dtype="float32"))
+    # Where cpu_prefill's kernels do not serve: cpu_kernels' prefill_attention on the AVX2 build, else SDPA.
+    portable = cpu_kernels().prefill_attention if prefill_attention_preferred() else None
+    assert f32.prefill_kernel is portable
+    if "avx512_bf16" not in flags:  # cpu_prefill is not built
+        assert backend.prefill_kernel is portable
+        assert ("prefill_attention kernel" if portable else "SDPA prefill") in backend.describe()
         return
     want = "amx" if {"amx_bf16", "amx_tile"} <= flags and disable_amx == "0" else "avx512"
     assert backend.prefill_kernel.__name__ == f"prefill_attention_{want}"
     assert f"prefill_attention_{want} kernel" in backend.describe()
-    # float32 models keep SDPA
-    assert select_attention_backend(_config(tiny, dtype="float32")).prefill_kernel is None
 
 
 def test_torch_forces_the_reference(tiny):

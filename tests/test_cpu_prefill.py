@@ -1,6 +1,7 @@
-"""The prefill-attention kernel (kestrel/ops/cpu_prefill.cpp), on AMX tiles where the CPU has them
-and by AVX512-BF16 dot products on every AVX512-BF16 CPU, against exact attention and SDPA, and its
-wiring in the CPU kernels attention backend (fresh prompts, chunks over a cached context)."""
+"""The prefill-attention kernels against exact attention and SDPA, and their wiring in the CPU kernels
+attention backend (fresh prompts, chunks over a cached context): cpu_prefill.cpp's on AMX tiles where
+the CPU has them and by AVX512-BF16 dot products on every AVX512-BF16 CPU, and cpu_kernels.cpp's
+portable one (float32 or bf16, on whichever build of the kernels runs here)."""
 
 from __future__ import annotations
 
@@ -18,16 +19,24 @@ from kestrel.ops.dispatch import select_rotary
 _has_bf16 = {"avx512_bf16", "avx512f"} <= _cpu_flags()
 _has_amx = {"amx_bf16", "amx_tile"} <= _cpu_flags()
 kernels = cpu_prefill()
-pytestmark = pytest.mark.skipif(not _has_bf16, reason="this CPU has no AVX512-BF16")
-# Both paths where the CPU has AMX (the AVX512-BF16 one runs on every such CPU), else the one.
-PATHS = ["amx", "avx512"] if _has_amx else ["avx512"]
+needs_bf16 = pytest.mark.skipif(not _has_bf16, reason="this CPU has no AVX512-BF16")
+# cpu_prefill's paths where the CPU has them (the AVX512-BF16 one runs on every AMX CPU), and the
+# portable kernel wherever the CPU kernels build.
+PATHS = ([pytest.param("amx", marks=pytest.mark.skipif(not _has_amx, reason="this CPU has no AMX"))]
+         + [pytest.param("avx512", marks=needs_bf16)]
+         + [pytest.param("portable", marks=pytest.mark.skipif(cpu_kernels() is None, reason="no CPU kernels build"))])
+
+
+def _kernel(path: str):
+    return cpu_kernels().prefill_attention if path == "portable" else getattr(kernels, f"prefill_attention_{path}")
 
 
 @pytest.fixture(params=PATHS)
 def prefill_attention(request):
-    return getattr(kernels, f"prefill_attention_{request.param}")
+    return _kernel(request.param)
 
 
+@needs_bf16
 def test_kernel_builds_and_runs_on_this_cpu():
     assert kernels is not None and kernels.amx_usable() == _has_amx
     assert not hasattr(kernels, "prefill_attention_amx") or _has_amx
@@ -70,14 +79,49 @@ def test_matches_exact_attention_as_closely_as_sdpa(prefill_attention, lq, lk, h
     assert err <= 2 * sdpa_err + 2 ** -8, (err, sdpa_err)
 
 
+@pytest.mark.parametrize("lq,lk", [(1, 1), (17, 17), (100, 100), (300, 300), (5, 1000), (40, 300), (600, 600)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 48)])
+def test_the_portable_kernel_in_float32_matches_exact_attention_as_closely_as_sdpa(lq, lk, heads, kv_heads,
+                                                                                   head_dim):
+    if cpu_kernels() is None:
+        pytest.skip("no CPU kernels build")
+    gen = torch.Generator().manual_seed(lq * 7919 + lk * 31 + heads)
+    qkv = torch.randn(lk, heads + 2 * kv_heads, head_dim, generator=gen) * 2
+    q, k, v = qkv[lk - lq:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    scale = 1 / math.sqrt(head_dim)
+    out = cpu_kernels().prefill_attention(q, k, v, scale)
+    assert out.dtype == torch.float32 and out.shape == (lq, heads, head_dim) and out.is_contiguous()
+    exact = _exact(q, k, v, scale)
+    err = (out.double() - exact).abs().max().item()
+    sdpa_err = (_sdpa(q, k, v, scale).double() - exact).abs().max().item()
+    assert err <= 2 * sdpa_err + 1e-6, (err, sdpa_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_portable_kernel_gives_a_query_the_same_output_in_any_chunk(dtype):
+    """A row's result depends on its query and the keys it sees alone: a prompt's last 77 queries as a
+    chunk over the cached context give exactly what the whole prompt gave them."""
+    if cpu_kernels() is None:
+        pytest.skip("no CPU kernels build")
+    gen = torch.Generator().manual_seed(23)
+    q, k, v = (torch.randn(700, h, 64, generator=gen).to(dtype) for h in (9, 3, 3))
+    whole = cpu_kernels().prefill_attention(q, k, v, 0.125)
+    for start in (623, 699, 0, 300):
+        assert torch.equal(cpu_kernels().prefill_attention(q[start:], k, v, 0.125), whole[start:])
+        assert torch.equal(cpu_kernels().prefill_attention(q[:start + 1], k[:start + 1], v[:start + 1], 0.125),
+                           whole[:start + 1])
+
+
 def test_large_scores_and_a_late_maximum_rescale_the_output(prefill_attention):
-    # Scores of several hundred: the running max rises late in the row (the rescaling path), and
-    # exp would overflow without subtracting it.
-    lk, heads, kv_heads, d = 200, 4, 2, 64
+    # Scores of several hundred: the running max rises late in the row (the rescaling path: the
+    # portable kernel raises it once per 256 keys, the others once per 32), and exp would overflow
+    # without subtracting it.
+    lk, heads, kv_heads, d = 700, 4, 2, 64
     gen = torch.Generator().manual_seed(5)
     q = (torch.randn(lk, heads, d, generator=gen) * 4).bfloat16()
     k = (torch.randn(lk, kv_heads, d, generator=gen) * 4).bfloat16()
-    k[150:] *= 3
+    k[150:200] *= 2
+    k[550:] *= 3
     v = torch.randn(lk, kv_heads, d, generator=gen).bfloat16()
     out = prefill_attention(q, k, v, 1.0)
     assert torch.isfinite(out.float()).all()
@@ -102,15 +146,29 @@ def test_same_result_on_any_number_of_threads(prefill_attention, threads):
 def test_rejects_what_it_cannot_do(prefill_attention):
     q, kv = torch.zeros(4, 4, 64, dtype=torch.bfloat16), torch.zeros(4, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError):
-        prefill_attention(q.float(), kv.float(), kv.float(), 1.0)         # float32
+        prefill_attention(q.half(), kv.half(), kv.half(), 1.0)            # float16
+    with pytest.raises(RuntimeError):
+        prefill_attention(q, kv.float(), kv, 1.0)                          # mixed dtypes
     with pytest.raises(RuntimeError):
         prefill_attention(q, kv[:3], kv[:3], 1.0)                          # fewer keys than queries
     with pytest.raises(RuntimeError):
-        prefill_attention(q[..., :48], kv[..., :48], kv[..., :48], 1.0)    # head_dim % 32 != 0
+        prefill_attention(q[..., :40], kv[..., :40], kv[..., :40], 1.0)    # head_dim % 16 != 0
     with pytest.raises(RuntimeError):
         prefill_attention(torch.zeros(4, 3, 64, dtype=torch.bfloat16), kv, kv, 1.0)  # 3 heads on 2
     with pytest.raises(RuntimeError):
         prefill_attention(q.transpose(1, 2).contiguous().transpose(1, 2), kv, kv, 1.0)  # strided D
+
+
+@needs_bf16
+@pytest.mark.parametrize("path", ["amx", "avx512"])
+def test_the_bf16_kernels_take_bf16_and_whole_32s_of_head_dim(path):
+    if path == "amx" and not _has_amx:
+        pytest.skip("this CPU has no AMX")
+    q, kv = torch.zeros(4, 4, 64, dtype=torch.bfloat16), torch.zeros(4, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        _kernel(path)(q.float(), kv.float(), kv.float(), 1.0)
+    with pytest.raises(RuntimeError):
+        _kernel(path)(q[..., :48], kv[..., :48], kv[..., :48], 1.0)
 
 
 def test_cpu_backend_uses_it_for_fresh_and_continued_chunks(prefill_attention):

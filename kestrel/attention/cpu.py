@@ -1,8 +1,9 @@
 """The CPU kernels backend (kestrel/ops/cpu_kernels*.cpp, cpu_prefill.cpp): decode attention reads the
 paged cache in place (bf16/float32 or int8 cache), all decodes of a step in one call; the q/k rotary
-and the KV write run as one fused kernel; prefill chunks run on the prefill kernel (AMX tiles, or
+and the KV write run as one fused kernel; prefill chunks run on cpu_prefill's kernel (AMX tiles, or
 AVX512-BF16 dot products) where the CPU has AVX512-BF16 and the model is bf16 with head_dim % 32 == 0
-(up to 256), else on the reference's SDPA path.
+(up to 256), else on cpu_kernels' prefill_attention where that is preferred (the AVX2 build; float32
+or bf16, head_dim % 16 == 0), else on the reference's SDPA path (selector.py chooses).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class CpuKernelsBackend(AttentionBackend):
 
     def __init__(self, kernels, prefill_kernel: Callable | None, kv_int8: bool, rotary: Rotary) -> None:
         """`kernels`: the cpu_kernels() build, which supports the model's (head_dim, group);
-        `prefill_kernel`: cpu_prefill's prefill_attention_amx or _avx512, or None where chunks take SDPA."""
+        `prefill_kernel`: cpu_prefill's prefill_attention_amx or _avx512, or cpu_kernels'
+        prefill_attention (each (q, k, v, scale) -> out), or None where chunks take SDPA."""
         self.kv_int8 = kv_int8
         self.rotary = rotary
         self.prefill_kernel = prefill_kernel

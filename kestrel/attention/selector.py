@@ -18,7 +18,7 @@ from kestrel.attention.backend import AttentionBackend
 from kestrel.attention.cpu import CpuKernelsBackend
 from kestrel.attention.torch_sdpa import TorchSDPABackend
 from kestrel.config import ATTENTION_BACKENDS, EngineConfig
-from kestrel.ops import amx_disabled, cpu_kernels, cpu_prefill
+from kestrel.ops import amx_disabled, cpu_kernels, cpu_prefill, prefill_attention_preferred
 from kestrel.ops.dispatch import select_rotary
 
 
@@ -61,15 +61,16 @@ def _cpu_backend(config: EngineConfig) -> CpuKernelsBackend:
 
 
 def _prefill_kernel(config: EngineConfig):
-    """The prefill-attention kernel where it serves the model (bf16, head_dim a multiple of 32 up to
-    256): on AMX tiles where usable and not disabled, else by AVX512-BF16 dot products; None where
-    the kernel is not built (chunks then take SDPA)."""
+    """The prefill-attention kernel that serves the model, if one does: cpu_prefill's for bf16 with
+    head_dim a multiple of 32 up to 256 (on AMX tiles where usable and not disabled, else by
+    AVX512-BF16 dot products), else cpu_kernels' prefill_attention (float32 or bf16, head_dim a
+    multiple of 16) where it is preferred over SDPA; None where chunks take SDPA."""
     m = config.model
-    if m.dtype != torch.bfloat16 or m.head_dim % 32 != 0 or m.head_dim > 256:
-        return None
-    kernels = cpu_prefill()
-    if kernels is None:
-        return None
-    if kernels.amx_usable() and not amx_disabled():
-        return kernels.prefill_attention_amx
-    return kernels.prefill_attention_avx512
+    kernels = cpu_prefill() if m.dtype == torch.bfloat16 and m.head_dim % 32 == 0 and m.head_dim <= 256 else None
+    if kernels is not None:
+        if kernels.amx_usable() and not amx_disabled():
+            return kernels.prefill_attention_amx
+        return kernels.prefill_attention_avx512
+    if prefill_attention_preferred() and m.head_dim % 16 == 0:
+        return cpu_kernels().prefill_attention
+    return None

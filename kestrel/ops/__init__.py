@@ -199,6 +199,15 @@ def linear_f32_preferred() -> bool:
     return cpu_kernels_isa() == "avx2" and cpu_kernels() is not None
 
 
+def prefill_attention_preferred() -> bool:
+    """Whether prefill chunks that cpu_prefill()'s kernels do not serve (float32 models; bf16 ones
+    without AVX512-BF16) take cpu_kernels()'s prefill_attention over SDPA: on the AVX2 build, where
+    SDPA's CPU flash attention reaches 35-70 GFLOP/s and the kernel ~95-125 (2 Zen 3 cores, the
+    default model's heads, 128-1024 keys). The AVX-512 build has it too, and its tests run it, but it
+    has not been measured against SDPA there, so AVX-512 CPUs keep SDPA."""
+    return cpu_kernels_isa() == "avx2" and cpu_kernels() is not None
+
+
 @functools.cache
 def cpu_gemv():
     """The small-batch bf16 linear kernel (cpu_gemv.cpp), or None where unavailable (no

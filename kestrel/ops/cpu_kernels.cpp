@@ -1092,30 +1092,30 @@ inline int64_t panel_k_piece(int64_t K) {
   return ((K + pieces - 1) / pieces + kLanes - 1) / kLanes * kLanes;
 }
 
-// panel[k][c] = w[n + c][k0 + k] widened, for c < cols (zeros beyond, up to kPanelCols), k < len (a
-// multiple of kLanes).
-inline void widen_transposed(const uint16_t* w, int64_t K, int64_t n, int cols, int64_t k0, int64_t len,
-                             float* panel) {
+// panel[k][c] = w[n + c][k0 + k] widened (rows of w K apart), for c < cols (zeros beyond, up to
+// kPanelCols), k < len (a multiple of kLanes). W: bf16 (uint16_t) or float32.
+template <typename W>
+inline void widen_transposed(const W* w, int64_t K, int64_t n, int cols, int64_t k0, int64_t len, float* panel) {
   for (int64_t k = 0; k < len; k += kLanes)
     for (int c0 = 0; c0 < kPanelCols; c0 += kLanes) {
       VecF r[kLanes];
-      for (int j = 0; j < kLanes; ++j) r[j] = c0 + j < cols ? load_bf16(w + (n + c0 + j) * K + k0 + k) : zero();
+      for (int j = 0; j < kLanes; ++j) r[j] = c0 + j < cols ? load_weights(w + (n + c0 + j) * K + k0 + k) : zero();
       transpose_lanes(r);
       for (int i = 0; i < kLanes; ++i) store(panel + (k + i) * kPanelCols + c0, r[i]);
     }
 }
 
 // acc[m, c] (+)= x[m, 0:len] . panel[0:len, c] for MR rows of x (rows xK apart) and the panel's first
-// `cols` columns; acc rows are `stride` apart.
+// `cols` columns; acc rows are `stride` apart, the panel's rows (kPanelCols floats) `panel_stride`.
 template <int MR>
 void panel_tile(const float* x, int64_t xK, const float* panel, int64_t len, float* acc, int64_t stride, int cols,
-                bool accumulate) {
+                bool accumulate, int64_t panel_stride = kPanelCols) {
   VecF c[MR][kPanelVecs];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < kPanelVecs; ++v) c[m][v] = zero();
   for (int64_t k = 0; k < len; ++k) {
     VecF b[kPanelVecs];
-    for (int v = 0; v < kPanelVecs; ++v) b[v] = load_f32(panel + k * kPanelCols + v * kLanes);
+    for (int v = 0; v < kPanelVecs; ++v) b[v] = load_f32(panel + k * panel_stride + v * kLanes);
     for (int m = 0; m < MR; ++m) {
       const VecF a = splat(x[m * xK + k]);
       for (int v = 0; v < kPanelVecs; ++v) c[m][v] = fma(a, b[v], c[m][v]);
@@ -1136,10 +1136,10 @@ void panel_tile(const float* x, int64_t xK, const float* panel, int64_t len, flo
 
 template <int MR = kPanelRows>
 void panel_tile_rows(int64_t rows, const float* x, int64_t xK, const float* panel, int64_t len, float* acc,
-                     int64_t stride, int cols, bool accumulate) {
+                     int64_t stride, int cols, bool accumulate, int64_t panel_stride = kPanelCols) {
   if constexpr (MR >= 1) {
-    if (rows == MR) panel_tile<MR>(x, xK, panel, len, acc, stride, cols, accumulate);
-    else panel_tile_rows<MR - 1>(rows, x, xK, panel, len, acc, stride, cols, accumulate);
+    if (rows == MR) panel_tile<MR>(x, xK, panel, len, acc, stride, cols, accumulate, panel_stride);
+    else panel_tile_rows<MR - 1>(rows, x, xK, panel, len, acc, stride, cols, accumulate, panel_stride);
   }
 }
 
@@ -1337,6 +1337,182 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
   const Bf16Out out{y, N, false};
   if constexpr (Packed) linear_bf16_packed_columns(xf, w, M, K, n_begin, n_end, out);
   else linear_bf16_columns(xf, w, M, K, n_begin, n_end, out);
+}
+
+// ---- prefill attention ----
+//
+// prefill_attention(q [Lq, H, D], k and v [Lk, KV, D], scale) -> [Lq, H, D] in q's dtype, float32 or
+// bf16 (any row and head strides, the last dim contiguous; D % 16 == 0, Lk >= Lq): causal attention of
+// a chunk of queries over its keys, the queries being the last Lq (query i sits at position
+// Lk - Lq + i and sees keys 0 .. Lk - Lq + i), query head h reading KV head h / (H / KV). The contract
+// of cpu_prefill.cpp's kernels, for CPUs without AVX512-BF16 and for float32 models, where SDPA's CPU
+// flash attention reaches 35-70 GFLOP/s and this kernel 95-125 (2 Zen 3 cores, the default model's
+// heads, 128-1024 keys). Its PyTorch reference is SDPA (kestrel/attention/torch_sdpa.py:
+// prefill_attention), whose arithmetic it keeps: scores and sums in float32, the softmax in float32,
+// and in a bf16 model the weights rounded to bf16 before they multiply V.
+//
+// Both products run on the bf16 linear layers' outer-product register tile (panel_tile). K is packed
+// once per call as panels of 16 keys (each d a row of 16 keys, widened to float32) and V widened as it
+// is. A work item is one KV head and a block of queries whose rows are (query, query head of the
+// group) pairs, so that the G heads sharing K and V read them together. It walks its keys kKeyChunk
+// at a time, up to its last query's position: the chunk's scores S = Q K^T, then each row's online
+// softmax (running max and sum; the row's output rescaled when the max rises), then O += P V. A row's
+// result depends on nothing but its own query, so any block or thread count gives the same output.
+
+namespace {
+
+constexpr int64_t kKeyChunk = 256;                   // keys per step: a block's scores stay in L1/L2
+constexpr int64_t kAttentionRows = 4 * kPanelRows;   // rows per work item (24 on AVX2, 48 on AVX-512)
+
+struct PrefillShape {
+  int64_t lq, lk, heads, kv_heads, d, group;
+  int64_t lk_pad;          // keys rounded up to whole panels
+  int64_t block_queries;   // queries per work item
+};
+
+inline const uint16_t* raw(const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline const float* raw(const float* p) { return p; }
+
+// K of every KV head as panels of kPanelCols keys, kp [KV][lk_pad / 16][D][16], and V as vp
+// [KV][lk_pad][D], both float32, keys past Lk zero.
+template <typename T>
+void pack_keys_and_values(const torch::Tensor& k, const torch::Tensor& v, const PrefillShape& s, float* kp,
+                          float* vp) {
+  const T* kd = k.data_ptr<T>();
+  const T* vd = v.data_ptr<T>();
+  const int64_t panels = s.lk_pad / kPanelCols, d = s.d;
+  at::parallel_for(0, s.kv_heads * panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h = i / panels, n = (i % panels) * kPanelCols;
+      const int keys = static_cast<int>(std::min<int64_t>(kPanelCols, s.lk - n));
+      widen_transposed(raw(kd + h * k.stride(1)), k.stride(0), n, keys, 0, d, kp + (h * panels + n / kPanelCols) * d * kPanelCols);
+      for (int64_t key = n; key < n + kPanelCols; ++key) {
+        float* row = vp + (h * s.lk_pad + key) * d;
+        const T* src = vd + key * v.stride(0) + h * v.stride(1);
+        for (int64_t j = 0; j < d; j += kLanes) store(row + j, key < s.lk ? load_chunk(src + j) : zero());
+      }
+    }
+  });
+}
+
+// One row's scores s[0:width) for a chunk of keys, of which the first `visible` may be seen (none
+// where visible <= 0): s becomes the weights exp(s * scale - max), bf16-rounded where RoundP and zero
+// past `visible`; the running max and sum of weights take the chunk in, and the row's output o [D]
+// is rescaled by how far the max rose.
+template <bool RoundP>
+void softmax_chunk_row(float* s, int64_t width, int64_t visible, float scale, float& running_max, float& sum,
+                       float* o, int64_t d) {
+  const float inf = std::numeric_limits<float>::infinity();
+  VecF top = splat(-inf);
+  for (int64_t n = 0; n < visible; n += kLanes) {
+    const VecF t = mul(load_f32(s + n), splat(scale));
+    store(s + n, t);
+    top = max(top, select(lanes_below(visible - n), t, splat(-inf)));
+  }
+  const float chunk_max = visible > 0 ? hmax(top) : -inf;
+  if (chunk_max > running_max) {
+    if (sum != 0.f) {
+      const float rescale = std::exp(running_max - chunk_max);
+      sum *= rescale;
+      for (int64_t j = 0; j < d; j += kLanes) store(o + j, mul(load_f32(o + j), splat(rescale)));
+    }
+    running_max = chunk_max;
+  }
+  const VecF m = splat(running_max);
+  VecF total = zero();
+  for (int64_t n = 0; n < width; n += kLanes) {
+    if (n >= visible) {
+      store(s + n, zero());
+      continue;
+    }
+    const VecF p = keep(lanes_below(visible - n), exp_clamped(sub(load_f32(s + n), m)));
+    total = add(total, p);
+    store(s + n, RoundP ? bf16_round_trip(p) : p);
+  }
+  sum += hsum(total);
+}
+
+// Work item (KV head h, block of queries): the block's rows of out.
+template <typename T>
+void attend_query_block(const torch::Tensor& q, const PrefillShape& s, const float* kp, const float* vp, int64_t h,
+                        int64_t block, float scale, T* out) {
+  thread_local std::vector<float> q_buffer, s_buffer, o_buffer, stats_buffer;
+  const int64_t d = s.d, g = s.group, q0 = block * s.block_queries;
+  const int64_t queries = std::min(s.block_queries, s.lq - q0), rows = queries * g;
+  float* qr = scratch(q_buffer, rows * d);
+  float* sr = scratch(s_buffer, rows * kKeyChunk);
+  float* o = scratch(o_buffer, rows * d);
+  float* running_max = scratch(stats_buffer, 2 * rows);
+  float* sum = running_max + rows;
+  const T* qd = q.data_ptr<T>();
+  for (int64_t r = 0; r < rows; ++r) {  // row r: query q0 + r / g, head h g + r % g
+    const T* src = qd + (q0 + r / g) * q.stride(0) + (h * g + r % g) * q.stride(1);
+    for (int64_t j = 0; j < d; j += kLanes) {
+      store(qr + r * d + j, load_chunk(src + j));
+      store(o + r * d + j, zero());
+    }
+    running_max[r] = -std::numeric_limits<float>::infinity();
+    sum[r] = 0.f;
+  }
+  const int64_t first_pos = s.lk - s.lq + q0, keys = first_pos + queries;
+  const int64_t panels = s.lk_pad / kPanelCols;
+  for (int64_t c0 = 0; c0 < keys; c0 += kKeyChunk) {
+    const int64_t width = (std::min(kKeyChunk, keys - c0) + kPanelCols - 1) / kPanelCols * kPanelCols;
+    for (int64_t n = 0; n < width; n += kPanelCols) {
+      const float* panel = kp + (h * panels + (c0 + n) / kPanelCols) * d * kPanelCols;
+      for (int64_t r = 0; r < rows; r += kPanelRows)
+        panel_tile_rows(std::min<int64_t>(kPanelRows, rows - r), qr + r * d, d, panel, d, sr + r * kKeyChunk + n,
+                        kKeyChunk, kPanelCols, false);
+    }
+    for (int64_t r = 0; r < rows; ++r)
+      softmax_chunk_row<std::is_same_v<T, c10::BFloat16>>(sr + r * kKeyChunk, width,
+                                                           std::min(width, first_pos + r / g + 1 - c0), scale,
+                                                           running_max[r], sum[r], o + r * d, d);
+    const float* values = vp + (h * s.lk_pad + c0) * d;
+    for (int64_t j = 0; j < d; j += kPanelCols)
+      for (int64_t r = 0; r < rows; r += kPanelRows)
+        panel_tile_rows(std::min<int64_t>(kPanelRows, rows - r), sr + r * kKeyChunk, kKeyChunk, values + j, width,
+                        o + r * d + j, d, kPanelCols, true, d);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = out + ((q0 + r / g) * s.heads + h * g + r % g) * d;
+    const VecF inv = splat(1.f / sum[r]);
+    for (int64_t j = 0; j < d; j += kLanes) store_row_chunk(dst + j, mul(load_f32(o + r * d + j), inv));
+  }
+}
+
+}  // namespace
+
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && q.size(2) == k.size(2),
+              "prefill_attention: q [Lq, H, D], k and v [Lk, KV, D]");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+                  (q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16),
+              "prefill_attention: q, k and v all float32 or all bfloat16");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "prefill_attention: head_dim must be contiguous");
+  TORCH_CHECK(q.size(2) % kPanelCols == 0 && q.size(2) > 0, "prefill_attention: head_dim must be a multiple of ", kPanelCols);
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "prefill_attention: query heads must be a multiple of KV heads");
+  TORCH_CHECK(k.size(0) >= q.size(0), "prefill_attention: fewer keys than queries");
+  PrefillShape s{q.size(0), k.size(0), q.size(1), k.size(1), q.size(2), q.size(1) / k.size(1), 0, 0};
+  s.lk_pad = (s.lk + kPanelCols - 1) / kPanelCols * kPanelCols;
+  s.block_queries = std::max<int64_t>(1, kAttentionRows / s.group);
+  auto out = torch::empty({s.lq, s.heads, s.d}, q.options());
+  if (s.lq == 0) return out;
+  // Not zeroed: every float is written by the packing.
+  auto kp = torch::empty({s.kv_heads, s.lk_pad, s.d}, q.options().dtype(torch::kFloat32));
+  auto vp = torch::empty({s.kv_heads, s.lk_pad, s.d}, q.options().dtype(torch::kFloat32));
+  const int64_t blocks = (s.lq + s.block_queries - 1) / s.block_queries;
+  const auto keys_of = [&](int64_t item) { return s.lk - s.lq + std::min(s.lq, (item % blocks + 1) * s.block_queries); };
+  with_float_dtype(q.scalar_type(), "prefill_attention", [&](auto tag) {
+    using T = decltype(tag);
+    pack_keys_and_values<T>(k, v, s, kp.data_ptr<float>(), vp.data_ptr<float>());
+    kestrel_parallel::parallel_for_by_cost(s.kv_heads * blocks, keys_of, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        attend_query_block<T>(q, s, kp.data_ptr<float>(), vp.data_ptr<float>(), i / blocks, i % blocks,
+                              static_cast<float>(scale), out.data_ptr<T>());
+    });
+  });
+  return out;
 }
 
 // ---- int8 linear layers (--quantization int8) without AMX ----
@@ -1943,6 +2119,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8, "decode attention over the int8 KV cache (CPU)",
         py::arg("q"), py::arg("k_t"), py::arg("k_scale"), py::arg("v"), py::arg("v_scale"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("block_size"), py::arg("scale"), py::arg("in_q_dtype") = false);
+  m.def("prefill_attention", &prefill_attention,
+        "causal attention of a chunk of queries (the last Lq positions) over its keys, float32 or bf16 (CPU)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"));
   m.def("supports", &supports, "whether a (head_dim, group) pair has a kernel");
   m.def("linear_f32", &linear_f32, "x w^T in float32 for decode-sized batches (CPU)");
   m.attr("int8_linear") = bool(KESTREL_INT8_LINEAR);  // whether linear_int8 runs in this build
