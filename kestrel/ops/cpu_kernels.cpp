@@ -1370,6 +1370,7 @@ struct PrefillShape {
   int64_t block_queries;   // queries per work item
 };
 
+// A row of the model dtype as widen_transposed reads it (bf16 as its bits).
 inline const uint16_t* raw(const c10::BFloat16* p) { return reinterpret_cast<const uint16_t*>(p); }
 inline const float* raw(const float* p) { return p; }
 
@@ -1385,7 +1386,8 @@ void pack_keys_and_values(const torch::Tensor& k, const torch::Tensor& v, const 
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i / panels, n = (i % panels) * kPanelCols;
       const int keys = static_cast<int>(std::min<int64_t>(kPanelCols, s.lk - n));
-      widen_transposed(raw(kd + h * k.stride(1)), k.stride(0), n, keys, 0, d, kp + (h * panels + n / kPanelCols) * d * kPanelCols);
+      float* panel = kp + (h * panels + n / kPanelCols) * d * kPanelCols;
+      widen_transposed(raw(kd + h * k.stride(1)), k.stride(0), n, keys, 0, d, panel);
       for (int64_t key = n; key < n + kPanelCols; ++key) {
         float* row = vp + (h * s.lk_pad + key) * d;
         const T* src = vd + key * v.stride(0) + h * v.stride(1);
