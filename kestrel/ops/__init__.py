@@ -191,12 +191,18 @@ def cpu_kernels():
     return _load_or_none("cpu_kernels.cpp", "CPU attention kernel", isa is not None, isa)
 
 
+def _avx2_build_loaded() -> bool:
+    """Whether cpu_kernels() is its AVX2 build: where the kernels measured faster than torch's own
+    float32 paths (which AVX-512 CPUs keep until measured there)."""
+    return cpu_kernels_isa() == "avx2" and cpu_kernels() is not None
+
+
 def linear_f32_preferred() -> bool:
     """Whether float32 decode-sized products (and so the float32 decode plan) take cpu_kernels()'s
     linear_f32 over torch's GEMM: on the AVX2 build, where torch's GEMM runs at a fraction of its
     rate. Both builds have linear_f32; on AVX-512 torch's GEMM (16 lanes) keeps float32 models,
     and so the float32 parity tests, on the path they have always taken."""
-    return cpu_kernels_isa() == "avx2" and cpu_kernels() is not None
+    return _avx2_build_loaded()
 
 
 def prefill_attention_preferred() -> bool:
@@ -205,7 +211,7 @@ def prefill_attention_preferred() -> bool:
     SDPA's CPU flash attention reaches 35-70 GFLOP/s and the kernel ~95-125 (2 Zen 3 cores, the
     default model's heads, 128-1024 keys). The AVX-512 build has it too, and its tests run it, but it
     has not been measured against SDPA there, so AVX-512 CPUs keep SDPA."""
-    return cpu_kernels_isa() == "avx2" and cpu_kernels() is not None
+    return _avx2_build_loaded()
 
 
 @functools.cache
