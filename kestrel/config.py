@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -289,11 +290,15 @@ def cpu_supports_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device,
+                  cpu_prefers_bf16: Callable[[], bool] = cpu_supports_bf16) -> torch.dtype:
+    """--dtype as a torch dtype. "auto": bf16 on a GPU that has it (else float16); on a CPU, bf16
+    where `cpu_prefers_bf16()` says it is the faster (kestrel.ops.cpu_prefers_bf16 knows the
+    kernels; this module may not import them), else float32."""
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+        return torch.bfloat16 if cpu_prefers_bf16() else torch.float32
     names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
              "half": torch.float16, "fp16": torch.float16, "float32": torch.float32,
              "float": torch.float32, "fp32": torch.float32}

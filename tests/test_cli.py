@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kestrel.bench.workloads import w1_offline_throughput
 from kestrel.config import EngineArgs, cpu_supports_bf16
@@ -55,6 +56,9 @@ def test_switches_and_parallel_flags_reach_the_engine_config():
     assert config.parallel.world_size == 1 and config.parallel.distributed_executor_backend == "uni"
     default, _, _ = create_engine_config(EngineArgs())
     assert (default.enforce_eager, default.disable_log_stats, default.attention_backend) == (False, False, "auto")
+    # --dtype auto on a CPU: bf16 where it computes faster (bf16 instructions, or the AVX2 build's kernels).
+    from kestrel import ops
+    assert default.model.dtype == (torch.bfloat16 if ops.cpu_prefers_bf16() else torch.float32)
 
 
 PRODUCT_COMMANDS_SCRIPT = """

@@ -38,9 +38,8 @@ def test_the_two_builds_of_one_source_live_apart(monkeypatch):
 
 @pytest.mark.parametrize("has_bf16, label", [(True, "llama-server:bf16"), (False, "llama-server:f32")])
 def test_a_bare_llama_server_peer_runs_kestrels_precision(monkeypatch, has_bf16, label):
-    import kestrel.config
     from kestrel.bench.launch import peer_label
-    monkeypatch.setattr(kestrel.config, "cpu_supports_bf16", lambda: has_bf16)
+    monkeypatch.setattr(ops, "cpu_prefers_bf16", lambda: has_bf16)
     assert peer_label("llama-server") == label
     assert peer_label("llama-server:q4_1") == "llama-server:q4_1" and peer_label("kestrel") == "kestrel"
     # Beside a Kestrel whose dtype is given, a bare llama-server runs in that precision.
@@ -56,3 +55,29 @@ def test_the_dtype_among_kestrels_flags():
     assert dtype_in_flags(["--dtype", "bfloat16", "--enforce-eager"]) == "bfloat16"
     assert dtype_in_flags(["--dtype=float32"]) == "float32"
     assert dtype_in_flags(["--dtype", "float32", "--dtype", "bf16"]) == "bf16"  # the last one counts, as argparse
+
+
+@pytest.mark.parametrize("native_bf16, avx2_build, prefers", [
+    (True, False, True),    # AVX512-BF16 or AMX
+    (False, True, True),    # the AVX2 build's linear_bf16 (AVX2-only CPUs)
+    (False, False, False),  # AVX-512 without bf16 (not measured there), or no kernels: float32
+])
+def test_cpu_prefers_bf16_where_it_computes_faster(monkeypatch, native_bf16, avx2_build, prefers):
+    import kestrel.config
+    monkeypatch.setattr(kestrel.config, "cpu_supports_bf16", lambda: native_bf16)
+    monkeypatch.setattr(ops, "_avx2_build_loaded", lambda: avx2_build)
+    assert ops.cpu_prefers_bf16() is prefers
+
+
+@pytest.mark.parametrize("prefers, expected", [(True, "bfloat16"), (False, "float32")])
+def test_dtype_auto_on_a_cpu_follows_what_it_prefers(prefers, expected):
+    import torch
+
+    from kestrel.config import resolve_dtype
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, lambda: prefers) == getattr(torch, expected)
+
+    def never() -> bool:
+        raise AssertionError("an explicit dtype asks nothing of the CPU")
+    assert resolve_dtype("float32", cpu, never) == torch.float32
+    assert resolve_dtype("bf16", cpu, never) == torch.bfloat16

@@ -57,8 +57,8 @@ def default_precision(dtype: str | None = None) -> str:
         return "bf16"
     if dtype in ("float32", "float", "fp32"):
         return "f32"
-    from kestrel.config import cpu_supports_bf16
-    return "bf16" if cpu_supports_bf16() else "f32"
+    from kestrel.ops import cpu_prefers_bf16
+    return "bf16" if cpu_prefers_bf16() else "f32"
 
 
 def dtype_in_flags(flags: Sequence[str]) -> str | None:

@@ -181,7 +181,9 @@ def measure_machine_limits(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     log("measuring the machine's matmul, copy and read rates")
     limits = measure_limits(layer_shapes(hf_config)).to_dict()
     params = model_param_counts(hf_config)
-    dtype = resolve_dtype(engine_kwargs.get("dtype") or "auto", resolve_device(engine_kwargs.get("device") or "auto"))
+    from kestrel.ops import cpu_prefers_bf16
+    dtype = resolve_dtype(engine_kwargs.get("dtype") or "auto", resolve_device(engine_kwargs.get("device") or "auto"),
+                          cpu_prefers_bf16)
     dtype_bytes = dtype.itemsize
     # --quantization int8 stores the decoder's projections in one byte (the output head stays).
     layer_bytes = 1 if engine_kwargs.get("quantization") == "int8" else dtype_bytes

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kestrel import config as _config
+from kestrel import ops
 from kestrel.config import (
     ATTENTION_BACKENDS,
     DISTRIBUTED_EXECUTOR_BACKENDS,
@@ -171,7 +172,7 @@ def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, A
     hf_config = load_config(source)
     tokenizer = load_tokenizer(resolve_model(args.tokenizer) if args.tokenizer else source)
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    dtype = resolve_dtype(args.dtype, device, ops.cpu_prefers_bf16)
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else _first(hf_config.eos_token_id)
     model = model_config_from_hf(hf_config, model=args.model, dtype=dtype, max_model_len=args.max_model_len,
                                  eos_token_id=eos, bos_token_id=_first(getattr(hf_config, "bos_token_id", None)),
