@@ -106,6 +106,25 @@ def test_paged_decode_attention_batch_of_one(threads, q_dtype, num_threads, leng
                                atol=TOL[torch.float32], rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype, head_dim, group, kv_heads", [(torch.bfloat16, 64, 3, 3),
+                                                               (torch.float32, 128, 2, 2)])
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+def test_paged_decode_attention_gives_each_sequence_what_it_gets_alone(threads, dtype, head_dim, group,
+                                                                      kv_heads, num_threads):
+    """A thread walks its items in order, fetching the next one's rows while it computes: empty
+    sequences, segment and thread edges in between change no sequence's output by a bit."""
+    threads(num_threads)
+    lens = [300, 0, 17, 0, 0, 513, 1, 256, 0]
+    q, k, v, table, seq_lens = _paged_case(dtype, head_dim, group, kv_heads, [max(L, 1) for L in lens], seed=3)
+    seq_lens = torch.tensor(lens)
+    batch = kernels.paged_decode_attention(q, k, v, table, seq_lens, 16, 0.125)
+    for i, length in enumerate(lens):
+        alone = kernels.paged_decode_attention(q[i:i + 1], k, v, table[i:i + 1], seq_lens[i:i + 1], 16, 0.125)
+        assert torch.equal(batch[i:i + 1], alone), i
+        if length == 0:
+            assert not batch[i].any()
+
+
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 def test_paged_decode_attention_in_q_dtype_rounds_as_to(q_dtype):
     """in_q_dtype: the float32 result rounded once, bit for bit as .to(q.dtype) rounds it."""
