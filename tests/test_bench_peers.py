@@ -336,3 +336,16 @@ def test_built_llama_tools_are_found_without_building(tmp_path, monkeypatch):
     assert peers.llama_quantize_binary() == tmp_path / "llama-quantize"
     monkeypatch.setenv(peers.LLAMA_QUANTIZE_ENV, str(quantize))
     assert peers.llama_quantize_binary() == quantize
+
+
+def test_the_transformers_peer_runs_kestrels_dtype_or_the_one_named():
+    from kestrel.bench.throughput import check_options, transformers_dtype
+    from kestrel.entrypoints.cli import build_parser, engine_kwargs
+    assert transformers_dtype("transformers", "bfloat16") == "bfloat16"
+    assert transformers_dtype("transformers:float32", "bfloat16") == "float32"
+    assert transformers_dtype("transformers:bfloat16", "float32") == "bfloat16"
+    args = build_parser().parse_args(["bench", "throughput", "--peer", "transformers:float32",
+                                      "--peer", "transformers"])
+    check_options(args, engine_kwargs(args))  # not taken for a server
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "throughput", "--peer", "transformers:float16"])

@@ -31,7 +31,8 @@ ignore_eos, max_tokens = the request's output length). Only `generate` is timed,
 warm-up; the prefix cache is emptied before each run so that a repeated run cannot hit the
 previous run's blocks. The figure reported is the median of --runs runs.
 
-Peer `transformers`: `model.generate` on the same weights in the same dtype, run in a child process
+Peer `transformers`: `model.generate` on the same weights in the same dtype (`transformers:float32`
+or `:bfloat16`: in that one, e.g. float32 where torch emulates bf16), run in a child process
 so that its memory is its own. Requests go in batches of --peer-batch-size, in request order,
 left-padded; each batch generates up to its longest output (min_new_tokens = max_new_tokens), and
 only each request's own output length counts as useful output.
@@ -72,7 +73,15 @@ from kestrel.bench.workloads import (
 if TYPE_CHECKING:
     from kestrel.bench.w6_model import W6Model
 
-PEERS = ("transformers", *PEER_SPECS)
+TRANSFORMERS_PEERS = ("transformers", "transformers:float32", "transformers:bfloat16")
+PEERS = (*TRANSFORMERS_PEERS, *PEER_SPECS)
+
+
+def transformers_dtype(spec: str, kestrel_dtype: str) -> str:
+    """The dtype the transformers peer runs in: Kestrel's ("transformers"), or the one the spec names.
+    Where a CPU has no bf16 instructions torch emulates bf16 products at a fraction of float32's
+    rate, so a transformers user there runs float32: `transformers:float32` is that peer."""
+    return spec.partition(":")[2] or kestrel_dtype
 WORKLOADS = ("W1", "W4", "W6")
 # W6's llama-server peers and the file each reads: its bf16 GGUF (None) or a llama-quantize type.
 W6_PEER_FILES: dict[str, str | None] = {"llama-server:bf16": None, "llama-server:q8_0": "Q8_0",
@@ -99,7 +108,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "requests on a random-weight Llama of TinyLlama-1.1B's shape, generated into "
                              "Kestrel's cache on first use) (default: W1)")
     parser.add_argument("--peer", action="append", choices=PEERS, default=[],
-                        help="also run this peer (repeatable): transformers on the same weights and dtype; "
+                        help="also run this peer (repeatable): transformers on the same weights and dtype "
+                             "(transformers:float32 or :bfloat16 in that dtype instead); "
                              "llama-server on the weights written as bf16 or f32 (default: Kestrel's dtype here), "
                              "or its native q4_1 file; W6: llama-server:bf16 on its bf16 GGUF, :q8_0 and :q4_k "
                              "on llama-quantize's Q8_0 and Q4_K_M files")
@@ -138,10 +148,10 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         rate_before_run = functools.partial(gflops_of, [tuple(x) for x in limits["shapes"]], limits["roofline_dtype"])
     results, engine_info = run_kestrel(requests, engine_kwargs, args.runs, args.workload, rate_before_run)
     for peer in args.peer:
-        if peer == "transformers":
+        if peer in TRANSFORMERS_PEERS:
             results.append(run_transformers_peer_in_child(PeerJob(
                 model_path=engine_info["model_path"], gguf_file=engine_info["gguf_file"],
-                dtype=engine_info["dtype"], device=engine_info["device"], requests=requests,
+                dtype=transformers_dtype(peer, engine_info["dtype"]), device=engine_info["device"], requests=requests,
                 batch_size=args.peer_batch_size, runs=args.runs, num_threads=args.num_threads)))
         else:
             gguf = w6_peer_gguf(peer, w6) if w6 is not None else None
@@ -204,7 +214,7 @@ def check_options(args: argparse.Namespace, engine_kwargs: dict[str, Any] | None
         raise ValueError(f"--peer-batch-size must be at least 1, got {args.peer_batch_size}")
     if args.num_threads is not None and args.num_threads < 1:
         raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}")
-    servers = [p for p in args.peer if p != "transformers"]
+    servers = [p for p in args.peer if p not in TRANSFORMERS_PEERS]
     if args.workload == "W6":
         if (engine_kwargs or {}).get("model"):
             raise ValueError("--workload W6 runs its own generated model; drop --model")

@@ -62,7 +62,7 @@ def run_transformers_peer(job: PeerJob) -> EngineResult:
         useful = sum(r.output_len for r in job.requests)
         log(f"transformers run {i + 1}/{job.runs}: {walls[-1]:.2f} s, {useful / walls[-1]:.1f} output tok/s")
     return EngineResult(
-        name=f"transformers {transformers.__version__}", run_wall_s=walls,
+        name=f"transformers {transformers.__version__} {job.dtype}", run_wall_s=walls,
         input_tokens=sum(r.input_len for r in job.requests), output_tokens=sum(r.output_len for r in job.requests),
         generated_tokens=generated, load_s=load_s, peak_rss_bytes=max(load_peak, peak_rss_bytes()),
         rss_after_load_bytes=rss_after_load, torch_threads=torch.get_num_threads(),
