@@ -290,8 +290,7 @@ def cpu_supports_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(dtype: str, device: torch.device,
-                  cpu_prefers_bf16: Callable[[], bool] = cpu_supports_bf16) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device, cpu_prefers_bf16: Callable[[], bool]) -> torch.dtype:
     """--dtype as a torch dtype. "auto": bf16 on a GPU that has it (else float16); on a CPU, bf16
     where `cpu_prefers_bf16()` says it is the faster (kestrel.ops.cpu_prefers_bf16 knows the
     kernels; this module may not import them), else float32."""

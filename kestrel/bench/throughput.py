@@ -75,13 +75,6 @@ if TYPE_CHECKING:
 
 TRANSFORMERS_PEERS = ("transformers", "transformers:float32", "transformers:bfloat16")
 PEERS = (*TRANSFORMERS_PEERS, *PEER_SPECS)
-
-
-def transformers_dtype(spec: str, kestrel_dtype: str) -> str:
-    """The dtype the transformers peer runs in: Kestrel's ("transformers"), or the one the spec names.
-    Where a CPU has no bf16 instructions torch emulates bf16 products at a fraction of float32's
-    rate, so a transformers user there runs float32: `transformers:float32` is that peer."""
-    return spec.partition(":")[2] or kestrel_dtype
 WORKLOADS = ("W1", "W4", "W6")
 # W6's llama-server peers and the file each reads: its bf16 GGUF (None) or a llama-quantize type.
 W6_PEER_FILES: dict[str, str | None] = {"llama-server:bf16": None, "llama-server:q8_0": "Q8_0",
@@ -161,6 +154,13 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     report = build_report(args, requests, results, engine_info, started, load_average, limits)
     write_report(report, format_summary(report), format_markdown(report), args.output_json, args.append_md)
     return 0
+
+
+def transformers_dtype(spec: str, kestrel_dtype: str) -> str:
+    """The dtype the transformers peer runs in: Kestrel's ("transformers"), or the one the spec names.
+    Where a CPU has no bf16 instructions torch emulates bf16 products at a fraction of float32's
+    rate, so a transformers user there runs float32: `transformers:float32` is that peer."""
+    return spec.partition(":")[2] or kestrel_dtype
 
 
 def workload_requests(args: argparse.Namespace) -> list[BenchRequest]:
