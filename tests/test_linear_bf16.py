@@ -120,13 +120,15 @@ def _packed(w: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def test_packing_lays_out_panels_of_16_columns():
+def test_packing_lays_out_panels_of_16_columns_in_interleaved_halves():
     assert kernels.panel_columns == 16
     w = torch.arange(48 * 32, dtype=torch.float32).view(48, 32).bfloat16()
     packed = _packed(w)
     assert packed.shape == (3, 32, 16) and packed.is_contiguous()
-    for p, k, c in [(0, 0, 0), (1, 5, 3), (2, 31, 15)]:
-        assert packed[p, k, c] == w[16 * p + c, k]
+    # each k-row holds columns 0, 8, 1, 9, ..., 7, 15 of its panel
+    for p, k, c in [(0, 0, 0), (1, 5, 3), (2, 31, 15), (0, 7, 8), (2, 2, 7)]:
+        assert packed[p, k, 2 * (c % 8) + c // 8] == w[16 * p + c, k]
+    assert torch.equal(dispatch.packed_bf16_rows(packed, torch.arange(48)), w)
     # what the kernel cannot read packed stays as it is
     for bad in [torch.zeros(40, 32, dtype=torch.bfloat16), torch.zeros(48, 12, dtype=torch.bfloat16),
                 torch.zeros(48, 32), torch.zeros(0, 32, dtype=torch.bfloat16)]:

@@ -19,6 +19,7 @@ from kestrel.ops.dispatch import (  # noqa: F401
     F32_MAX_ROWS,
     RmsNorm,
     apply_rotary,
+    packed_bf16_rows,
     rms_norm_reference,
     silu_and_mul_reference,
 )
@@ -81,9 +82,9 @@ def pack_linear_weights_(model: nn.Module) -> int:
 
 def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The rows of an embedding table [V, K] for `ids`, or of the same table packed as the output head it
-    is tied to ([V / 16, K, 16], pack_linear_weights_): row v is then column v % 16 of panel v // 16."""
+    is tied to ([V / 16, K, 16], pack_linear_weights_)."""
     if table.dim() == 3:
-        return table[ids // table.shape[2], :, ids % table.shape[2]]
+        return packed_bf16_rows(table, ids)
     return F.embedding(ids, table)
 
 

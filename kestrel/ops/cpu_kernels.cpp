@@ -1214,7 +1214,8 @@ void linear_bf16_columns(const float* x, const uint16_t* w, int64_t M, int64_t K
 //
 // A weight packed once at load (kestrel/ops/dispatch.py: pack_bf16_weight) as [N / kPanelCols, K,
 // kPanelCols]: panel p holds columns [16p, 16p + 16) with each k a row of 16 values, the layout an
-// outer-product tile reads. A panel is one contiguous stream that the tile widens in registers as it
+// outer-product tile reads, the row's two halves interleaved (packed[p, k, 2j + h] = w[16p + 8h + j,
+// k]) so that each 32-bit word holds two columns 8 apart (load_panel_row). A panel is one contiguous stream that the tile widens in registers as it
 // reads it: no transpose per call (which cost ~0.9 ms a layer of the default model at 8 rows on 2 Zen 3
 // cores, more than the FMAs themselves) and no widened copy, so the one tile serves every row count.
 // Every output is one sum down k per piece of K (panel_k_piece), the pieces added in order, whatever M
@@ -1246,8 +1247,7 @@ void packed_stream_panels(const float* x, const uint16_t* wp, int64_t K, int64_t
     for (int p = 0; p < P; ++p) panel[p] = packed_panel(wp, K, n0 + p * kPanelCols, k0);
     for (int64_t k = 0; k < len; ++k) {
       VecF b[V];
-      for (int p = 0; p < P; ++p)
-        for (int v = 0; v < kPanelVecs; ++v) b[p * kPanelVecs + v] = load_bf16(panel[p] + k * kPanelCols + v * kLanes);
+      for (int p = 0; p < P; ++p) load_panel_row(panel[p] + k * kPanelCols, b + p * kPanelVecs);
       for (int m = 0; m < MR; ++m) {
         const VecF a = splat(x[m * K + k0 + k]);
         for (int v = 0; v < V; ++v) c[m][v] = fma(a, b[v], c[m][v]);

@@ -332,14 +332,25 @@ def _widening_bf16_linear(kernels) -> LinearOps:
 
 
 def pack_bf16_weight(weight: torch.Tensor, panel: int, lanes: int) -> torch.Tensor | None:
-    """weight [N, K] bf16 as linear_bf16's packed panels [N / panel, K, panel] (packed[p, k, c] =
-    weight[p * panel + c, k]), or None where N is not a multiple of `panel` or K of `lanes`."""
+    """weight [N, K] bf16 as linear_bf16's packed panels [N / panel, K, panel], each k-row's two halves
+    interleaved: packed[p, k, 2j + h] = weight[p * panel + h * panel / 2 + j, k], so that a 32-bit word
+    holds two columns half a panel apart and widens by a shift and a mask (cpu_kernels.cpp,
+    load_panel_row). None where N is not a multiple of `panel` or K of `lanes`."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
     n, k = weight.shape
     if n % panel or k % lanes or n == 0:
         return None
-    return weight.detach().view(n // panel, panel, k).transpose(1, 2).contiguous()
+    halves = weight.detach().view(n // panel, 2, panel // 2, k)
+    return halves.permute(0, 3, 2, 1).reshape(n // panel, k, panel).contiguous()
+
+
+def packed_bf16_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The rows `rows` of the [N, K] weight that pack_bf16_weight packed ([N / panel, K, panel])."""
+    panel = packed.shape[2]
+    column = rows % panel
+    slot = 2 * (column % (panel // 2)) + column // (panel // 2)
+    return packed[rows // panel, :, slot]
 
 
 def _f32_linear(f32: F32Kernels) -> LinearOps:

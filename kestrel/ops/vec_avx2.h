@@ -84,6 +84,19 @@ inline VecF in_register(VecF v) {
   return v;
 }
 
+// One k-row of a packed bf16 panel (16 columns; the layout of cpu_kernels.cpp's "packed bf16
+// weights": 32-bit word j holds column j in its low half and column j + 8 in its high half) widened
+// to float32: b[0] columns 0-7 by a shift, b[1] columns 8-15 by a mask. Against widening 8 bf16 at a
+// time (a zero-extending shuffle and a shift each), one load and two ALU ops feed 12 FMAs of the 6 x
+// 16 tile: a layer's four products of the default model measured 4-10% faster from 4 to 2048 rows
+// (2 Zen 3 cores, interleaved in one process).
+inline void load_panel_row(const uint16_t* p, VecF b[2]) {
+  __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  asm("" : "+x"(w));  // one load for both halves, not one folded into each op
+  b[0] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  b[1] = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
 // A rounded product: the empty asm makes the compiler materialise it, so that it is never contracted
 // with the following add into an FMA, and the result rounds exactly as torch's separate
 // `x * cos + rotate_half(x) * sin` does.

@@ -39,6 +39,14 @@ inline VecF times_pow2(VecF v, VecF n) { return _mm512_scalef_ps(v, n); }
 inline void store_bf16(uint16_t* p, VecF v) {
   _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_to_bf16_upper(v), 16)));
 }
+// One k-row of a packed bf16 panel (16 columns; 32-bit word j holds column j in its low half and
+// column j + 8 in its high half, the layout vec_avx2.h widens by a shift and a mask) widened to
+// float32 in column order: the two halves joined in one 16-lane vector.
+inline void load_panel_row(const uint16_t* p, VecF b[1]) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i low = _mm256_slli_epi32(w, 16), high = _mm256_and_si256(w, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  b[0] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1));
+}
 inline VecF abs(VecF v) { return _mm512_abs_ps(v); }
 inline float hsum(VecF v) { return _mm512_reduce_add_ps(v); }
 inline float hmax(VecF v) { return _mm512_reduce_max_ps(v); }
