@@ -71,14 +71,19 @@ class DecoderLayer(nn.Module):
             p.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
-                cache: KVCache | None, meta: object) -> tuple[torch.Tensor, torch.Tensor]:
+                cache: KVCache | None, meta: object, rows: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before adding it); the next layer adds them
-        inside its fused norm."""
+        inside its fused norm. `rows`: the only rows whose outputs are wanted (None: all). Attention
+        still runs over every token, whose keys and values the cache needs; the rest of the layer only
+        for `rows`, and both outputs have just those rows, in that order."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.eps)
-        h = self._attention(h, rope, cache, meta)
+        h = self._attention(h, rope, cache, meta, rows)
+        if rows is not None:
+            residual = residual.index_select(0, rows)
         if self.tp_sharded:
             h = self.tp.all_reduce(h)
         h, residual = self.ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight, self.eps)
@@ -88,7 +93,7 @@ class DecoderLayer(nn.Module):
         return h, residual
 
     def _attention(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   cache: KVCache | None, meta: object) -> torch.Tensor:
+                   cache: KVCache | None, meta: object, rows: torch.Tensor | None) -> torch.Tensor:
         n, heads, kv_heads = h.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(h).view(n, heads + 2 * kv_heads, self.head_dim)
         if self.qk_norm:
@@ -99,8 +104,8 @@ class DecoderLayer(nn.Module):
         # q and k heads rotated, k and v written to the cache (in one pass where a kernel can)
         self.attn.write_kv(qkv, heads, *rope, cache, meta)
         out = self.attn.forward(qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:],
-                                cache, meta, self.scale)
-        return self.o_proj(out.view(n, self.q_size))
+                                cache, meta, self.scale).view(n, self.q_size)
+        return self.o_proj(out if rows is None else out.index_select(0, rows))
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(h)))
@@ -147,11 +152,14 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache] | None,
-                meta: object, intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+                meta: object, intermediate: IntermediateTensors | None = None,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         """Hidden states [num_tokens, hidden] (before the final norm) on the last pipeline stage, the
         stage's IntermediateTensors on the others. `meta`: the attention backend's metadata for the
         step; `kv_caches`: one per layer of this stage; `intermediate`: the previous stage's output
-        (stages after the first, which take it instead of `input_ids`)."""
+        (stages after the first, which take it instead of `input_ids`). `output_rows` (last stage):
+        only these rows' hidden states, in that order; the last layer computes the rest of its rows
+        only as far as the KV cache needs them, as llama.cpp skips the unused outputs."""
         if self.shard.is_first_stage:
             x, residual = self._embed(input_ids), None
         else:
@@ -159,8 +167,10 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"pipeline stage {self.shard.pp_rank} needs the previous stage's tensors")
             x, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary.lookup(positions)
+        last = len(self.layers) - 1 if self.shard.is_last_stage else -1
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, rope, kv_caches[i] if kv_caches is not None else None, meta)
+            x, residual = layer(x, residual, rope, kv_caches[i] if kv_caches is not None else None, meta,
+                                output_rows if i == last else None)
         if not self.shard.is_last_stage:
             return IntermediateTensors(x, residual)
         return x + residual

@@ -118,6 +118,9 @@ class BatchInputs:
     # Requests scoring prompt tokens this step: (req_id, first row, index in the prompt of the first
     # token scored, number of tokens scored); rows are consecutive.
     prompt_logprob_spans: list[tuple[str, int, int, int]]
+    # The rows the forward returns, where the step reads no others: the sampling rows (sample_rows), when
+    # they are fewer than the tokens and no prompt logprobs are scored; None: every row.
+    hidden_rows: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -246,7 +249,8 @@ class ModelRunner:
                 return None
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], logprobs=[],
                                      prompt_logprobs=prompt_logprobs or {})
-        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
+        sampling = hidden if batch.hidden_rows is not None else hidden.index_select(0, batch.sample_rows)
+        logits = self.model.compute_logits(sampling)
         if logits is None:  # another tensor rank samples
             return None
         states = [self.requests[r] for r in batch.sample_req_ids]
@@ -343,7 +347,7 @@ class ModelRunner:
         if plan is not None and plan.covers(batch.attn):
             return plan(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         meta = self.attn.build_metadata(batch.attn)
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, meta, intermediate)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, meta, intermediate, batch.hidden_rows)
 
     # ---- between pipeline stages ---------------------------------------------------------------
 
@@ -433,14 +437,16 @@ class ModelRunner:
             row += n
         dev = self.device
         attn = self._describe(torch.from_numpy(np.concatenate(slots)).to(dev), decode_rows, prefills)
+        sample_rows_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         return BatchInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
             attn=attn,
             sample_req_ids=sample_req_ids,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            sample_rows=sample_rows_t,
             sample_drafts=sample_drafts,
             prompt_logprob_spans=prompt_logprob_spans,
+            hidden_rows=sample_rows_t if len(sample_rows) < row and not prompt_logprob_spans else None,
         )
 
     def _describe(self, slot_mapping: torch.Tensor, decode_rows: list[tuple[CachedRequestState, int]],
