@@ -1215,9 +1215,10 @@ void linear_bf16_columns(const float* x, const uint16_t* w, int64_t M, int64_t K
 // A weight packed once at load (kestrel/ops/dispatch.py: pack_bf16_weight) as [N / kPanelCols, K,
 // kPanelCols]: panel p holds columns [16p, 16p + 16) with each k a row of 16 values, the layout an
 // outer-product tile reads, the row's two halves interleaved (packed[p, k, 2j + h] = w[16p + 8h + j,
-// k]) so that each 32-bit word holds two columns 8 apart (load_panel_row). A panel is one contiguous stream that the tile widens in registers as it
-// reads it: no transpose per call (which cost ~0.9 ms a layer of the default model at 8 rows on 2 Zen 3
-// cores, more than the FMAs themselves) and no widened copy, so the one tile serves every row count.
+// k]) so that each 32-bit word holds two columns 8 apart (load_panel_row). A panel is one contiguous
+// stream that the tile widens in registers as it reads it: no transpose per call (which cost ~0.9 ms
+// a layer of the default model at 8 rows on 2 Zen 3 cores, more than the FMAs themselves) and no
+// widened copy, so the one tile serves every row count.
 // Every output is one sum down k per piece of K (panel_k_piece), the pieces added in order, whatever M
 // is: a row of y does not depend on the batch at all (and from kPanelMinRows rows it is the sum that
 // bf16_panels makes on [N, K]).

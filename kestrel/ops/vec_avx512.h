@@ -44,7 +44,8 @@ inline void store_bf16(uint16_t* p, VecF v) {
 // float32 in column order: the two halves joined in one 16-lane vector.
 inline void load_panel_row(const uint16_t* p, VecF b[1]) {
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m256i low = _mm256_slli_epi32(w, 16), high = _mm256_and_si256(w, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+  const __m256i low = _mm256_slli_epi32(w, 16);
+  const __m256i high = _mm256_and_si256(w, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
   b[0] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1));
 }
 inline VecF abs(VecF v) { return _mm512_abs_ps(v); }
