@@ -10,6 +10,7 @@ import torch
 from parity import save_tiny_llama, worker_of
 
 from kestrel import LLM, SamplingParams
+from kestrel.worker.model_runner import BatchInputs
 
 PROMPTS = [{"prompt_token_ids": [100 + (5 * i + 7 * j) % 4000 for j in range(n)]}
            for i, n in enumerate([150, 3, 70, 9, 33])]
@@ -45,14 +46,14 @@ def _watch_forward(llm: LLM) -> list[tuple[int, int | None]]:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_prompt_chunks_compute_only_the_sampling_rows_and_give_the_same_tokens(tiny, dtype, engine_check):
+def test_prompt_chunks_compute_only_the_sampling_rows_and_give_the_same_tokens(tiny, dtype, engine_check,
+                                                                               monkeypatch):
     """Chunked prefill (a 64-token budget): chunks that finish no prompt ask for no rows, chunks that
     finish one ask for its last token and the batch's decodes; the tokens and logprobs are those of a
     run that computes every row."""
-    kw = dict(model=tiny, dtype=dtype, max_model_len=512, kv_cache_memory=16 << 20, max_num_batched_tokens=64,
-              enforce_eager=True)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
-    llm = LLM(**kw)
+    llm = LLM(model=tiny, dtype=dtype, max_model_len=512, kv_cache_memory=16 << 20, max_num_batched_tokens=64,
+              enforce_eager=True)
     seen = _watch_forward(llm)
     pruned = llm.generate(PROMPTS, params, use_tqdm=False)
     engine_check(llm)
@@ -61,15 +62,7 @@ def test_prompt_chunks_compute_only_the_sampling_rows_and_give_the_same_tokens(t
     assert any(rows >= 2 for rows in asked)            # a finished prompt beside decodes
     assert all(rows < tokens for tokens, rows in seen if rows is not None)
     # The same run with every row computed (the runner's hidden_rows off).
-    runner = worker_of(llm).runner
-    prepare = runner._prepare_inputs
-
-    def whole_rows(so):
-        batch = prepare(so)
-        batch.hidden_rows = None
-        return batch
-
-    runner._prepare_inputs = whole_rows
+    monkeypatch.setattr(BatchInputs, "hidden_rows", property(lambda batch: None))
     assert llm.llm_engine.engine_core.reset_prefix_cache()
     whole = llm.generate(PROMPTS, params, use_tqdm=False)
     engine_check(llm)

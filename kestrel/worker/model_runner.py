@@ -118,9 +118,14 @@ class BatchInputs:
     # Requests scoring prompt tokens this step: (req_id, first row, index in the prompt of the first
     # token scored, number of tokens scored); rows are consecutive.
     prompt_logprob_spans: list[tuple[str, int, int, int]]
-    # The rows the forward returns, where the step reads no others: the sampling rows (sample_rows), when
-    # they are fewer than the tokens and no prompt logprobs are scored; None: every row.
-    hidden_rows: torch.Tensor | None = None
+
+    @property
+    def hidden_rows(self) -> torch.Tensor | None:
+        """The rows the forward returns, where the step reads no others: the sampling rows, when they
+        are fewer than the tokens and no prompt logprobs are scored; None: every row."""
+        if self.prompt_logprob_spans or self.sample_rows.numel() == self.input_ids.numel():
+            return None
+        return self.sample_rows
 
 
 class ModelRunner:
@@ -437,16 +442,14 @@ class ModelRunner:
             row += n
         dev = self.device
         attn = self._describe(torch.from_numpy(np.concatenate(slots)).to(dev), decode_rows, prefills)
-        sample_rows_t = torch.tensor(sample_rows, dtype=torch.long, device=dev)
         return BatchInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
             attn=attn,
             sample_req_ids=sample_req_ids,
-            sample_rows=sample_rows_t,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
             sample_drafts=sample_drafts,
             prompt_logprob_spans=prompt_logprob_spans,
-            hidden_rows=sample_rows_t if len(sample_rows) < row and not prompt_logprob_spans else None,
         )
 
     def _describe(self, slot_mapping: torch.Tensor, decode_rows: list[tuple[CachedRequestState, int]],
