@@ -227,14 +227,14 @@ def test_roofline_line_says_when_the_memory_floor_caps_the_compute_target():
 @pytest.mark.timeout(SLOW_TIMEOUT_S)
 def test_bench_throughput_w4_compares_prefix_caching(tmp_path):
     # No --no-roofline: W4 never reports a roofline fraction (its cached run skips the FLOPs W1 counts).
-    result = run_kestrel("bench", "throughput", "--workload", "W4", "--runs", "1",
+    result = run_kestrel("bench", "throughput", "--workload", "W4", "--num-prompts", "8", "--runs", "1",
                          "--output-json", "w4.json", cwd=str(tmp_path))
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "w4.json").read_text())
     on, off = report["results"]
-    assert report["workload"]["id"] == "W4" and report["roofline"] is None
+    assert report["workload"]["id"] == "W4 (reduced)" and report["roofline"] is None
     assert on["name"].endswith("on") and off["name"].endswith("off")
-    assert on["input_tokens"] == 64 * (512 + 32) and on["output_tokens"] == 64 * 32
+    assert on["input_tokens"] == 8 * (512 + 32) and on["output_tokens"] == 8 * 32
     # The shared prefix is computed once with caching, 64 times without.
     assert on["mean_ttft_s"] < off["mean_ttft_s"]
 

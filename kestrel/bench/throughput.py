@@ -87,7 +87,7 @@ DEFAULT_PEER_BATCH_SIZE = 16
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=W1_NUM_REQUESTS,
-                        help=f"number of requests (default: {W1_NUM_REQUESTS})")
+                        help=f"number of requests (default: {W1_NUM_REQUESTS}; W4's shared-prefix requests too)")
     parser.add_argument("--input-len-range", type=int, nargs=2, metavar=("MIN", "MAX"),
                         default=list(W1_INPUT_LEN_RANGE), help="prompt lengths, uniform, inclusive "
                         f"(default: {W1_INPUT_LEN_RANGE[0]} {W1_INPUT_LEN_RANGE[1]})")
@@ -165,7 +165,7 @@ def transformers_dtype(spec: str, kestrel_dtype: str) -> str:
 
 def workload_requests(args: argparse.Namespace) -> list[BenchRequest]:
     if args.workload == "W4":
-        return w4_shared_prefix()
+        return w4_shared_prefix(num_requests=args.num_prompts)
     draw = w6_offline_throughput if args.workload == "W6" else w1_offline_throughput
     return draw(args.num_prompts, tuple(args.input_len_range), tuple(args.output_len_range))
 

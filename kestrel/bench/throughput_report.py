@@ -13,6 +13,7 @@ from kestrel.bench.common import EngineResult, machine_info
 from kestrel.bench.report import load_averages, markdown_table, text_table
 from kestrel.bench.workloads import (
     W1_SEED,
+    W4_NUM_REQUESTS,
     W4_PREFIX_LEN,
     W4_UNIQUE_LEN,
     W6_TOKEN_ID_RANGE,
@@ -25,7 +26,7 @@ def build_report(args: argparse.Namespace, requests: list[BenchRequest], results
                  engine_info: dict[str, Any], started: datetime, load_average: tuple[float, float, float],
                  limits: dict[str, Any] | None = None) -> dict[str, Any]:
     if args.workload == "W4":
-        workload_id = "W4"
+        workload_id = "W4" if len(requests) == W4_NUM_REQUESTS else "W4 (reduced)"
         shape = {"prefix_len": W4_PREFIX_LEN, "unique_len": W4_UNIQUE_LEN}
     else:
         standard = is_standard_w1(len(requests), tuple(args.input_len_range), tuple(args.output_len_range))
@@ -186,7 +187,7 @@ def format_summary(report: dict[str, Any]) -> str:
 
 
 def _workload_line(w: dict[str, Any]) -> str:
-    if w["id"] == "W4":
+    if w["id"].startswith("W4"):
         return (f"{w['num_requests']} requests sharing a {w['prefix_len']}-token prefix, each with "
                 f"{w['unique_len']} tokens of its own ({w['input_tokens']} prompt tokens), "
                 f"{w['output_tokens']} output tokens in all, {w['sampling']}; median of {w['runs']} run(s)")
@@ -201,7 +202,7 @@ def format_markdown(report: dict[str, Any]) -> str:
     table = markdown_table(HEADER, _rows(report))
     runs = "; ".join(f"{side['name']}: {', '.join(f'{t:.2f}' for t in side['run_wall_s'])} s"
                      for side in report["results"])
-    title = "shared prefix" if w["id"] == "W4" else "offline throughput"
+    title = "shared prefix" if w["id"].startswith("W4") else "offline throughput"
     if w["id"].startswith("W6"):
         title += " of a 1B-class model"
     lines = [

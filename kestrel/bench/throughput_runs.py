@@ -21,6 +21,11 @@ from kestrel.bench.common import (
 from kestrel.bench.launch import peer_label
 from kestrel.bench.workloads import BenchRequest, warm_up_requests
 
+# Every request of an offline workload is sent at once, so the last one waits for nearly the whole
+# run: its timeout bounds the run, not one request (W6 on llama-server bf16 takes over 10 minutes
+# on an AVX2 CPU).
+OFFLINE_REQUEST_TIMEOUT_S = 3 * 3600.0
+
 
 def run_kestrel(requests: list[BenchRequest], engine_kwargs: dict[str, Any], runs: int,
                 workload: str = "W1", rate_before_run: Callable[[], float] | None = None
@@ -100,7 +105,8 @@ def run_server_peer(spec: str, requests: list[BenchRequest], runs: int, workload
         load_s = time.perf_counter() - start
         rss_after_load = rss.sample()
         w4 = workload == "W4"  # W1 and W6: non-streaming, no prompt cache
-        target = Target(server.base_url, stream=w4, extra_body={"cache_prompt": w4})
+        target = Target(server.base_url, timeout=OFFLINE_REQUEST_TIMEOUT_S, stream=w4,
+                        extra_body={"cache_prompt": w4})
         name, _ = asyncio.run(resolve_model(target))
         warm = warm_up_requests()
         asyncio.run(send_requests(target, name, warm, [0.0] * len(warm)))
