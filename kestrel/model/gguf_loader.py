@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -32,7 +32,11 @@ from gguf.constants import (
     GGUFValueType,
 )
 from gguf.quants import dequantize
-from transformers import LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase, Qwen3Config
+
+# transformers is imported where a config or tokenizer is built, not here: a worker or engine-core
+# process reads weights only, and importing transformers costs ~2 s of each one's start.
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -298,6 +302,7 @@ def gguf_config(header: GGUFHeader) -> PretrainedConfig:
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
+    from transformers import LlamaConfig, Qwen3Config
     if arch == "llama":
         return LlamaConfig(**kwargs)
     return Qwen3Config(**kwargs)

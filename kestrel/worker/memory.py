@@ -2,7 +2,11 @@
 
 CPU: the budget is `kv_cache_memory` bytes per worker when given (as vLLM's CPU backend counts it),
 else the smaller of 4 GiB (vLLM's CPU default) and this worker's share of 90% of the RAM still
-available once weights are loaded and the profile's peak activations are set aside. CUDA:
+available once weights are loaded and the profile's peak activations are set aside. Where the pool's
+size is stated (`kv_cache_memory` or `num_kv_blocks`), the profile could not change it, so it is not
+run (vLLM's CPU backend never runs one): a forward pass at the largest batch costs seconds on a CPU
+(6 s on 2 cores for the default model, 30 s for a 1B one); stated bytes are still checked against
+the free RAM. CUDA:
 `gpu_memory_utilization` × device memory, minus the peak that torch saw during the profile and what
 other allocations hold.
 """
@@ -48,21 +52,32 @@ def _peak_rss_bytes() -> int:
 
 
 def profile_cpu(config: EngineConfig, run_profile: Callable[[], None]) -> MemoryProfile:
+    if pool_size_is_stated(config):
+        return _stated_cpu_budget(config)
     before = _rss_bytes()
     can_measure_peak = _reset_peak_rss()
     run_profile()
     peak = _peak_rss_bytes() if can_measure_peak else _rss_bytes()
     activation = max(0, peak - before)
     free = psutil.virtual_memory().available - activation
-    if config.cache.kv_cache_memory is not None:
-        budget = config.cache.kv_cache_memory
-        if budget > free:
-            raise ValueError(f"--kv-cache-memory asks for {budget / GiB:.2f} GiB but only {free / GiB:.2f} GiB "
-                             f"of RAM is free after loading the model; lower --kv-cache-memory")
-    else:
-        # Every worker on this machine sees the same free RAM: each takes its share of it.
-        budget = min(DEFAULT_CPU_KV_CACHE_BYTES, int(0.9 * free) // config.parallel.num_local_workers)
+    # Every worker on this machine sees the same free RAM: each takes its share of it.
+    budget = min(DEFAULT_CPU_KV_CACHE_BYTES, int(0.9 * free) // config.parallel.num_local_workers)
     return MemoryProfile(budget, activation, free)
+
+
+def pool_size_is_stated(config: EngineConfig) -> bool:
+    """Whether the user fixed the KV pool's size, in bytes or in blocks."""
+    return config.cache.kv_cache_memory is not None or config.cache.num_kv_blocks is not None
+
+
+def _stated_cpu_budget(config: EngineConfig) -> MemoryProfile:
+    """The stated pool without a profile: its bytes must fit in the RAM that is free now."""
+    free = psutil.virtual_memory().available
+    budget = config.cache.kv_cache_memory
+    if budget is not None and budget > free:
+        raise ValueError(f"--kv-cache-memory asks for {budget / GiB:.2f} GiB but only {free / GiB:.2f} GiB "
+                         f"of RAM is free after loading the model; lower --kv-cache-memory")
+    return MemoryProfile(budget if budget is not None else 0, 0, free)
 
 
 def profile_cuda(config: EngineConfig, run_profile: Callable[[], None]) -> MemoryProfile:
@@ -103,7 +118,7 @@ def num_blocks_for(config: EngineConfig, profile: MemoryProfile, kv_bytes_per_to
                 else "--gpu-memory-utilization")
         raise ValueError(
             f"the KV cache has room for {max(num_blocks - 1, 0) * cache.block_size} tokens "
-            f"({num_blocks} blocks of {cache.block_size}, {profile.kv_budget_bytes / GiB:.3f} GiB budget), "
+            f"({num_blocks} blocks of {cache.block_size}, {num_blocks * bytes_per_block / GiB:.3f} GiB), "
             f"fewer than one sequence of max_model_len={config.scheduler.max_model_len} needs "
             f"({needed} blocks); raise {knob} or lower --max-model-len")
     return num_blocks

@@ -132,6 +132,9 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
+        # Unseeded requests sample from the global generator: it starts from --seed when serving
+        # starts, whatever the load and the profile forward (run or skipped) drew from it before.
+        torch.manual_seed(self.config.seed)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.threads is not None:

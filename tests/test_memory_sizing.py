@@ -1,0 +1,83 @@
+"""The KV pool's size on a CPU (kestrel/worker/memory.py): measured by a profile forward when the user
+leaves it to the engine, taken as stated (without the profile's seconds) when --kv-cache-memory or
+--num-kv-blocks fixes it, and the model's parameters filled by the checkpoint alone."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kestrel.config import DEFAULT_CPU_KV_CACHE_BYTES
+from kestrel.engine.arg_utils import EngineArgs, create_engine_config
+from kestrel.model import build_model
+from kestrel.model.loader import resolve_model, weight_reader
+from kestrel.worker import memory
+
+GiB = 1 << 30
+
+
+def cpu_config(**kwargs):
+    config, _, _ = create_engine_config(EngineArgs(dtype="float32", max_model_len=256, **kwargs))
+    return config
+
+
+class ProfileRun:
+    """A stand-in for the model runner's profile forward: counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+def test_an_unstated_pool_is_sized_from_the_profile(monkeypatch):
+    """The RAM left once the profile's peak is set aside, 90% of it, at most 4 GiB; here the profile's
+    peak is 1 GiB over the RSS before it (the process's RSS figures are stubbed: the suite's own
+    allocations would blur a real one)."""
+    monkeypatch.setattr(memory, "_reset_peak_rss", lambda: True)
+    monkeypatch.setattr(memory, "_rss_bytes", lambda: 2 * GiB)
+    monkeypatch.setattr(memory, "_peak_rss_bytes", lambda: 3 * GiB)
+    for available, budget in [(4 * GiB, int(0.9 * 3 * GiB)), (20 * GiB, DEFAULT_CPU_KV_CACHE_BYTES)]:
+        monkeypatch.setattr(memory.psutil, "virtual_memory", lambda a=available: SimpleNamespace(available=a))
+        run = ProfileRun()
+        profile = memory.profile_cpu(cpu_config(), run)
+        assert run.calls == 1
+        assert profile.activation_peak_bytes == GiB
+        assert profile.kv_budget_bytes == budget
+
+
+@pytest.mark.parametrize("stated", [dict(kv_cache_memory=64 << 20), dict(num_kv_blocks=40)])
+def test_a_stated_pool_skips_the_profile(stated):
+    run = ProfileRun()
+    config = cpu_config(**stated)
+    profile = memory.profile_cpu(config, run)
+    assert run.calls == 0
+    blocks = memory.num_blocks_for(config, profile, kv_bytes_per_token=1024)
+    assert blocks == stated.get("num_kv_blocks", (64 << 20) // (16 * 1024))
+
+
+def test_stated_bytes_beyond_the_free_ram_name_the_knob(monkeypatch):
+    monkeypatch.setattr(memory.psutil, "virtual_memory", lambda: SimpleNamespace(available=GiB))
+    with pytest.raises(ValueError, match="asks for 2.00 GiB but only 1.00 GiB of RAM is free.*--kv-cache-memory"):
+        memory.profile_cpu(cpu_config(kv_cache_memory=2 * GiB), ProfileRun())
+
+
+def test_every_parameter_comes_from_the_checkpoint():
+    """The model's layers skip torch's random initialisation: a checkpoint that lacks a tensor is an
+    error, not a model with uninitialised weights."""
+    config = cpu_config()
+    reader = weight_reader(resolve_model(None))
+    dropped = "model.layers.3.mlp.down_proj.weight"
+
+    class Lacking:
+        def names(self):
+            return [n for n in reader.names() if n != dropped]
+
+        def read(self, *args, **kwargs):
+            return reader.read(*args, **kwargs)
+
+    with pytest.raises(ValueError, match=r"lacks 1 weights, e.g. \['layers.3.down_proj.weight'\]"):
+        build_model(config.model, torch.device("cpu")).load_weights(Lacking())
