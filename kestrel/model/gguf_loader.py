@@ -33,8 +33,7 @@ from gguf.constants import (
 )
 from gguf.quants import dequantize
 
-# transformers is imported where a config or tokenizer is built, not here: a worker or engine-core
-# process reads weights only, and importing transformers costs ~2 s of each one's start.
+# transformers is imported where it is used (why: kestrel/model/loader.py).
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 

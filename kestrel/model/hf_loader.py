@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-# transformers is imported where a config or tokenizer is built, not here: a worker or engine-core
-# process reads weights only, and importing transformers costs ~2 s of each one's start.
+# transformers is imported where it is used (why: kestrel/model/loader.py).
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 

@@ -52,7 +52,7 @@ def _peak_rss_bytes() -> int:
 
 
 def profile_cpu(config: EngineConfig, run_profile: Callable[[], None]) -> MemoryProfile:
-    if pool_size_is_stated(config):
+    if _pool_size_is_stated(config):
         return _stated_cpu_budget(config)
     before = _rss_bytes()
     can_measure_peak = _reset_peak_rss()
@@ -65,7 +65,7 @@ def profile_cpu(config: EngineConfig, run_profile: Callable[[], None]) -> Memory
     return MemoryProfile(budget, activation, free)
 
 
-def pool_size_is_stated(config: EngineConfig) -> bool:
+def _pool_size_is_stated(config: EngineConfig) -> bool:
     """Whether the user fixed the KV pool's size, in bytes or in blocks."""
     return config.cache.kv_cache_memory is not None or config.cache.num_kv_blocks is not None
 
