@@ -5,10 +5,12 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 
 from kestrel import SamplingParams
 from kestrel.config import EngineArgs
+from kestrel.engine import async_llm
 from kestrel.engine.async_llm import AsyncLLM, EngineDeadError
 
 pytestmark = pytest.mark.slow
@@ -120,3 +122,21 @@ def test_step_fault_ends_every_stream_with_its_message(monkeypatch):
             asyncio.run(collect(engine, "Hi", GREEDY, "after"))
     finally:
         engine.shutdown()
+
+
+def test_an_unreadable_model_stops_the_engine_core_started_before_it_was_read(tmp_path):
+    """The engine core starts while the front end reads the model; when that fails, the loader's error
+    reaches the caller and no process is left behind."""
+    before = {c.pid for c in psutil.Process().children()}
+    with pytest.raises(ValueError, match="does-not-exist"):
+        AsyncLLM.from_engine_args(EngineArgs(model=str(tmp_path / "does-not-exist")))
+    assert [c for c in psutil.Process().children() if c.pid not in before and c.is_running()
+            and c.status() != psutil.STATUS_ZOMBIE] == []
+
+
+def test_a_bad_flag_fails_before_any_engine_core_starts(monkeypatch):
+    def refuse(size):
+        raise AssertionError("an engine core was started for a bad flag")
+    monkeypatch.setattr(async_llm, "prestart_engine_cores", refuse)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        AsyncLLM.from_engine_args(EngineArgs(tensor_parallel_size=0))

@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
@@ -184,10 +185,24 @@ def output_socket(addr: str) -> zmq.Socket:
     return sock
 
 
-def run_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, output_addr: str) -> None:
-    """Entry point of the engine-core process."""
+def run_engine_core(settings: Connection) -> None:
+    """Entry point of the engine-core process. The front end starts it before it has read the model's
+    config and tokenizer, so that this process's imports (torch and the engine, ~3 s on two cores) run
+    meanwhile; it then waits for `(config, source, input_addr, output_addr)` on `settings`, and ends
+    quietly if the front end closes that pipe instead (a bad model or flag)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
     exit_with_parent()
+    try:
+        config, source, input_addr, output_addr = settings.recv()
+    except EOFError:
+        return
+    finally:
+        settings.close()
+    serve_engine_core(config, source, input_addr, output_addr)
+
+
+def serve_engine_core(config: EngineConfig, source: ModelSource, input_addr: str, output_addr: str) -> None:
+    """Build the engine core (its workers load the model), say READY or FAILED, then run the busy loop."""
     inherit_program_logging()
     try:
         bind_engine_core(config.parallel)

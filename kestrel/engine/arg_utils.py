@@ -160,14 +160,21 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- EngineArgs -> EngineConfig -----------------------------------------------------------------
 
-def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, Any]:
-    """Resolve the model, read its config and tokenizer, and fix every setting: (config, source,
-    tokenizer). Settings that need no model are checked first, so a bad flag fails fast."""
+def settings_without_model(args: EngineArgs) -> tuple[SpeculativeConfig | None, ParallelConfig]:
+    """The settings that need no model, checked: (speculative, parallel). A bad flag fails here, before
+    any model is read or any process started."""
     check_settings(args)
     speculative = speculative_config(args.speculative_config)
     parallel = parallel_config(args)
     check_parallel_supported(parallel)
     check_async_scheduling(args.async_scheduling, parallel, speculative)
+    return speculative, parallel
+
+
+def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, Any]:
+    """Resolve the model, read its config and tokenizer, and fix every setting: (config, source,
+    tokenizer). Settings that need no model are checked first, so a bad flag fails fast."""
+    speculative, parallel = settings_without_model(args)
     source = resolve_model(args.model)
     hf_config = load_config(source)
     tokenizer = load_tokenizer(resolve_model(args.tokenizer) if args.tokenizer else source)

@@ -42,11 +42,12 @@ DEATH_POLL_S = 0.5
 
 
 class EngineCoreProcess:
-    """A client of one engine-core process. The process starts at construction; `wait_until_ready`
-    waits for its handshake (so that several cores load their models at the same time)."""
+    """A client of one engine-core process. The process starts at construction, before its settings are
+    known, and imports the engine while the front end reads the model's config and tokenizer;
+    `configure` hands it its settings, and `wait_until_ready` waits for its handshake (so that several
+    cores load their models at the same time)."""
 
-    def __init__(self, config: EngineConfig, source: ModelSource, label: str) -> None:
-        self.config = config
+    def __init__(self, rank: int, label: str) -> None:
         self.label = label  # "the engine core", or "engine core N" among several
         sock_dir = tempfile.mkdtemp(prefix="kestrel-")
         self.input_addr = f"ipc://{sock_dir}/input"
@@ -62,10 +63,19 @@ class EngineCoreProcess:
         self._closed = False
         self.num_kv_blocks = 0  # the core's KV pool, once it is ready
         mark_frontend()  # the workers count this process's CPU time as Kestrel's, not a neighbour's
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=core_process.run_engine_core, name=f"kestrel-engine-core-{config.parallel.data_parallel_rank}",
-            args=(config, source, self.input_addr, self.output_addr), daemon=True)
+        spawn = multiprocessing.get_context("spawn")
+        self._settings, child_end = spawn.Pipe(duplex=False)[::-1]
+        self.process = spawn.Process(target=core_process.run_engine_core, name=f"kestrel-engine-core-{rank}",
+                                     args=(child_end,), daemon=True)
         self.process.start()
+        child_end.close()
+        self.configured = False
+
+    def configure(self, config: EngineConfig, source: ModelSource) -> None:
+        """Send the process its settings: it builds the engine core, then says READY or FAILED."""
+        self._settings.send((config, source, self.input_addr, self.output_addr))
+        self._settings.close()
+        self.configured = True
 
     def wait_until_ready(self, deadline: float) -> None:
         """Return once the engine core is serving; ValueError if it refused its settings, RuntimeError
@@ -100,7 +110,13 @@ class EngineCoreProcess:
         if self._closed:
             return
         self._closed = True
-        if self.process.is_alive():
+        if not self.configured:
+            # Still importing or waiting for its settings: nothing to stop cleanly, and no peer on the
+            # input socket (a send there would block).
+            self._settings.close()
+            self.process.kill()
+            self.process.join(timeout=5)
+        elif self.process.is_alive():
             try:
                 self.send(core_process.SHUTDOWN, None)
             except zmq.ZMQError:
@@ -119,33 +135,52 @@ class EngineCoreProcess:
                 pass
 
 
-def engine_core_label(config: EngineConfig, rank: int) -> str:
-    return "the engine core" if config.parallel.data_parallel_size == 1 else f"engine core {rank}"
+def engine_core_label(data_parallel_size: int, rank: int) -> str:
+    return "the engine core" if data_parallel_size == 1 else f"engine core {rank}"
 
 
-def start_engine_cores(config: EngineConfig, source: ModelSource) -> list[EngineCoreProcess]:
-    """One engine-core process per data-parallel rank, each with `data_parallel_rank` set in its config,
-    started together; returns once every one is ready, or stops them all and raises."""
-    size = config.parallel.data_parallel_size
+def prestart_engine_cores(data_parallel_size: int) -> list[EngineCoreProcess]:
+    """One engine-core process per data-parallel rank, started before the model is read (see
+    `EngineCoreProcess`); `start_engine_cores` configures them, or `stop_engine_cores` ends them."""
     cores: list[EngineCoreProcess] = []
     try:
-        for rank in range(size):
+        for rank in range(data_parallel_size):
+            cores.append(EngineCoreProcess(rank, engine_core_label(data_parallel_size, rank)))
+    except BaseException:
+        stop_engine_cores(cores)
+        raise
+    return cores
+
+
+def stop_engine_cores(cores: list[EngineCoreProcess]) -> None:
+    for core in cores:
+        core.shutdown()
+
+
+def start_engine_cores(config: EngineConfig, source: ModelSource,
+                       prestarted: list[EngineCoreProcess] | None = None) -> list[EngineCoreProcess]:
+    """The engine-core processes (`prestarted`, or new ones), each configured with `data_parallel_rank`
+    set; returns once every one is ready, or stops them all and raises."""
+    size = config.parallel.data_parallel_size
+    cores = prestarted if prestarted is not None else prestart_engine_cores(size)
+    try:
+        assert len(cores) == size, (len(cores), size)
+        for rank, core in enumerate(cores):
             rank_config = dataclasses.replace(
                 config, parallel=dataclasses.replace(config.parallel, data_parallel_rank=rank))
             log_cpu_slice(rank_config)
-            cores.append(EngineCoreProcess(rank_config, source, engine_core_label(config, rank)))
+            core.configure(rank_config, source)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for core in cores:
             core.wait_until_ready(deadline)
     except BaseException:
-        for core in cores:
-            core.shutdown()
+        stop_engine_cores(cores)
         raise
     return cores
 
 
 def log_cpu_slice(config: EngineConfig) -> None:
-    """The engine core binds itself (core_process.run_engine_core); its log lines may go nowhere, so the
+    """The engine core binds itself (core_process.serve_engine_core); its log lines may go nowhere, so the
     front end says which cores it will use."""
     chosen = engine_core_cpu_slice(config.parallel)
     if chosen is not None:
@@ -157,8 +192,9 @@ def log_cpu_slice(config: EngineConfig) -> None:
 class EngineCoreProcesses:
     """The engine-core processes of one front end, and which of them owns each request."""
 
-    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
-        self.cores = start_engine_cores(config, source)
+    def __init__(self, config: EngineConfig, source: ModelSource,
+                 prestarted: list[EngineCoreProcess] | None = None) -> None:
+        self.cores = start_engine_cores(config, source, prestarted)
         self.router = LeastLoadedRouter(len(self.cores))
 
     def __len__(self) -> int:
@@ -189,8 +225,7 @@ class EngineCoreProcesses:
         return next((core for core in self.cores if not core.is_alive()), None)
 
     def shutdown(self) -> None:
-        for core in self.cores:
-            core.shutdown()
+        stop_engine_cores(self.cores)
 
 
 class SyncEngineCoreClient:
