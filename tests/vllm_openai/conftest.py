@@ -27,14 +27,26 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture(scope="package", autouse=True)
+def frozen_heap():
+    """See `collect_unclosed_clients`: what survives each collection is frozen, so that the next one
+    scans only what a test made since (a full collection of this process's heap takes ~0.8 s on two
+    cores, after every one of ~70 tests). Once these tests end the heap is unfrozen and collected,
+    still outside any loop (clients that module fixtures held were frozen with them)."""
+    yield
+    gc.unfreeze()
+    gc.collect()
+
+
 @pytest.fixture(autouse=True)
-def collect_unclosed_clients():
+def collect_unclosed_clients(frozen_heap):
     """Some of vLLM's tests leave an `openai.AsyncOpenAI` unclosed. Its finalizer schedules the close on
     whatever event loop is running when the garbage collector gets to it: a later test's, which then
     fails on a connection of a closed loop ("Event loop is closed"). Collected here, after each test and
     outside any loop, the finalizer does nothing."""
     yield
     gc.collect()
+    gc.freeze()
 
 
 # vLLM's tests/entrypoints/conftest.py fixtures that the ported tests use.
