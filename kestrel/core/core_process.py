@@ -29,7 +29,7 @@ import zmq
 from kestrel.config import EngineConfig
 from kestrel.core.engine_core import EngineCore
 from kestrel.distributed.cpu_binding import bind_engine_core
-from kestrel.distributed.lifecycle import exit_with_parent, inherit_program_logging
+from kestrel.distributed.lifecycle import exit_with_parent, freeze_startup_heap, inherit_program_logging
 from kestrel.messages import EngineCoreFailure, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from kestrel.model.loader import ModelSource
 from kestrel.worker.select_executor import executor_class
@@ -90,6 +90,7 @@ class EngineCoreProc:
         """Step until told to shut down. If a step (or an input) raises, tell the front end which
         requests it ended and why, then exit non-zero: the core's state is no longer trusted."""
         self.send(READY, {"num_kv_blocks": self.core.num_kv_blocks})
+        freeze_startup_heap()  # while the front end finishes its own start-up
         try:
             self._loop()
         except Exception as exc:  # noqa: BLE001 - reported to the front end, then the process exits

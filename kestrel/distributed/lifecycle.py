@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -21,6 +22,15 @@ def exit_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True).start()
+
+
+def freeze_startup_heap() -> None:
+    """Move what start-up built (imported modules, the model, the tokenizer) out of the collector's
+    reach, as vLLM does: its objects live until exit, yet every full collection walked them, ~0.2 s
+    each on two cores, during serving and twice more while the interpreter exits. For processes
+    Kestrel owns (`kestrel serve`, engine core, workers), never a library user's."""
+    gc.collect()
+    gc.freeze()
 
 
 LOGGING_LEVEL_ENV = "KESTREL_LOGGING_LEVEL"

@@ -45,6 +45,7 @@ from kestrel.distributed.lifecycle import (
     allow_child_processes,
     exit_with_parent,
     free_tcp_port,
+    freeze_startup_heap,
     inherit_program_logging,
 )
 from kestrel.messages import ModelRunnerOutput, SchedulerOutput
@@ -322,6 +323,7 @@ def run_worker(config: EngineConfig, source: ModelSource, rank: int, init_method
     except Exception:
         answers.send_multipart([str(READY_CALL_ID).encode(), rank_b, ERROR, traceback.format_exc().encode()])
         raise
+    freeze_startup_heap()
     answers.send_multipart([str(READY_CALL_ID).encode(), rank_b, OK, b""])
     WorkerLoop(worker, steps, answers, rank_b, is_output_rank=rank == pc.world_size - pc.tensor_parallel_size).run()
     del worker

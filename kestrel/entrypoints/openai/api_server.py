@@ -30,6 +30,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kestrel
+from kestrel.distributed.lifecycle import freeze_startup_heap
 from kestrel.entrypoints.openai.dashboard import dashboard_router
 from kestrel.entrypoints.openai.metrics import ServerMetrics
 from kestrel.entrypoints.openai.openapi import (
@@ -347,6 +348,7 @@ def run_server(args) -> int:
         # through `finally` (which stops the engine core) instead of dying by the default handler.
         signal.signal(signal.SIGTERM, _exit_on_signal)
         signal.signal(signal.SIGINT, _exit_on_signal)
+        freeze_startup_heap()
         print(f"kestrel: serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}",
               flush=True)
         server.run()
