@@ -369,3 +369,45 @@ def test_damaged_tokenizer_cache_is_rebuilt(
     monkeypatch.setattr(gguf_loader, "_convert_gguf_tokenizer", lambda *a: sentinel)
     monkeypatch.setattr(gguf_loader, "_save_atomically", lambda *a: None)
     assert load_tokenizer(default_source) is sentinel
+
+
+# --------------------------------------------------------------------------- GGUF tensor data
+
+
+def _random_blocks(qtype: gguf.GGMLQuantizationType, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """`n_blocks` blocks of random quants, their float16 scales random but finite (NaN != NaN)."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    if qtype in (gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16):
+        values = torch.from_numpy(rng.standard_normal(n_blocks).astype(np.float32) * 100)
+        dtype = torch.float16 if qtype == gguf.GGMLQuantizationType.F16 else torch.bfloat16
+        return values.to(dtype).view(torch.uint8).numpy()
+    blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    n_scales = 2 if qtype == gguf.GGMLQuantizationType.Q4_1 else 1  # Q4_1: d, then m
+    blocks[:, : 2 * n_scales] = (rng.standard_normal((n_blocks, n_scales)) * 0.05).astype(np.float16).view(np.uint8)
+    return blocks.reshape(-1)
+
+
+@pytest.mark.parametrize("qtype", list(gguf_loader._TORCH_DEQUANTIZERS), ids=lambda q: q.name)
+def test_torch_dequantizers_give_gguf_bits(qtype: gguf.GGMLQuantizationType) -> None:
+    raw = _random_blocks(qtype, 4096, np.random.default_rng(int(qtype)))
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    info = gguf_loader.GGUFTensorInfo("t", (raw.size // type_size * block_size,), qtype, 0, raw.size)
+    got = gguf_loader._dequantize(raw, info)
+    want = gguf.quants.dequantize(raw, qtype)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert np.array_equal(got.view(np.int32), want.astype(np.float32).view(np.int32))  # the same bits, -0.0 too
+
+
+def test_default_model_tensors_read_as_gguf_decodes_them(default_gguf_path: Path) -> None:
+    """The reader's torch path on the real file (Q4_1, Q8_0, F32), whole and sliced, against gguf's."""
+    reader = gguf_loader.GGUFWeightReader(str(default_gguf_path))
+    infos = {info.qtype: (name, info) for name, info in reader._infos.items()
+             if not info.name.endswith(("attn_q.weight", "attn_k.weight"))}  # those rows are permuted
+    assert {gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0} <= set(infos)
+    for name, info in infos.values():
+        raw = np.asarray(reader._bytes[info.offset : info.offset + info.n_bytes])
+        want = torch.from_numpy(gguf.quants.dequantize(raw, info.qtype).astype(np.float32).reshape(info.shape))
+        assert torch.equal(reader.read(name), want), name
+        if len(info.shape) == 2:
+            assert torch.equal(reader.read(name, dim=0, start=64, size=128), want[64:192]), name
+            assert torch.equal(reader.read(name, dim=1, start=64, size=128), want[:, 64:192]), name
