@@ -202,6 +202,10 @@ def test_header_parser_agrees_with_gguf_reader(tmp_path: Path) -> None:
         assert info.offset == t.data_offset and info.n_bytes == t.n_bytes
         assert info.shape == tuple(reversed(t.shape.tolist()))
     assert ours.metadata["qwen3.block_count"] == reader.fields["qwen3.block_count"].contents()
+    fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}  # the reader's own
+    assert list(ours.value_types) == list(fields)
+    for key, field in fields.items():  # scalars: (type, None); arrays, e.g. the vocabulary: (ARRAY, items)
+        assert [t for t in ours.value_types[key] if t is not None] == field.types, key
 
 
 def test_folder_with_one_gguf(tmp_path: Path) -> None:

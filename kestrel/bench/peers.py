@@ -209,59 +209,62 @@ def gguf_in_precision(src: Path, precision: str, cache_dir: Path | None = None) 
 
 
 def _write_dequantized_gguf(src: Path, dst: Path, precision: str) -> None:
+    """`src` with its metadata copied key by key (types and order kept, general.file_type set) and its
+    tensors decoded (kestrel's torch decode, bit for bit gguf's) then written in `precision`. The
+    header is read by kestrel's parser: gguf.GGUFReader took ~5 s a file for the vocabulary's views."""
     import gguf
     from gguf import GGMLQuantizationType as QT
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
-    from gguf.quants import dequantize, quantize
+    from gguf import GGUFValueType, GGUFWriter, LlamaFileType
+    from gguf.quants import quantize
 
-    reader = GGUFReader(src)
+    from kestrel.model.gguf_loader import dequantize_tensor, read_gguf_header
+
+    header = read_gguf_header(src)
+    file_bytes = np.memmap(src, dtype=np.uint8, mode="c")  # copy-on-write: torch may view it; never written
     target_type, file_type = {"bf16": (QT.BF16, LlamaFileType.MOSTLY_BF16), "f32": (QT.F32, LlamaFileType.ALL_F32),
                               "q8_0": (QT.Q8_0, LlamaFileType.MOSTLY_Q8_0)}[precision]
-    integer_types = {QT.I8, QT.I16, QT.I32, QT.I64}
+    integer_types = {QT.I8: np.int8, QT.I16: np.int16, QT.I32: np.int32, QT.I64: np.int64}
 
-    arch_field = reader.get_field("general.architecture")
-    writer = GGUFWriter(dst, arch=arch_field.contents() if arch_field else "llama")
+    writer = GGUFWriter(dst, arch=header.architecture)
     writer.kv_data[0].clear()  # the writer pre-adds general.architecture; copy the source's order instead
-    alignment = reader.get_field("general.alignment")
-    if alignment is not None:
-        writer.data_alignment = int(alignment.contents())
+    if "general.alignment" in header.metadata:
+        writer.data_alignment = int(header.metadata["general.alignment"])
 
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):  # the reader's own entries for the header counts
-            continue
+    for key, value in header.metadata.items():
+        value_type, item_type = header.value_types[key]
         if key == "general.file_type":
-            writer.add_key_value(key, int(file_type), field.types[0])
-            continue
-        writer.add_key_value(key, *_field_value(key, field))
-    if reader.get_field("general.file_type") is None:
+            writer.add_key_value(key, int(file_type), value_type)
+        elif item_type == GGUFValueType.ARRAY:
+            raise ValueError(f"metadata key {key!r}: nested arrays are not supported")
+        else:
+            writer.add_key_value(key, value, value_type, item_type)
+    if "general.file_type" not in header.metadata:
         writer.add_key_value("general.file_type", int(file_type), GGUFValueType.UINT32)
 
     # Plan every tensor first (the header needs all sizes), then stream the data one tensor at a time.
     plan: list[tuple[Any, QT]] = []
-    for t in reader.tensors:
-        np_shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if t.tensor_type in integer_types:
-            out_type = t.tensor_type
+    for info in header.tensors.values():
+        if info.qtype in integer_types:
+            out_type = info.qtype
+            writer.add_tensor_info(info.name, info.shape, np.dtype(integer_types[out_type]), info.n_bytes)
         else:
-            out_type = QT.F32 if len(np_shape) <= 1 else target_type
-        n_elements = int(np.prod(np_shape, dtype=np.int64))
-        if out_type in integer_types:  # copied as it is
-            writer.add_tensor_info(t.name, np_shape, t.data.dtype, int(t.n_bytes))
-        else:
+            out_type = QT.F32 if len(info.shape) <= 1 else target_type
+            n_elements = int(np.prod(info.shape, dtype=np.int64))
             block, block_bytes = gguf.GGML_QUANT_SIZES[out_type]  # (1, 4) for F32, (32, 34) for Q8_0
-            writer.add_tensor_info(t.name, np_shape, np.dtype(np.float32), n_elements // block * block_bytes,
+            writer.add_tensor_info(info.name, info.shape, np.dtype(np.float32), n_elements // block * block_bytes,
                                    raw_dtype=out_type)
-        plan.append((t, out_type))
+        plan.append((info, out_type))
 
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for t, out_type in plan:
-            if out_type in integer_types:
-                writer.write_tensor_data(np.ascontiguousarray(t.data))
+        for info, out_type in plan:
+            if out_type in integer_types:  # copied as it is
+                raw = file_bytes[info.offset : info.offset + info.n_bytes]
+                writer.write_tensor_data(np.ascontiguousarray(raw).view(integer_types[out_type]).reshape(info.shape))
                 continue
-            values = dequantize(t.data, t.tensor_type)  # float32, numpy order
+            values = dequantize_tensor(file_bytes, info)  # float32, numpy order
             if out_type == QT.F32:
                 data = np.ascontiguousarray(values, dtype=np.float32)
             else:
@@ -270,18 +273,6 @@ def _write_dequantized_gguf(src: Path, dst: Path, precision: str) -> None:
         writer.flush()
     finally:
         writer.close()
-
-
-def _field_value(key: str, field: Any) -> tuple[Any, Any, Any]:
-    """(value, type, array item type) of a GGUFReader field, for GGUFWriter.add_key_value."""
-    from gguf import GGUFValueType
-
-    main_type = field.types[0]
-    if main_type != GGUFValueType.ARRAY:
-        return field.contents(), main_type, None
-    if len(field.types) != 2:
-        raise ValueError(f"metadata key {key!r}: nested or empty arrays are not supported")
-    return field.contents(), main_type, field.types[1]
 
 
 def gguf_precision_name(path: Path) -> str:

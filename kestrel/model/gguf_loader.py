@@ -64,6 +64,9 @@ class GGUFHeader:
     metadata: dict[str, Any]
     tensors: dict[str, GGUFTensorInfo]
     file_size: int
+    # Each metadata key's GGUF type, and for an array its items' type (None for a scalar): what a
+    # writer needs to copy the metadata exactly (kestrel/bench/peers.py).
+    value_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]]
 
     @property
     def architecture(self) -> str:
@@ -178,9 +181,17 @@ def _parse_header(path: str, buf: mmap.mmap, file_size: int) -> GGUFHeader:
     kv_count = cur.unpack(_U64)
 
     metadata: dict[str, Any] = {}
+    value_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {}
     for _ in range(kv_count):
         key = cur.string()
-        metadata[key] = _read_value(cur, GGUFValueType(cur.unpack(_U32)))
+        vtype = GGUFValueType(cur.unpack(_U32))
+        item_type = None
+        if vtype == GGUFValueType.ARRAY:  # it starts with its items' type: peeked here, read by _read_array
+            at = cur.pos
+            item_type = GGUFValueType(cur.unpack(_U32))
+            cur.pos = at
+        value_types[key] = (vtype, item_type)
+        metadata[key] = _read_value(cur, vtype)
 
     raw_tensors = []
     for _ in range(tensor_count):
@@ -199,7 +210,7 @@ def _parse_header(path: str, buf: mmap.mmap, file_size: int) -> GGUFHeader:
     for name, dims, qtype, rel_offset in raw_tensors:
         n_bytes = _tensor_n_bytes(name, dims, qtype)
         tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), qtype, data_start + rel_offset, n_bytes)
-    return GGUFHeader(path, version, metadata, tensors, file_size)
+    return GGUFHeader(path, version, metadata, tensors, file_size, value_types)
 
 
 def _check_tensor_data_fits(header: GGUFHeader) -> None:
@@ -419,7 +430,9 @@ def _dequantize(raw: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
         raise ValueError(f"tensor {info.name}: GGUF type {info.qtype.name} cannot be dequantized") from None
 
 
-def _dequantize_tensor(file_bytes: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
+def dequantize_tensor(file_bytes: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
+    """The tensor `info` of a GGUF file (all its bytes, e.g. a memmap) as float32, in numpy order; a
+    view of the file where it is stored as F32."""
     return _dequantize(file_bytes[info.offset : info.offset + info.n_bytes], info).reshape(info.shape)
 
 
@@ -446,7 +459,7 @@ def _dequantize_columns(file_bytes: np.ndarray, info: GGUFTensorInfo, start: int
         return _dequantize(np.ascontiguousarray(raw).reshape(-1), info).reshape(*info.shape[:-1], count)
     # An end inside a quant block: the block must be decoded whole, so the whole rows (here, the whole
     # tensor) are dequantized and the columns cut from them.
-    return _dequantize_tensor(file_bytes, info)[..., start : start + count]
+    return dequantize_tensor(file_bytes, info)[..., start : start + count]
 
 
 class GGUFWeightReader:
@@ -476,7 +489,7 @@ class GGUFWeightReader:
         info = self._infos[name]
         n_head = self._permuted.get(info.name.split(".", 2)[-1])
         if dim is None:
-            array = _dequantize_tensor(self._bytes, info)
+            array = dequantize_tensor(self._bytes, info)
         else:
             dim = dim % len(info.shape)
             size = info.shape[dim] - start if size is None else size
