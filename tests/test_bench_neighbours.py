@@ -88,7 +88,7 @@ def test_latency_rounds_run_alone_then_beside_the_neighbours(monkeypatch):
     monkeypatch.setattr(latency, "start_engine", fake_start)
     monkeypatch.setattr(latency, "run_round", fake_round)
     monkeypatch.setattr(latency, "settle", fake_settle)
-    args = argparse.Namespace(input_len=8, output_len=4, concurrency=[1], runs=2, neighbour_threads=1)
+    args = argparse.Namespace(input_len=8, output_len=4, concurrency=[1], runs=2, neighbour_threads=1, model=None)
     engines = latency.measure_engines(["kestrel", "peer"], args)
 
     one_round = [("settle", "kestrel", 0), ("round", "kestrel", 0), ("settle", "kestrel", 1), ("round", "kestrel", 1),
@@ -115,6 +115,6 @@ def test_without_neighbours_no_settling_and_no_neighbour_rows(monkeypatch):
                                                                      type("Rss", (), {"peak": 1})()))
     monkeypatch.setattr(latency, "run_round", lambda e, r, n: calls.append("round") or {"ttft_s": 1, "tpot_s": 1})
     monkeypatch.setattr(latency, "settle", lambda e, a: calls.append("settle"))
-    args = argparse.Namespace(input_len=8, output_len=4, concurrency=[1], runs=1, neighbour_threads=0)
+    args = argparse.Namespace(input_len=8, output_len=4, concurrency=[1], runs=1, neighbour_threads=0, model=None)
     (engine,) = latency.measure_engines(["kestrel"], args)
     assert calls == ["round"] and "neighbour" not in engine["settings"][0]

@@ -249,6 +249,11 @@ def test_w6_options_are_checked():
     args, kwargs = _throughput_args("--peer", "llama-server:q4_k")  # W1
     with pytest.raises(ValueError, match="--workload W6"):
         check_options(args, kwargs)
+    args, kwargs = _throughput_args("--workload", "W6", "--kestrel-weights", "q8_0", "--peer", "llama-server:q8_0")
+    check_options(args, kwargs)
+    args, kwargs = _throughput_args("--kestrel-weights", "q8_0")  # W1
+    with pytest.raises(ValueError, match="--kestrel-weights .* --workload W6"):
+        check_options(args, kwargs)
 
 
 def test_w6_requests_are_w1s_inside_the_vocabulary():
@@ -267,7 +272,7 @@ def test_w6_requests_are_w1s_inside_the_vocabulary():
 
 def test_w6_peers_read_the_generated_files(tmp_path):
     from kestrel.bench.launch import launch_server, repack_args
-    from kestrel.bench.throughput import w6_peer_gguf
+    from kestrel.bench.throughput import w6_kestrel_model, w6_peer_gguf
 
     model = W6Model(tmp_path, TINY)
     for quant_type in ("Q8_0", "Q4_K_M"):
@@ -275,6 +280,9 @@ def test_w6_peers_read_the_generated_files(tmp_path):
     assert w6_peer_gguf("llama-server:bf16", model) == model.bf16_gguf
     assert w6_peer_gguf("llama-server:q8_0", model) == model.quantized_path("Q8_0")
     assert w6_peer_gguf("llama-server:q4_k", model) == model.quantized_path("Q4_K_M")
+    # Kestrel reads the folder, or with --kestrel-weights q8_0 the very file llama-server:q8_0 reads.
+    assert w6_kestrel_model("bf16", model) == model.hf_folder
+    assert w6_kestrel_model("q8_0", model) == model.quantized_path("Q8_0")
     with pytest.raises(ValueError, match="--workload W6"):
         launch_server("llama-server:q4_k", parallel=1, ctx_per_slot=64)
     # Q4_K keeps llama.cpp's AVX2 repacking except where AMX would trap; Q8_0 never repacks (as for W1).

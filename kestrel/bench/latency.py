@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import shlex
 import statistics
@@ -41,7 +42,7 @@ from kestrel.bench.neighbours import BusyNeighbours
 from kestrel.bench.peers import RssSampler
 from kestrel.bench.report import load_averages, markdown_table, text_table, write_report
 from kestrel.bench.serve import Target, resolve_model, send_requests
-from kestrel.bench.workloads import BenchRequest, random_requests
+from kestrel.bench.workloads import BenchRequest, random_requests, token_id_range
 
 W3_INPUT_LEN = 128
 W3_OUTPUT_LEN = 128
@@ -107,6 +108,13 @@ class LiveEngine:
     neighbour_rounds: dict[int, list[dict[str, float]]] = field(default_factory=dict)  # beside busy neighbours
 
 
+@functools.cache
+def prompt_id_range(model: str | None) -> tuple[int, int]:
+    """The prompts' token ids, inside the model's vocabulary."""
+    from kestrel.model.loader import load_config, resolve_model
+    return token_id_range(int(load_config(resolve_model(model)).vocab_size))
+
+
 def neighbour_threads(args: argparse.Namespace) -> int:
     return getattr(args, "neighbour_threads", 0)
 
@@ -118,8 +126,8 @@ def measure_engines(specs: list[str], args: argparse.Namespace) -> list[dict[str
     with ExitStack() as stack:
         engines = [start_engine(stack, spec, args) for spec in specs]
         for c, r in rounds_to_run(args.concurrency, args.runs):
-            requests = random_requests(c, (args.input_len, args.input_len),
-                                       (args.output_len, args.output_len), seed=1000 * c + r)
+            requests = random_requests(c, (args.input_len, args.input_len), (args.output_len, args.output_len),
+                                       seed=1000 * c + r, id_range=prompt_id_range(args.model))
             for e in engines:
                 if neighbour_threads(args):
                     settle(e, args)
@@ -141,7 +149,8 @@ def log_round(e: LiveEngine, c: int, r: int, args: argparse.Namespace, result: d
 def settle(engine: LiveEngine, args: argparse.Namespace) -> None:
     """One request of SETTLE_OUTPUT_LEN tokens, unmeasured: the engine decodes in the round's
     condition (alone, or beside the neighbours) before the round starts."""
-    request = random_requests(1, (args.input_len, args.input_len), (SETTLE_OUTPUT_LEN, SETTLE_OUTPUT_LEN), seed=2)
+    request = random_requests(1, (args.input_len, args.input_len), (SETTLE_OUTPUT_LEN, SETTLE_OUTPUT_LEN), seed=2,
+                              id_range=prompt_id_range(args.model))
     asyncio.run(send_requests(engine.target, engine.model, request, [0.0]))
 
 
@@ -162,7 +171,7 @@ def start_engine(stack: ExitStack, spec: str, args: argparse.Namespace) -> LiveE
     target = Target(server.base_url, timeout=TIMEOUT_S,
                     extra_body={"cache_prompt": False} if is_llama(spec) else {})
     model, _ = asyncio.run(resolve_model(target))
-    warm = random_requests(1, (args.input_len, args.input_len), (16, 16), seed=1)
+    warm = random_requests(1, (args.input_len, args.input_len), (16, 16), seed=1, id_range=prompt_id_range(args.model))
     asyncio.run(send_requests(target, model, warm, [0.0]))
     return LiveEngine(spec, server, target, model, rss)
 

@@ -12,7 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-TOKEN_ID_RANGE = (100, 40000)   # inclusive; inside every supported model's vocabulary
+TOKEN_ID_RANGE = (100, 40000)   # inclusive; inside the default model's vocabulary (49152)
+
+
+def token_id_range(vocab_size: int) -> tuple[int, int]:
+    """TOKEN_ID_RANGE cut to a vocabulary of `vocab_size` ids (Llama 2's and TinyLlama's hold 32000)."""
+    return TOKEN_ID_RANGE[0], min(TOKEN_ID_RANGE[1], vocab_size - 1)
 
 # W1: offline throughput.
 W1_NUM_REQUESTS = 64

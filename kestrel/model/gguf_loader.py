@@ -508,6 +508,37 @@ class GGUFWeightReader:
             array = array.copy()
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
+    def q8_0_names(self) -> frozenset[str]:
+        """The tensors stored as Q8_0, which read_q8_0 returns as the file's blocks."""
+        return frozenset(name for name, info in self._infos.items()
+                         if info.qtype == GGMLQuantizationType.Q8_0 and len(info.shape) == 2)
+
+    def read_q8_0(self, name: str, dim: int | None = None, start: int = 0, size: int | None = None) -> torch.Tensor:
+        """A Q8_0 tensor [N, K] (whole, or the slice `read` would give: rows, or columns on block
+        boundaries) as the file's bytes, uint8 [rows, K / 32 * 34], q/k rows in Hugging Face's rotary
+        layout as `read` gives them."""
+        info = self._infos[name]
+        if info.qtype != GGMLQuantizationType.Q8_0 or len(info.shape) != 2:
+            raise ValueError(f"{name} is {info.qtype.name} {list(info.shape)}, not a Q8_0 matrix")
+        n_head = self._permuted.get(info.name.split(".", 2)[-1])
+        rows = _row_view(self._bytes, info)
+        block, block_bytes = GGML_QUANT_SIZES[info.qtype]
+        if dim is not None:
+            dim = dim % 2
+            size = info.shape[dim] - start if size is None else size
+            if not (0 <= start and size > 0 and start + size <= info.shape[dim]):
+                raise ValueError(f"{name}: slice [{start}, {start + size}) of dim {dim} is outside {info.shape}")
+            if dim == 0:
+                n_head = self._rows_heads(name, info, n_head, start, size)
+                rows = rows[start : start + size]
+            elif start % block or size % block:
+                raise ValueError(f"{name}: columns [{start}, {start + size}) are not whole Q8_0 blocks of {block}")
+            else:
+                rows = rows[:, start // block * block_bytes : (start + size) // block * block_bytes]
+        if n_head is not None:
+            rows = unpermute_rotary(rows, n_head)
+        return torch.from_numpy(np.array(rows, dtype=np.uint8))   # a copy: the rows leave the mmap
+
     @staticmethod
     def _rows_heads(name: str, info: GGUFTensorInfo, n_head: int | None, start: int, size: int) -> int | None:
         """The heads a row slice of a permuted q/k covers (None: not permuted)."""

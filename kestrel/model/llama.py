@@ -210,14 +210,16 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         rows_filled = dict.fromkeys(params, 0)
         for name in reader.names():
-            placement = self._placement(name)
+            placement = self.placement(name)
             if placement is None:
                 continue
             if placement.param not in params:
                 raise ValueError(f"weight {name!r} has no place in the {self.cfg.architecture} model")
             param = params[placement.param]
             dst = param.data if placement.rows is None else param.data.narrow(0, placement.row, placement.rows)
-            tensor = reader.read(name, placement.dim, placement.start, placement.size)
+            # A projection kept in GGUF Q8_0 (kestrel/model/quantization.py) holds the file's blocks.
+            read = reader.read_q8_0 if param.dtype == torch.uint8 else reader.read
+            tensor = read(name, placement.dim, placement.start, placement.size)
             if dst.shape != tensor.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)} on this rank, "
                                  f"expected {tuple(dst.shape)}")
@@ -227,7 +229,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
 
-    def _placement(self, name: str) -> _Placement | None:
+    def placement(self, name: str) -> _Placement | None:
         """Where checkpoint tensor `name` goes on this rank; None where it has no part here (another
         stage's layers, the untied copy of a tied output head)."""
         cfg, shard = self.cfg, self.shard

@@ -1,4 +1,14 @@
-"""--quantization int8: the decoder layers' projections in int8, quantized at load time from the
+"""Quantized decoder projections: --quantization int8, and a GGUF file's Q8_0 weights as the file
+stores them.
+
+GGUF Q8_0 (as vLLM runs a GGUF file's quantized weights, and llama.cpp does): a projection whose
+tensors the file stores as Q8_0 keeps them, blocks of 32 int8 along K with one scale each (1.06 bytes a
+weight against 2 for bf16), where the model is bf16 on a CPU with the kernels (cpu_kernels.cpp's
+linear_q8_0, which sums the exact dequantized weights in float32). Elsewhere, under --quantization int8,
+and for every other GGUF type, the weights are dequantized at load. `keep_gguf_q8_0_` decides, once,
+before the weights are read.
+
+--quantization int8: the decoder layers' projections in int8, quantized at load time from the
 checkpoint's weights (no calibration, no quantized checkpoint needed).
 
 Weights: symmetric int8 with one float32 scale per output row (max |w| / 127). Activations: each token's
@@ -29,7 +39,16 @@ import torch
 from torch import nn
 
 from kestrel.model.layers import Linear
-from kestrel.ops.dispatch import amx_gemv, int8_kernels
+from kestrel.ops.dispatch import (
+    Q8_0_BLOCK,
+    Q8_0_BLOCK_BYTES,
+    PlanMatmul,
+    amx_gemv,
+    int8_kernels,
+    pack_q8_0_weight,
+    q8_0_packable,
+    q8_0_plan_matmul,
+)
 
 # (x [M, K], qweight [N, K], scale [N]) -> y [M, N] in x's dtype
 Int8Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -169,3 +188,73 @@ def quantize_model_(model: nn.Module, method: str | None) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Int8Linear(module, matmul))
     return len(targets)
+
+
+# ---- GGUF Q8_0 -------------------------------------------------------------------------------------
+
+class Q8_0Linear(nn.Module):
+    """A projection holding a GGUF file's Q8_0 blocks: `weight` is uint8 [N, K / 32 * 34] (the file's
+    rows, which load_weights fills) until `pack_` puts it in the kernel's layout. `plan_matmul`: its
+    kernel (linear_q8_0), which a decode plan binds."""
+
+    def __init__(self, linear: Linear, plan_matmul: PlanMatmul) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        blocks = torch.empty(self.out_features, self.in_features // Q8_0_BLOCK * Q8_0_BLOCK_BYTES, dtype=torch.uint8)
+        self.weight = nn.Parameter(blocks, requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.data, requires_grad=False)
+        self.has_bias = linear.bias is not None
+        self.plan_matmul = plan_matmul
+        self.matmul = plan_matmul.kernel
+
+    def pack_(self) -> None:
+        self.weight.data = pack_q8_0_weight(self.weight.data)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x.reshape(-1, self.in_features), self.weight).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    __call__ = forward  # as Linear's: no hook machinery on the decode path
+
+
+def keep_gguf_q8_0_(model: nn.Module, reader: object, quantization: str | None) -> int:
+    """Before the weights are read: every projection (`Linear`) all of whose checkpoint tensors `reader`
+    holds as Q8_0 (a GGUF reader's `q8_0_names`) replaced by a Q8_0Linear that load_weights fills with
+    the file's blocks, where linear_q8_0 runs (a bf16 model on a CPU with the kernels), no
+    --quantization is asked for and the shapes pack (a tensor-parallel share of K on whole blocks).
+    The number replaced; 0 leaves every weight to be dequantized as before."""
+    q8_0_names = getattr(reader, "q8_0_names", None)
+    targets = {name: module for name, module in model.named_modules() if type(module) is Linear}
+    if q8_0_names is None or quantization is not None or not targets:
+        return 0
+    weight = next(iter(targets.values())).weight
+    plan_matmul = q8_0_plan_matmul() if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 else None
+    if plan_matmul is None:
+        return 0
+    held = q8_0_names()
+    sources: dict[str, list[bool]] = {}   # module name -> for each tensor placed in it: Q8_0 on whole blocks
+    for name in reader.names():
+        placement = model.placement(name)
+        if placement is None or not placement.param.endswith(".weight"):
+            continue
+        module = placement.param.removesuffix(".weight")
+        if module in targets:
+            whole_blocks = placement.dim in (None, 0) or (placement.start % Q8_0_BLOCK == 0
+                                                         and (placement.size or 0) % Q8_0_BLOCK == 0)
+            sources.setdefault(module, []).append(name in held and whole_blocks)
+    replaced = 0
+    for name, kept in sources.items():
+        linear = targets[name]
+        if all(kept) and q8_0_packable(linear.out_features, linear.in_features):
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, Q8_0Linear(linear, plan_matmul))
+            replaced += 1
+    return replaced
+
+
+def pack_q8_0_weights_(model: nn.Module) -> int:
+    """After loading: each Q8_0Linear's blocks put in the kernel's layout; the number packed."""
+    layers = [module for module in model.modules() if isinstance(module, Q8_0Linear)]
+    for layer in layers:
+        layer.pack_()
+    return len(layers)

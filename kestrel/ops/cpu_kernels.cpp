@@ -15,7 +15,8 @@
 // one pass over each row. linear_f32: float32 decode-sized products. linear_bf16: bf16 products of any
 // size where there is no AVX512-BF16 (see "bf16 linear layers" below). DecodeLayers: the decode plan's
 // layer loop, over the matmul the plan binds. linear_int8: --quantization int8's products where there is no AMX
-// (AVX512-VNNI or AVX2; see "int8 linear layers" below).
+// (AVX512-VNNI or AVX2; see "int8 linear layers" below). linear_q8_0: products with a GGUF file's Q8_0
+// weights as the file stores them (see "GGUF Q8_0 weights" below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -1379,6 +1380,179 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
   else linear_bf16_columns(xf, w, M, K, n_begin, n_end, out);
 }
 
+// ---- GGUF Q8_0 weights ----
+//
+// linear_q8_0(x [M, K] bf16, w packed Q8_0) -> y [M, N] = x w^T, bf16 (or its float32 values), for a
+// weight kept as the GGUF file stores it: blocks of 32 int8 along K with one scale each (llama.cpp's
+// Q8_0; its float16 scale widened once at load). The weight is packed at load
+// (kestrel/ops/dispatch.py: pack_q8_0_weight) as [N / 16, K / 32, kQ8BlockBytes] uint8: for each panel of
+// 16 columns and each block of 32 along K, the 16 columns' scales (float32), then the block's 32
+// k-rows of 16 int8, a row per k in column order. 1.125 bytes a weight, against 2 for bf16.
+//
+// Each weight is widened and multiplied by its scale as it is read: int8 times a float16 scale is
+// exact in float32, so the kernel sums the dequantized weights themselves (not llama.cpp's products
+// of int8 activations) in linear_bf16's packed order: one sum down k per piece of K (panel_k_piece),
+// the pieces added in order, whatever M is. Where the dequantized weights are bf16 numbers (a
+// power-of-two scale), y is bit for bit linear_bf16's on them (tests/test_gguf_quant.py holds it to
+// that). Up to kQ8PanelMinRows rows the panels stream through registers (packed_stream's tiles); from
+// there a thread dequantizes a panel's piece into L1 once for a block of rows (bf16_panels' tile), so
+// the widening is paid once per block.
+
+namespace {
+
+constexpr int64_t kQ8Block = 32;
+constexpr int64_t kQ8ScaleBytes = kPanelCols * sizeof(float);
+constexpr int64_t kQ8BlockBytes = kQ8ScaleBytes + kQ8Block * kPanelCols;
+constexpr int64_t kQ8PanelMinRows = 32;
+static_assert(kPanelK % kQ8Block == 0, "panel pieces hold whole blocks where K allows");
+
+// The block (panel of column n, block b along K) of a packed weight of K columns.
+inline const uint8_t* q8_block(const uint8_t* wq, int64_t K, int64_t n, int64_t b) {
+  return wq + ((n / kPanelCols) * (K / kQ8Block) + b) * kQ8BlockBytes;
+}
+inline const float* q8_scales(const uint8_t* block) { return reinterpret_cast<const float*>(block); }
+inline const int8_t* q8_quants(const uint8_t* block) { return reinterpret_cast<const int8_t*>(block + kQ8ScaleBytes); }
+
+// Rows [k0, k0 + len) of the panel of column n dequantized: panel[k][c] as float32 (len any).
+void q8_dequantize_panel(const uint8_t* wq, int64_t K, int64_t n, int64_t k0, int64_t len, float* panel) {
+  for (int64_t k = k0; k < k0 + len;) {
+    const int64_t b = k / kQ8Block, stop = std::min(k0 + len, (b + 1) * kQ8Block);
+    const uint8_t* block = q8_block(wq, K, n, b);
+    VecF d[kPanelVecs];
+    for (int v = 0; v < kPanelVecs; ++v) d[v] = load_f32(q8_scales(block) + v * kLanes);
+    for (; k < stop; ++k) {
+      const int8_t* q = q8_quants(block) + (k - b * kQ8Block) * kPanelCols;
+      for (int v = 0; v < kPanelVecs; ++v) store(panel + (k - k0) * kPanelCols + v * kLanes, mul(load_int8(q + v * kLanes), d[v]));
+    }
+  }
+}
+
+// out.row() of MR rows of x (widened, [MR, K]) and the P panels of [n0, n0 + P x kPanelCols): the
+// packed bf16 tile's loop, each weight row dequantized in registers.
+template <int MR, int P, typename Out>
+void q8_stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, const Out& out) {
+  constexpr int V = P * kPanelVecs;
+  const int64_t piece = panel_k_piece(K);
+  VecF total[MR][V];
+  for (int64_t k0 = 0; k0 < K; k0 += piece) {
+    const int64_t end = std::min(K, k0 + piece);
+    VecF c[MR][V];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < V; ++v) c[m][v] = zero();
+    for (int64_t k = k0; k < end;) {
+      const int64_t b = k / kQ8Block, stop = std::min(end, (b + 1) * kQ8Block);
+      const uint8_t* block[P];
+      for (int p = 0; p < P; ++p) block[p] = q8_block(wq, K, n0 + p * kPanelCols, b);
+      for (; k < stop; ++k) {
+        const int64_t row = (k - b * kQ8Block) * kPanelCols;
+        VecF w[V];
+        for (int p = 0; p < P; ++p)
+          for (int v = 0; v < kPanelVecs; ++v)
+            w[p * kPanelVecs + v] = mul(load_int8(q8_quants(block[p]) + row + v * kLanes),
+                                        load_f32(q8_scales(block[p]) + v * kLanes));
+        for (int m = 0; m < MR; ++m) {
+          const VecF a = splat(x[m * K + k]);
+          for (int v = 0; v < V; ++v) c[m][v] = fma(a, w[v], c[m][v]);
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < V; ++v) total[m][v] = k0 == 0 ? c[m][v] : add(total[m][v], c[m][v]);
+  }
+  alignas(64) float row[V * kLanes];
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < V; ++v) store(row + v * kLanes, total[m][v]);
+    out.row(m, n0, row, V * kLanes);
+  }
+}
+
+template <int MR, typename Out>
+void q8_stream(const float* x, const uint8_t* wq, int64_t K, int64_t n0, int64_t n1, const Out& out) {
+  constexpr int64_t span = kStreamPanels<MR> * kPanelCols;
+  int64_t n = n0;
+  for (; n + span <= n1; n += span) q8_stream_panels<MR, kStreamPanels<MR>>(x, wq, K, n, out);
+  for (; n < n1; n += kPanelCols) q8_stream_panels<MR, 1>(x, wq, K, n, out);
+}
+
+// packed_row_groups' walk (a group of panels, the rows kPanelRows at a time under it) on q8_stream.
+template <typename Out>
+void q8_row_groups(const float* x, const uint8_t* wq, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
+  constexpr int64_t group = kStreamPanels<1> * kPanelCols;
+  for (int64_t n = n0; n < n1; n += group) {
+    const int64_t n_end = std::min(n1, n + group);
+    for (int64_t m = 0; m < M; m += kPanelRows) {
+      const RowsFrom<Out> rows_out{out, m};
+      const float* xm = x + m * K;
+      const auto rows = [&](auto MRc) { q8_stream<decltype(MRc)::value>(xm, wq, K, n, n_end, rows_out); };
+      switch (std::min<int64_t>(kPanelRows, M - m)) {
+        case 1: rows(std::integral_constant<int, 1>{}); break;
+        case 2: rows(std::integral_constant<int, 2>{}); break;
+        case 3: rows(std::integral_constant<int, 3>{}); break;
+        case 4: rows(std::integral_constant<int, 4>{}); break;
+        case 5: rows(std::integral_constant<int, 5>{}); break;
+#if defined(KESTREL_VEC_AVX512)
+        case 6: rows(std::integral_constant<int, 6>{}); break;
+        case 7: rows(std::integral_constant<int, 7>{}); break;
+        case 8: rows(std::integral_constant<int, 8>{}); break;
+        case 9: rows(std::integral_constant<int, 9>{}); break;
+        case 10: rows(std::integral_constant<int, 10>{}); break;
+        case 11: rows(std::integral_constant<int, 11>{}); break;
+#endif
+        default: rows(std::integral_constant<int, kPanelRows>{}); break;
+      }
+    }
+  }
+}
+
+// From kQ8PanelMinRows rows: a panel dequantized whole (16 columns by all of K, into L2) once, then
+// every block of kPanelRows rows down it on bf16_panels' tile, a piece of K at a time: the same sums
+// in the same order as q8_row_groups, the widening paid once per panel instead of once per block.
+template <typename Out>
+void q8_panels(const float* x, const uint8_t* wq, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
+  thread_local std::vector<float> panel_buffer;
+  float* panel = scratch(panel_buffer, kPanelCols * K);
+  const int64_t piece = panel_k_piece(K);
+  alignas(64) float acc[kPanelRows * kPanelCols];
+  for (int64_t n = n0; n < n1; n += kPanelCols) {
+    q8_dequantize_panel(wq, K, n, 0, K, panel);
+    for (int64_t m = 0; m < M; m += kPanelRows) {
+      const int64_t rows = std::min<int64_t>(kPanelRows, M - m);
+      for (int64_t k0 = 0; k0 < K; k0 += piece)
+        panel_tile_rows(rows, x + m * K + k0, K, panel + k0 * kPanelCols, std::min(K, k0 + piece) - k0, acc,
+                        kPanelCols, kPanelCols, k0 > 0);
+      for (int64_t r = 0; r < rows; ++r) out.row(m + r, n, acc + r * kPanelCols, kPanelCols);
+    }
+  }
+}
+
+template <typename Out>
+void linear_q8_0_columns(const float* x, const uint8_t* wq, int64_t M, int64_t K, int64_t n0, int64_t n1,
+                         const Out& out) {
+  if (M < kQ8PanelMinRows) q8_row_groups(x, wq, M, K, n0, n1, out);
+  else q8_panels(x, wq, M, K, n0, n1, out);
+}
+
+}  // namespace
+
+torch::Tensor linear_q8_0(torch::Tensor x, torch::Tensor w, bool float_out) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == kQ8BlockBytes && x.size(1) == w.size(1) * kQ8Block,
+              "linear_q8_0: x [M, K], w packed Q8_0 [N / ", kPanelCols, ", K / ", kQ8Block, ", ", kQ8BlockBytes, "]");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kUInt8,
+              "linear_q8_0: bf16 x, uint8 w");
+  x = x.contiguous();
+  w = w.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * kPanelCols;
+  auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat32 : torch::kBFloat16));
+  if (M == 0 || N == 0) return y;
+  const float* xf = widened_x(x);
+  const uint8_t* wq = w.data_ptr<uint8_t>();
+  const Bf16Out out{y.data_ptr(), N, float_out};
+  at::parallel_for(0, N / kPanelCols, 1, [&](int64_t begin, int64_t end) {
+    linear_q8_0_columns(xf, wq, M, K, begin * kPanelCols, end * kPanelCols, out);
+  });
+  return y;
+}
+
 // ---- prefill attention ----
 //
 // prefill_attention(q [Lq, H, D], k and v [Lk, KV, D], scale) -> [Lq, H, D] in q's dtype, float32 or
@@ -1951,6 +2125,7 @@ using kestrel_matmul::MatmulSliceFn;
 
 torch::Tensor linear_f32_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_f32(x, w); }
 torch::Tensor linear_bf16_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_bf16(x, w, false); }
+torch::Tensor linear_q8_0_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_q8_0(x, w, false); }
 
 // A projection's output features: w [N, K], or a packed bf16 weight [N / 16, K, 16].
 inline int64_t out_features(const torch::Tensor& w) { return w.dim() == 3 ? w.size(0) * w.size(2) : w.size(0); }
@@ -2041,10 +2216,11 @@ void in_one_region(const F& f) {
 // (Prefetching the start of each thread's next share across the barrier measured nothing.)
 class DecodeLayers {
  public:
-  // weights: 6 per layer (input norm, qkv, o, post-attention norm, gate_up, down), one dtype; caches:
-  // k, v per layer, each [num_slots, kv_heads, head_dim]; matmul_address: a MatmulFn for this dtype;
+  // weights: 6 per layer (input norm, qkv, o, post-attention norm, gate_up, down), the norms in the
+  // model's dtype, the projections in one dtype (the model's, or uint8: packed GGUF Q8_0); caches: k, v
+  // per layer, each [num_slots, kv_heads, head_dim]; matmul_address: a MatmulFn for the projections;
   // slice_address: its MatmulSliceFn for 1..15 rows (bf16 only; for packed weights, the packed one), or 0.
-  // The projections are all [N, K] or all packed [N / 16, K, 16] (bf16).
+  // The projections are all [N, K] or all packed ([N / 16, K, 16] bf16, or Q8_0's layout).
   DecodeLayers(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches, int64_t heads,
                double eps, double scale, int64_t matmul_address, int64_t slice_address)
       : weights_(std::move(weights)), caches_(std::move(caches)), heads_(heads), eps_(eps), scale_(scale),
@@ -2052,10 +2228,10 @@ class DecodeLayers {
     TORCH_CHECK(weights_.size() % 6 == 0 && caches_.size() * 3 == weights_.size(),
                 "DecodeLayers: 6 weights and 2 caches per layer");
     TORCH_CHECK(matmul_ != nullptr, "DecodeLayers: no matmul");
-    for (const auto& w : weights_)
-      TORCH_CHECK(w.scalar_type() == weights_[0].scalar_type() && w.is_contiguous(),
-                  "DecodeLayers: contiguous weights of one dtype");
-    TORCH_CHECK(slice_ == nullptr || weights_.empty() || weights_[0].scalar_type() == torch::kBFloat16,
+    for (size_t i = 0; i < weights_.size(); ++i)  // the norms in one dtype, the projections in one
+      TORCH_CHECK(weights_[i].scalar_type() == weights_[i % 6 == 0 || i % 6 == 3 ? 0 : 1].scalar_type() &&
+                  weights_[i].is_contiguous(), "DecodeLayers: contiguous norms of one dtype, projections of one");
+    TORCH_CHECK(slice_ == nullptr || weights_.empty() || weights_[1].scalar_type() == torch::kBFloat16,
                 "DecodeLayers: a slice matmul takes bf16 weights");
     for (size_t i = 0; i < weights_.size(); ++i)
       TORCH_CHECK(i % 6 == 0 || i % 6 == 3 || weights_[i].dim() == weights_[1].dim(),
@@ -2174,8 +2350,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x w^T for bf16 x and w ([N, K], or packed [N / 16, K, 16]), any rows (CPU, without AVX512-BF16); "
         "float_out: y in float32, rounded as bf16",
         py::arg("x"), py::arg("w"), py::arg("float_out") = false);
+  m.attr("q8_0_block_bytes") = kQ8BlockBytes;  // the bytes of a packed Q8_0 weight's block (16 x 32 values)
+  m.def("linear_q8_0", &linear_q8_0,
+        "y = x w^T for bf16 x and a GGUF Q8_0 weight packed [N / 16, K / 32, q8_0_block_bytes], any rows (CPU); "
+        "float_out: y in float32, rounded as bf16",
+        py::arg("x"), py::arg("w"), py::arg("float_out") = false);
   m.def("matmul_address", [](const std::string& name) -> int64_t {
     if (name == "linear_bf16") return reinterpret_cast<int64_t>(&linear_bf16_matmul);
+    if (name == "linear_q8_0") return reinterpret_cast<int64_t>(&linear_q8_0_matmul);
     TORCH_CHECK(name == "linear_f32", "matmul_address: no matmul ", name);
     return reinterpret_cast<int64_t>(&linear_f32_matmul);
   }, "the address of a matmul as a MatmulFn, for DecodeLayers", py::arg("name"));
