@@ -17,8 +17,10 @@ from torch import nn
 from kestrel.ops.dispatch import (  # noqa: F401
     AMX_MAX_ROWS,
     F32_MAX_ROWS,
+    LinearToFloat,
     RmsNorm,
     apply_rotary,
+    linear_to_float_reference,
     packed_bf16_rows,
     rms_norm_reference,
     silu_and_mul_reference,
@@ -39,10 +41,19 @@ class RMSNorm(nn.Module):
 
 class Embedding(nn.Embedding):
     """The token embedding and the output head: nn.Embedding's parameter, left as allocated (like
-    Linear's, it is filled by load_weights)."""
+    Linear's, it is filled by load_weights). As the head, `logits` runs the model's linear_to_float op."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype,
+                 linear_to_float: LinearToFloat = linear_to_float_reference) -> None:
+        super().__init__(num_embeddings, embedding_dim, dtype=dtype)
+        self.linear_to_float = linear_to_float
 
     def reset_parameters(self) -> None:
         pass
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, hidden] -> float32 [rows, vocab]: x W^T, rounded in the model's dtype."""
+        return self.linear_to_float(x, self.weight)
 
 
 class Linear(nn.Linear):

@@ -138,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = get_tp_group()
         self.shard = shard = shard_of_this_rank(cfg)
         if shard.is_first_stage:
-            self.embed_tokens = Embedding(shard.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+            self.embed_tokens = Embedding(shard.vocab_size, cfg.hidden_size, cfg.dtype, ops.linear_to_float)
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops, attn, shard, self.tp) for _ in range(shard.num_layers))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling, cfg.dtype)
         if shard.is_last_stage:
@@ -146,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings and shard.is_first_stage:
                 self.lm_head = self.embed_tokens
             else:
-                self.lm_head = Embedding(shard.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+                self.lm_head = Embedding(shard.vocab_size, cfg.hidden_size, cfg.dtype, ops.linear_to_float)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -188,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [rows, vocab] for the rows of `hidden` that sample, on the tensor-parallel
         group's first rank; None on the others. Collective: every tensor rank of the last stage calls it."""
-        logits = self.ops.linear_to_float(self.norm(hidden), self.lm_head.weight)
+        logits = self.lm_head.logits(self.norm(hidden))
         if self.shard.tp_size == 1:
             return logits
         shard = self.shard

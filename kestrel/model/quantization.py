@@ -1,8 +1,8 @@
 """Quantized decoder projections: --quantization int8, and a GGUF file's Q8_0 weights as the file
 stores them.
 
-GGUF Q8_0 (as vLLM runs a GGUF file's quantized weights, and llama.cpp does): a projection whose
-tensors the file stores as Q8_0 keeps them, blocks of 32 int8 along K with one scale each (1.06 bytes a
+GGUF Q8_0 (as vLLM runs a GGUF file's quantized weights, and llama.cpp does): a projection (and an
+untied output head) whose tensors the file stores as Q8_0 keeps them, blocks of 32 int8 along K with one scale each (1.06 bytes a
 weight against 2 for bf16), where the model is bf16 on a CPU with the kernels (cpu_kernels.cpp's
 linear_q8_0, which sums the exact dequantized weights in float32). Elsewhere, under --quantization int8,
 and for every other GGUF type, the weights are dequantized at load. `keep_gguf_q8_0_` decides, once,
@@ -193,19 +193,32 @@ def quantize_model_(model: nn.Module, method: str | None) -> int:
 # ---- GGUF Q8_0 -------------------------------------------------------------------------------------
 
 class Q8_0Linear(nn.Module):
-    """A projection holding a GGUF file's Q8_0 blocks: `weight` is uint8 [N, K / 32 * 34] (the file's
-    rows, which load_weights fills) until `pack_` puts it in the kernel's layout. `plan_matmul`: its
-    kernel (linear_q8_0), which a decode plan binds."""
+    """A projection (or an untied output head) holding a GGUF file's Q8_0 blocks: `weight` is uint8
+    [N, K / 32 * 34] (the file's rows, which load_weights fills) until `pack_` puts it in the kernel's
+    layout. `plan_matmul`: its kernel (linear_q8_0), which a decode plan binds."""
 
-    def __init__(self, linear: Linear, plan_matmul: PlanMatmul) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None,
+                 plan_matmul: PlanMatmul) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        blocks = torch.empty(self.out_features, self.in_features // Q8_0_BLOCK * Q8_0_BLOCK_BYTES, dtype=torch.uint8)
+        self.in_features, self.out_features = in_features, out_features
+        blocks = torch.empty(out_features, in_features // Q8_0_BLOCK * Q8_0_BLOCK_BYTES, dtype=torch.uint8)
         self.weight = nn.Parameter(blocks, requires_grad=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.data, requires_grad=False)
-        self.has_bias = linear.bias is not None
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.has_bias = bias is not None
         self.plan_matmul = plan_matmul
         self.matmul = plan_matmul.kernel
+
+    @classmethod
+    def replacing(cls, module: nn.Module, plan_matmul: PlanMatmul) -> Q8_0Linear:
+        """The Q8_0 form of a Linear, or of an output head (an Embedding [vocab, hidden])."""
+        if isinstance(module, Linear):
+            bias = None if module.bias is None else module.bias.data
+            return cls(module.in_features, module.out_features, bias, plan_matmul)
+        return cls(module.embedding_dim, module.num_embeddings, None, plan_matmul)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """As the output head: float32 logits [rows, vocab], rounded as bf16 (Embedding.logits)."""
+        return self.matmul(x, self.weight, float_out=True)
 
     def pack_(self) -> None:
         self.weight.data = pack_q8_0_weight(self.weight.data)
@@ -218,13 +231,17 @@ class Q8_0Linear(nn.Module):
 
 
 def keep_gguf_q8_0_(model: nn.Module, reader: object, quantization: str | None) -> int:
-    """Before the weights are read: every projection (`Linear`) all of whose checkpoint tensors `reader`
-    holds as Q8_0 (a GGUF reader's `q8_0_names`) replaced by a Q8_0Linear that load_weights fills with
-    the file's blocks, where linear_q8_0 runs (a bf16 model on a CPU with the kernels), no
-    --quantization is asked for and the shapes pack (a tensor-parallel share of K on whole blocks).
+    """Before the weights are read: every projection (`Linear`), and an untied output head, all of whose
+    checkpoint tensors `reader` holds as Q8_0 (a GGUF reader's `q8_0_names`) replaced by a Q8_0Linear
+    that load_weights fills with the file's blocks, where linear_q8_0 runs (a bf16 model on a CPU with
+    the kernels), no --quantization is asked for and the shapes pack (a tensor-parallel share of K on
+    whole blocks).
     The number replaced; 0 leaves every weight to be dequantized as before."""
     q8_0_names = getattr(reader, "q8_0_names", None)
     targets = {name: module for name, module in model.named_modules() if type(module) is Linear}
+    head = getattr(model, "lm_head", None)
+    if head is not None and head is not getattr(model, "embed_tokens", None):
+        targets["lm_head"] = head   # untied: only a product (a tied head is also the embedding's lookup table)
     if q8_0_names is None or quantization is not None or not targets:
         return 0
     weight = next(iter(targets.values())).weight
@@ -244,10 +261,11 @@ def keep_gguf_q8_0_(model: nn.Module, reader: object, quantization: str | None) 
             sources.setdefault(module, []).append(name in held and whole_blocks)
     replaced = 0
     for name, kept in sources.items():
-        linear = targets[name]
-        if all(kept) and q8_0_packable(linear.out_features, linear.in_features):
+        module = targets[name]
+        if all(kept) and q8_0_packable(*module.weight.shape):   # [N, K]: a Linear's and a head's alike
             parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, Q8_0Linear(linear, plan_matmul))
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, Q8_0Linear.replacing(module, plan_matmul))
             replaced += 1
     return replaced
 
