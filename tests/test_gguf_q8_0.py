@@ -243,35 +243,10 @@ def test_a_tensor_parallel_rank_keeps_its_share_of_the_blocks(q8_0_default, monk
 
 def _write_q8_0_tiny_gguf(path: Path) -> None:
     """A 2-layer random Llama with an untied output head, every matrix in Q8_0 with power-of-two scales."""
-    from test_loader import gguf_tensor_name, llama_cpp_permute, stored_state_dict, tiny_model
+    from test_loader import tiny_model, write_tiny_gguf
 
-    model = tiny_model("llama", tie=False)
-    cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    for name, tensor in stored_state_dict(model).items():
-        w = tensor.numpy().astype(np.float32)
-        if name.endswith("q_proj.weight"):
-            w = llama_cpp_permute(w, cfg.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            w = llama_cpp_permute(w, cfg.num_key_value_heads)
-        if w.ndim == 2:
-            writer.add_tensor(gguf_tensor_name(name), pow2_q8_0(w), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(gguf_tensor_name(name), w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tiny_gguf(tiny_model("llama", tie=False), path, "llama",
+                    matrices=lambda w: (pow2_q8_0(w), gguf.GGMLQuantizationType.Q8_0))
 
 
 @needs_kernel

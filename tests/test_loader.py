@@ -76,7 +76,9 @@ def gguf_tensor_name(hf_name: str) -> str:
     return f"blk.{layer}.{HF_TO_GGUF_BLOCK[rest]}"
 
 
-def write_tiny_gguf(model: torch.nn.Module, path: Path, arch: str) -> None:
+def write_tiny_gguf(model: torch.nn.Module, path: Path, arch: str, matrices=None) -> None:
+    """`model` as a GGUF file, its tensors in float32; `matrices` (quantize(w) -> (bytes, GGUF type)):
+    its 2-D tensors in that type instead."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -97,7 +99,11 @@ def write_tiny_gguf(model: torch.nn.Module, path: Path, arch: str) -> None:
             w = llama_cpp_permute(w, cfg.num_attention_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
-        writer.add_tensor(gguf_tensor_name(name), w)
+        if matrices is not None and w.ndim == 2:
+            data, qtype = matrices(w)
+            writer.add_tensor(gguf_tensor_name(name), data, raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_tensor_name(name), w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

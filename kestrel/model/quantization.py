@@ -2,11 +2,11 @@
 stores them.
 
 GGUF Q8_0 (as vLLM runs a GGUF file's quantized weights, and llama.cpp does): a projection (and an
-untied output head) whose tensors the file stores as Q8_0 keeps them, blocks of 32 int8 along K with one scale each (1.06 bytes a
-weight against 2 for bf16), where the model is bf16 on a CPU with the kernels (cpu_kernels.cpp's
-linear_q8_0, which sums the exact dequantized weights in float32). Elsewhere, under --quantization int8,
-and for every other GGUF type, the weights are dequantized at load. `keep_gguf_q8_0_` decides, once,
-before the weights are read.
+untied output head) whose tensors the file stores as Q8_0 keeps them, blocks of 32 int8 along K with
+one scale each (1.06 bytes a weight against 2 for bf16), where the model is bf16 on a CPU with the
+kernels (cpu_kernels.cpp's linear_q8_0, which sums the exact dequantized weights in float32).
+Elsewhere, under --quantization int8, and for every other GGUF type, the weights are dequantized at
+load. `keep_gguf_q8_0_` decides, once, before the weights are read.
 
 --quantization int8: the decoder layers' projections in int8, quantized at load time from the
 checkpoint's weights (no calibration, no quantized checkpoint needed).

@@ -1282,39 +1282,51 @@ struct RowsFrom {
   void row(int64_t m, int64_t n0, const float* v, int64_t cols) const { out.row(m0 + m, n0, v, cols); }
 };
 
+// f(std::integral_constant<int, MR>{}) for MR = min(rows, kPanelRows): a tile's rows as a constant.
+template <typename F>
+inline void with_panel_rows(int64_t rows, const F& f) {
+  switch (std::min<int64_t>(kPanelRows, rows)) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+#if defined(KESTREL_VEC_AVX512)
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 9: f(std::integral_constant<int, 9>{}); break;
+    case 10: f(std::integral_constant<int, 10>{}); break;
+    case 11: f(std::integral_constant<int, 11>{}); break;
+#endif
+    default: f(std::integral_constant<int, kPanelRows>{}); break;
+  }
+}
+
 // A group of panels at a time (as many as one row streams side by side: 64 columns on AVX2), and under
-// it the rows kPanelRows at a time, so that the group comes from memory once and from L2 after. Each
-// row group converts the panels in registers as it reads them; against widening each panel piece into
+// it the rows kPanelRows at a time, so that the group comes from memory once and from L2 after:
+// stream(MRc, x's rows, n, n_end, their out) runs one row group over the group's panels. Each row
+// group converts the panels in registers as it reads them; against widening each panel piece into
 // L1 once for all the rows (bf16_panels), this measured 1.03-1.5x faster at every row count from 16 to
-// 1024 (2 Zen 3 cores, a layer's four products of the default model).
-template <typename Out>
-void packed_row_groups(const float* x, const uint16_t* wp, int64_t M, int64_t K, int64_t n0, int64_t n1,
-                       const Out& out) {
+// 1024 (2 Zen 3 cores, a layer's four products of the default model, packed bf16 weights).
+template <typename Out, typename Stream>
+void row_groups(const float* x, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out, const Stream& stream) {
   constexpr int64_t group = kStreamPanels<1> * kPanelCols;
   for (int64_t n = n0; n < n1; n += group) {
     const int64_t n_end = std::min(n1, n + group);
     for (int64_t m = 0; m < M; m += kPanelRows) {
       const RowsFrom<Out> rows_out{out, m};
-      const float* xm = x + m * K;
-      const auto rows = [&](auto MRc) { packed_stream<decltype(MRc)::value>(xm, wp, K, n, n_end, rows_out); };
-      switch (std::min<int64_t>(kPanelRows, M - m)) {
-        case 1: rows(std::integral_constant<int, 1>{}); break;
-        case 2: rows(std::integral_constant<int, 2>{}); break;
-        case 3: rows(std::integral_constant<int, 3>{}); break;
-        case 4: rows(std::integral_constant<int, 4>{}); break;
-        case 5: rows(std::integral_constant<int, 5>{}); break;
-#if defined(KESTREL_VEC_AVX512)
-        case 6: rows(std::integral_constant<int, 6>{}); break;
-        case 7: rows(std::integral_constant<int, 7>{}); break;
-        case 8: rows(std::integral_constant<int, 8>{}); break;
-        case 9: rows(std::integral_constant<int, 9>{}); break;
-        case 10: rows(std::integral_constant<int, 10>{}); break;
-        case 11: rows(std::integral_constant<int, 11>{}); break;
-#endif
-        default: rows(std::integral_constant<int, kPanelRows>{}); break;
-      }
+      with_panel_rows(M - m, [&](auto MRc) { stream(MRc, x + m * K, n, n_end, rows_out); });
     }
   }
+}
+
+template <typename Out>
+void packed_row_groups(const float* x, const uint16_t* wp, int64_t M, int64_t K, int64_t n0, int64_t n1,
+                       const Out& out) {
+  row_groups(x, M, K, n0, n1, out, [&](auto MRc, const float* xm, int64_t n, int64_t n_end, const auto& rows) {
+    packed_stream<decltype(MRc)::value>(xm, wp, K, n, n_end, rows);
+  });
 }
 
 // y's columns [n0, n1) (multiples of kPanelCols) for the widened x [M, K] and the packed w.
@@ -1477,34 +1489,12 @@ void q8_stream(const float* x, const uint8_t* wq, int64_t K, int64_t n0, int64_t
   for (; n < n1; n += kPanelCols) q8_stream_panels<MR, 1>(x, wq, K, n, out);
 }
 
-// packed_row_groups' walk (a group of panels, the rows kPanelRows at a time under it) on q8_stream.
+// row_groups' walk (a group of panels, the rows kPanelRows at a time under it) on q8_stream.
 template <typename Out>
 void q8_row_groups(const float* x, const uint8_t* wq, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
-  constexpr int64_t group = kStreamPanels<1> * kPanelCols;
-  for (int64_t n = n0; n < n1; n += group) {
-    const int64_t n_end = std::min(n1, n + group);
-    for (int64_t m = 0; m < M; m += kPanelRows) {
-      const RowsFrom<Out> rows_out{out, m};
-      const float* xm = x + m * K;
-      const auto rows = [&](auto MRc) { q8_stream<decltype(MRc)::value>(xm, wq, K, n, n_end, rows_out); };
-      switch (std::min<int64_t>(kPanelRows, M - m)) {
-        case 1: rows(std::integral_constant<int, 1>{}); break;
-        case 2: rows(std::integral_constant<int, 2>{}); break;
-        case 3: rows(std::integral_constant<int, 3>{}); break;
-        case 4: rows(std::integral_constant<int, 4>{}); break;
-        case 5: rows(std::integral_constant<int, 5>{}); break;
-#if defined(KESTREL_VEC_AVX512)
-        case 6: rows(std::integral_constant<int, 6>{}); break;
-        case 7: rows(std::integral_constant<int, 7>{}); break;
-        case 8: rows(std::integral_constant<int, 8>{}); break;
-        case 9: rows(std::integral_constant<int, 9>{}); break;
-        case 10: rows(std::integral_constant<int, 10>{}); break;
-        case 11: rows(std::integral_constant<int, 11>{}); break;
-#endif
-        default: rows(std::integral_constant<int, kPanelRows>{}); break;
-      }
-    }
-  }
+  row_groups(x, M, K, n0, n1, out, [&](auto MRc, const float* xm, int64_t n, int64_t n_end, const auto& rows) {
+    q8_stream<decltype(MRc)::value>(xm, wq, K, n, n_end, rows);
+  });
 }
 
 // From kQ8PanelMinRows rows: a panel dequantized whole (16 columns by all of K, into L2) once, then
