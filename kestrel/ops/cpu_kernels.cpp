@@ -1234,6 +1234,23 @@ inline const uint16_t* packed_panel(const uint16_t* wp, int64_t K, int64_t n, in
 template <int MR>
 constexpr int kStreamPanels = std::max(1, 8 / (MR * kPanelVecs));
 
+// The streamed tiles' sums: total (+)= a piece's sums c (the first piece sets it), in the pieces' order.
+template <int MR, int V>
+__attribute__((always_inline)) inline void add_piece(VecF (&total)[MR][V], const VecF (&c)[MR][V], bool first) {
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < V; ++v) total[m][v] = first ? c[m][v] : add(total[m][v], c[m][v]);
+}
+
+// out.row(m, n0, ...) of MR rows of V vectors of sums.
+template <int MR, int V, typename Out>
+__attribute__((always_inline)) inline void emit_rows(const VecF (&total)[MR][V], int64_t n0, const Out& out) {
+  alignas(64) float row[V * kLanes];
+  for (int m = 0; m < MR; ++m) {
+    for (int v = 0; v < V; ++v) store(row + v * kLanes, total[m][v]);
+    out.row(m, n0, row, V * kLanes);
+  }
+}
+
 // out(m, n, y[m, n]) for MR rows of x (widened, [MR, K]) and the panels of [n0, n0 + P x kPanelCols).
 template <int MR, int P, typename Out>
 void packed_stream_panels(const float* x, const uint16_t* wp, int64_t K, int64_t n0, const Out& out) {
@@ -1255,14 +1272,9 @@ void packed_stream_panels(const float* x, const uint16_t* wp, int64_t K, int64_t
         for (int v = 0; v < V; ++v) c[m][v] = fma(a, b[v], c[m][v]);
       }
     }
-    for (int m = 0; m < MR; ++m)
-      for (int v = 0; v < V; ++v) total[m][v] = k0 == 0 ? c[m][v] : add(total[m][v], c[m][v]);
+    add_piece<MR, V>(total, c, k0 == 0);
   }
-  alignas(64) float row[V * kLanes];
-  for (int m = 0; m < MR; ++m) {
-    for (int v = 0; v < V; ++v) store(row + v * kLanes, total[m][v]);
-    out.row(m, n0, row, V * kLanes);
-  }
+  emit_rows<MR, V>(total, n0, out);
 }
 
 // The columns [n0, n1) (multiples of kPanelCols) for MR rows.
@@ -1471,14 +1483,9 @@ void q8_stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, 
         }
       }
     }
-    for (int m = 0; m < MR; ++m)
-      for (int v = 0; v < V; ++v) total[m][v] = k0 == 0 ? c[m][v] : add(total[m][v], c[m][v]);
+    add_piece<MR, V>(total, c, k0 == 0);
   }
-  alignas(64) float row[V * kLanes];
-  for (int m = 0; m < MR; ++m) {
-    for (int v = 0; v < V; ++v) store(row + v * kLanes, total[m][v]);
-    out.row(m, n0, row, V * kLanes);
-  }
+  emit_rows<MR, V>(total, n0, out);
 }
 
 template <int MR, typename Out>
