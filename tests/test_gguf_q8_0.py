@@ -24,13 +24,20 @@ from kestrel.model.gguf_loader import GGUFWeightReader
 from kestrel.model.layers import Linear, pack_linear_weights_
 from kestrel.model.loader import default_model_path, load_config, resolve_model
 from kestrel.ops import cpu_gemv, cpu_kernels
-from kestrel.ops.dispatch import amx_gemv, dequantize_q8_0, pack_bf16_weight, pack_q8_0_weight, q8_0_plan_matmul
+from kestrel.ops.dispatch import (
+    amx_gemv,
+    dequantize_q8_0,
+    pack_bf16_weight,
+    pack_q8_0_weight,
+    q8_0_plan_matmul,
+    q8_0_rows,
+)
 
 kernels = cpu_kernels()
 needs_kernel = pytest.mark.skipif(kernels is None, reason="needs a build of cpu_kernels (AVX2 or AVX-512)")
 
 
-def q8_0_rows(n: int, k: int, gen: torch.Generator, pow2: bool) -> torch.Tensor:
+def random_q8_0_rows(n: int, k: int, gen: torch.Generator, pow2: bool) -> torch.Tensor:
     """Random Q8_0 rows [n, k / 32 * 34] (uint8): q in [-127, 127]; scales 2^-12..2^-5 (pow2) or any
     float16 in (0, 0.02)."""
     q = torch.randint(-127, 128, (n, k // 32, 32), generator=gen, dtype=torch.int8)
@@ -61,10 +68,18 @@ def test_dequantize_q8_0_is_gguf_dequantize():
     assert np.array_equal(dequantize_q8_0(torch.from_numpy(raw)).numpy(), expected)
 
 
+def test_q8_0_rows_are_the_dequantized_rows_in_the_model_dtype():
+    gen = torch.Generator().manual_seed(2)
+    raw = random_q8_0_rows(64, 96, gen, pow2=False)
+    ids = torch.tensor([0, 17, 63, 17, 31, 5])
+    expected = dequantize_q8_0(raw)[ids].bfloat16()
+    assert torch.equal(q8_0_rows(pack_q8_0_weight(raw), ids, torch.bfloat16), expected)
+
+
 def test_pack_q8_0_weight_layout():
     """[N / 16, K / 32, 64 + 512]: per panel and block, 16 float32 scales then 32 k-rows of 16 int8."""
     gen = torch.Generator().manual_seed(1)
-    raw = q8_0_rows(32, 64, gen, pow2=False)
+    raw = random_q8_0_rows(32, 64, gen, pow2=False)
     packed = pack_q8_0_weight(raw)
     assert packed.dtype == torch.uint8 and packed.shape == (2, 2, 64 + 512)
     w = dequantize_q8_0(raw)
@@ -80,7 +95,7 @@ def test_linear_q8_0_is_linear_bf16_bit_for_bit_on_bf16_weights(n, k):
     """Every row count (the streamed tiles below 32 rows, the dequantized panels from there): the same
     sums in the same order as linear_bf16's packed path, so the same bits, y rounded to bf16 or not."""
     gen = torch.Generator().manual_seed(n + k)
-    raw = q8_0_rows(n, k, gen, pow2=True)
+    raw = random_q8_0_rows(n, k, gen, pow2=True)
     w = dequantize_q8_0(raw)
     assert torch.equal(w.bfloat16().float(), w)
     q8, bf16 = pack_q8_0_weight(raw), pack_bf16_weight(w.bfloat16(), kernels.panel_columns, kernels.lanes)
@@ -93,7 +108,7 @@ def test_linear_q8_0_is_linear_bf16_bit_for_bit_on_bf16_weights(n, k):
 @needs_kernel
 def test_linear_q8_0_is_the_product_of_the_dequantized_weights():
     gen = torch.Generator().manual_seed(7)
-    raw = q8_0_rows(256, 1024, gen, pow2=False)
+    raw = random_q8_0_rows(256, 1024, gen, pow2=False)
     w = dequantize_q8_0(raw).double()
     for m in (1, 9, 40):
         x = torch.randn(m, 1024, generator=gen).bfloat16()
@@ -105,7 +120,7 @@ def test_linear_q8_0_is_the_product_of_the_dequantized_weights():
 
 @needs_kernel
 def test_linear_q8_0_rejects_what_it_does_not_take():
-    raw = pack_q8_0_weight(q8_0_rows(16, 64, torch.Generator().manual_seed(0), pow2=True))
+    raw = pack_q8_0_weight(random_q8_0_rows(16, 64, torch.Generator().manual_seed(0), pow2=True))
     with pytest.raises(RuntimeError, match="linear_q8_0"):
         kernels.linear_q8_0(torch.randn(2, 96).bfloat16(), raw)      # K is not the weight's
     with pytest.raises(RuntimeError, match="bf16 x"):
@@ -181,6 +196,8 @@ def test_engine_keeps_the_files_blocks_and_gives_the_dequantized_tokens(pow2_q8_
     kept = _projections(llm)
     assert all(type(p) is Q.Q8_0Linear for p in kept) and len(kept) == 4 * 30
     assert all(p.weight.dtype == torch.uint8 and p.weight.dim() == 3 for p in kept)
+    model = worker_of(llm).model   # the tied embedding and head: one module, kept too
+    assert type(model.embed_tokens) is Q.Q8_0Linear and model.lm_head is model.embed_tokens
     runner = worker_of(llm).runner
     assert runner.decode_plan.native_class is not None   # decode steps run the C++ layer loop on the blocks
     native = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -189,6 +206,7 @@ def test_engine_keeps_the_files_blocks_and_gives_the_dequantized_tokens(pow2_q8_
     monkeypatch.setattr(Q, "q8_0_plan_matmul", lambda: None)   # no kernel: every weight dequantized at load
     llm = LLM(**kw)
     assert all(type(p) is Linear for p in _projections(llm))
+    assert type(worker_of(llm).model.lm_head) is not Q.Q8_0Linear
     dequantized = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert all(len(t) == 24 for t in native)
     if amx_gemv() is None and cpu_gemv() is None:
@@ -213,7 +231,7 @@ def test_no_kernel_or_a_float32_model_dequantizes(q8_0_default, monkeypatch):
         cfg = model_config_from_hf(load_config(src), model=src.path, dtype=dtype, max_model_len=64,
                                    eos_token_id=2, bos_token_id=1)
         model = build_model(cfg, torch.device("cpu"))
-        expected = 4 * 30 if dtype == torch.bfloat16 and q8_0_plan_matmul() is not None else 0
+        expected = 4 * 30 + 1 if dtype == torch.bfloat16 and q8_0_plan_matmul() is not None else 0  # + embedding
         assert Q.keep_gguf_q8_0_(model, reader, None) == expected
     monkeypatch.setattr(Q, "q8_0_plan_matmul", lambda: None)
     assert Q.keep_gguf_q8_0_(build_model(cfg, torch.device("cpu")), reader, None) == 0
@@ -229,7 +247,7 @@ def test_a_tensor_parallel_rank_keeps_its_share_of_the_blocks(q8_0_default, monk
     cfg = model_config_from_hf(load_config(src), model=src.path, dtype=torch.bfloat16, max_model_len=64,
                                eos_token_id=2, bos_token_id=1)
     kept, dequantized = build_model(cfg, torch.device("cpu")), build_model(cfg, torch.device("cpu"))
-    expected = 4 * 30 if q8_0_plan_matmul() is not None else 0
+    expected = 4 * 30 + 1 if q8_0_plan_matmul() is not None else 0   # + the (tied) embedding's vocabulary rows
     assert Q.keep_gguf_q8_0_(kept, GGUFWeightReader(src.gguf_path), None) == expected
     kept.load_weights(GGUFWeightReader(src.gguf_path))
     dequantized.load_weights(GGUFWeightReader(src.gguf_path))
@@ -265,8 +283,8 @@ def test_an_untied_output_head_keeps_its_blocks_too(tmp_path):
         model = build_model(cfg, torch.device("cpu"))
         reader = GGUFWeightReader(src.gguf_path)
         if keep:
-            assert Q.keep_gguf_q8_0_(model, reader, None) == 4 * 2 + 1
-            assert type(model.lm_head) is Q.Q8_0Linear
+            assert Q.keep_gguf_q8_0_(model, reader, None) == 4 * 2 + 2   # the projections, embedding and head
+            assert type(model.lm_head) is Q.Q8_0Linear and type(model.embed_tokens) is Q.Q8_0Linear
         model.load_weights(reader)
         pack_linear_weights_(model)   # as the worker does: the bf16 weights into linear_bf16's panels
         Q.pack_q8_0_weights_(model)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from kestrel.attention import AttentionBackend, CommonAttentionMetadata, DecodeStepKernels, KVCache
-from kestrel.model.layers import Linear, embedding_rows
+from kestrel.model.layers import Linear
 from kestrel.model.quantization import Q8_0Linear
 from kestrel.ops.dispatch import PlanKernels, PlanMatmul
 
@@ -70,7 +70,7 @@ class DecodePlan:
                  step: DecodeStepKernels) -> None:
         cfg = model.cfg
         self.max_rows = kernels.matmul.max_rows  # the most rows the bound matmul takes
-        self.embed = model.embed_tokens.weight
+        self.embed_rows = model.embed_tokens.rows
         self.rotary = model.rotary
         self.layers = layers
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -154,7 +154,7 @@ class DecodePlan:
         slots, block_size = batch.slot_mapping, batch.block_size
         table, seq_lens = batch.decode_block_table, batch.decode_seq_lens
         cos, sin = self.rotary.lookup(positions)
-        x = embedding_rows(self.embed, input_ids)
+        x = self.embed_rows(input_ids)
         native = self.native_layers(kv_caches)
         if native is not None:
             return native(x, cos, sin, slots, table, seq_lens, block_size)

@@ -55,6 +55,10 @@ class Embedding(nn.Embedding):
         """x [rows, hidden] -> float32 [rows, vocab]: x W^T, rounded in the model's dtype."""
         return self.linear_to_float(x, self.weight)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding's rows for `ids`."""
+        return embedding_rows(self.weight, ids)
+
 
 class Linear(nn.Linear):
     """A projection of a decoder layer: nn.Linear's parameters, forward through the selected linear op

@@ -25,7 +25,7 @@ from torch import nn
 from kestrel.attention import AttentionBackend, KVCache, TorchSDPABackend
 from kestrel.config import ModelConfig
 from kestrel.distributed import GroupCoordinator, get_tp_group
-from kestrel.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, embedding_rows
+from kestrel.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
 from kestrel.model.sharding import ModelShard, shard_of_this_rank, split_sizes
 from kestrel.ops.dispatch import Ops, select_ops
 
@@ -177,11 +177,11 @@ class LlamaForCausalLM(nn.Module):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shard.tp_size == 1:
-            return embedding_rows(self.embed_tokens.weight, input_ids)
+            return self.embed_tokens.rows(input_ids)
         # Vocabulary-parallel: ids of other ranks' rows give zero rows here; the sum over ranks is the lookup.
         local = input_ids - self.shard.vocab_start
         outside = (local < 0) | (local >= self.shard.vocab_size)
-        x = embedding_rows(self.embed_tokens.weight, local.masked_fill(outside, 0))
+        x = self.embed_tokens.rows(local.masked_fill(outside, 0))
         return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
 
     @torch.inference_mode()

@@ -1,8 +1,8 @@
 """Quantized decoder projections: --quantization int8, and a GGUF file's Q8_0 weights as the file
 stores them.
 
-GGUF Q8_0 (as vLLM runs a GGUF file's quantized weights, and llama.cpp does): a projection (and an
-untied output head) whose tensors the file stores as Q8_0 keeps them, blocks of 32 int8 along K with
+GGUF Q8_0 (as vLLM runs a GGUF file's quantized weights, and llama.cpp does): a projection (and the
+embedding and output head) whose tensors the file stores as Q8_0 keeps them, blocks of 32 int8 along K with
 one scale each (1.06 bytes a weight against 2 for bf16), where the model is bf16 on a CPU with the
 kernels (cpu_kernels.cpp's linear_q8_0, which sums the exact dequantized weights in float32).
 Elsewhere, under --quantization int8, and for every other GGUF type, the weights are dequantized at
@@ -48,6 +48,7 @@ from kestrel.ops.dispatch import (
     pack_q8_0_weight,
     q8_0_packable,
     q8_0_plan_matmul,
+    q8_0_rows,
 )
 
 # (x [M, K], qweight [N, K], scale [N]) -> y [M, N] in x's dtype
@@ -193,13 +194,15 @@ def quantize_model_(model: nn.Module, method: str | None) -> int:
 # ---- GGUF Q8_0 -------------------------------------------------------------------------------------
 
 class Q8_0Linear(nn.Module):
-    """A projection (or an untied output head) holding a GGUF file's Q8_0 blocks: `weight` is uint8
+    """A projection (or the embedding, or the output head, or both where tied) holding a GGUF file's
+    Q8_0 blocks: `weight` is uint8
     [N, K / 32 * 34] (the file's rows, which load_weights fills) until `pack_` puts it in the kernel's
     layout. `plan_matmul`: its kernel (linear_q8_0), which a decode plan binds."""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None,
-                 plan_matmul: PlanMatmul) -> None:
+                 plan_matmul: PlanMatmul, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
+        self.dtype = dtype   # the model's: what `rows` gives
         self.in_features, self.out_features = in_features, out_features
         blocks = torch.empty(out_features, in_features // Q8_0_BLOCK * Q8_0_BLOCK_BYTES, dtype=torch.uint8)
         self.weight = nn.Parameter(blocks, requires_grad=False)
@@ -210,15 +213,19 @@ class Q8_0Linear(nn.Module):
 
     @classmethod
     def replacing(cls, module: nn.Module, plan_matmul: PlanMatmul) -> Q8_0Linear:
-        """The Q8_0 form of a Linear, or of an output head (an Embedding [vocab, hidden])."""
+        """The Q8_0 form of a Linear, or of an embedding or output head (an Embedding [vocab, hidden])."""
         if isinstance(module, Linear):
             bias = None if module.bias is None else module.bias.data
-            return cls(module.in_features, module.out_features, bias, plan_matmul)
-        return cls(module.embedding_dim, module.num_embeddings, None, plan_matmul)
+            return cls(module.in_features, module.out_features, bias, plan_matmul, module.weight.dtype)
+        return cls(module.embedding_dim, module.num_embeddings, None, plan_matmul, module.weight.dtype)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """As the output head: float32 logits [rows, vocab], rounded as bf16 (Embedding.logits)."""
         return self.matmul(x, self.weight, float_out=True)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """As the embedding: its rows for `ids`, dequantized, in the model's dtype (Embedding.rows)."""
+        return q8_0_rows(self.weight, ids, self.dtype)
 
     def pack_(self) -> None:
         self.weight.data = pack_q8_0_weight(self.weight.data)
@@ -231,17 +238,18 @@ class Q8_0Linear(nn.Module):
 
 
 def keep_gguf_q8_0_(model: nn.Module, reader: object, quantization: str | None) -> int:
-    """Before the weights are read: every projection (`Linear`), and an untied output head, all of whose
-    checkpoint tensors `reader` holds as Q8_0 (a GGUF reader's `q8_0_names`) replaced by a Q8_0Linear
-    that load_weights fills with the file's blocks, where linear_q8_0 runs (a bf16 model on a CPU with
-    the kernels), no --quantization is asked for and the shapes pack (a tensor-parallel share of K on
-    whole blocks).
-    The number replaced; 0 leaves every weight to be dequantized as before."""
+    """Before the weights are read: every projection (`Linear`), the embedding and the output head (one
+    module where they are tied), all of whose checkpoint tensors `reader` holds as Q8_0 (a GGUF reader's
+    `q8_0_names`), replaced by a Q8_0Linear that load_weights fills with the file's blocks, where
+    linear_q8_0 runs (a bf16 model on a CPU with the kernels), no --quantization is asked for and the
+    shapes pack (a tensor-parallel share of K on whole blocks). The number replaced; 0 leaves every
+    weight to be dequantized as before."""
     q8_0_names = getattr(reader, "q8_0_names", None)
     targets = {name: module for name, module in model.named_modules() if type(module) is Linear}
-    head = getattr(model, "lm_head", None)
-    if head is not None and head is not getattr(model, "embed_tokens", None):
-        targets["lm_head"] = head   # untied: only a product (a tied head is also the embedding's lookup table)
+    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    for name, module in (("embed_tokens", embed), ("lm_head", head)):
+        if module is not None and module not in targets.values():
+            targets[name] = module   # a tied head is the embedding: one module, read once
     if q8_0_names is None or quantization is not None or not targets:
         return 0
     weight = next(iter(targets.values())).weight
@@ -267,6 +275,8 @@ def keep_gguf_q8_0_(model: nn.Module, reader: object, quantization: str | None) 
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, Q8_0Linear.replacing(module, plan_matmul))
             replaced += 1
+    if head is not None and head is embed:
+        model.lm_head = model.embed_tokens   # still tied, in whichever form the embedding now has
     return replaced
 
 

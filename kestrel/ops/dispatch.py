@@ -399,6 +399,19 @@ def pack_q8_0_weight(blocks: torch.Tensor, panel: int = 16) -> torch.Tensor:
     return packed
 
 
+def q8_0_rows(packed: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows `rows` of the Q8_0 weight [N, K] that pack_q8_0_weight packed, dequantized and rounded
+    to `dtype` (an embedding's lookup): [len(rows), K]."""
+    n, panel = rows.shape[0], 16
+    blocks = packed[rows // panel]                                        # [n, K / 32, 64 + 512]
+    column = (rows % panel).view(n, 1, 1)
+    scales = blocks[..., :panel * 4].contiguous().view(torch.float32)     # [n, K / 32, 16]
+    scales = scales.gather(2, column.expand(n, scales.shape[1], 1))
+    quants = blocks[..., panel * 4:].contiguous().view(torch.int8).view(n, -1, Q8_0_BLOCK, panel)
+    quants = quants.gather(3, column.view(n, 1, 1, 1).expand(n, quants.shape[1], Q8_0_BLOCK, 1)).squeeze(3)
+    return (quants.float() * scales).view(n, -1).to(dtype)
+
+
 def _f32_linear(f32: F32Kernels) -> LinearOps:
     kernel = f32.linear_f32
 
