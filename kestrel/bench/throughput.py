@@ -209,11 +209,13 @@ def measure_machine_limits(engine_kwargs: dict[str, Any], q8_0_layers: bool = Fa
                           cpu_prefers_bf16)
     dtype_bytes = dtype.itemsize
     # --quantization int8 stores the decoder's projections in one byte (the output head stays); a Q8_0
-    # file's projections, kept as they are, in 34 bytes per 32 (the output head is dequantized).
-    layer_bytes = 1 if engine_kwargs.get("quantization") == "int8" else 34 / 32 if q8_0_layers else dtype_bytes
+    # file's matrices, the output head too, are kept in 34 bytes per 32.
+    q8_0_bytes = 34 / 32
+    layer_bytes = 1 if engine_kwargs.get("quantization") == "int8" else q8_0_bytes if q8_0_layers else dtype_bytes
+    head_bytes = q8_0_bytes if q8_0_layers else dtype_bytes
     limits.update(non_embedding_params=params.non_embedding, output_head_params=params.output_head,
                   roofline_dtype=roofline_dtype(str(dtype).removeprefix("torch.")),
-                  weight_bytes=params.non_embedding * layer_bytes + params.output_head * dtype_bytes,
+                  weight_bytes=params.non_embedding * layer_bytes + params.output_head * head_bytes,
                   kv_bytes_per_token=kv_bytes_per_token(hf_config, engine_kwargs.get("kv_cache_dtype") or "auto",
                                                         dtype_bytes))
     log(f"bf16 matmul {limits['bf16_gflops']:.0f} GFLOP/s, fp32 {limits['fp32_gflops']:.0f} GFLOP/s, "

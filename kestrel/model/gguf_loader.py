@@ -491,10 +491,7 @@ class GGUFWeightReader:
         if dim is None:
             array = dequantize_tensor(self._bytes, info)
         else:
-            dim = dim % len(info.shape)
-            size = info.shape[dim] - start if size is None else size
-            if not (0 <= start and size > 0 and start + size <= info.shape[dim]):
-                raise ValueError(f"{name}: slice [{start}, {start + size}) of dim {dim} is outside {info.shape}")
+            dim, size = self._slice(name, info, dim, start, size)
             if dim == len(info.shape) - 1:
                 array = _dequantize_columns(self._bytes, info, start, size)
             elif dim == 0:
@@ -524,10 +521,7 @@ class GGUFWeightReader:
         rows = _row_view(self._bytes, info)
         block, block_bytes = GGML_QUANT_SIZES[info.qtype]
         if dim is not None:
-            dim = dim % 2
-            size = info.shape[dim] - start if size is None else size
-            if not (0 <= start and size > 0 and start + size <= info.shape[dim]):
-                raise ValueError(f"{name}: slice [{start}, {start + size}) of dim {dim} is outside {info.shape}")
+            dim, size = self._slice(name, info, dim, start, size)
             if dim == 0:
                 n_head = self._rows_heads(name, info, n_head, start, size)
                 rows = rows[start : start + size]
@@ -538,6 +532,16 @@ class GGUFWeightReader:
         if n_head is not None:
             rows = unpermute_rotary(rows, n_head)
         return torch.from_numpy(np.array(rows, dtype=np.uint8))   # a copy: the rows leave the mmap
+
+    @staticmethod
+    def _slice(name: str, info: GGUFTensorInfo, dim: int, start: int, size: int | None) -> tuple[int, int]:
+        """(dim, size) of a slice of `info`'s tensor (a negative dim counted from the end, size None: to
+        the end), checked to lie inside it."""
+        dim = dim % len(info.shape)
+        size = info.shape[dim] - start if size is None else size
+        if not (0 <= start and size > 0 and start + size <= info.shape[dim]):
+            raise ValueError(f"{name}: slice [{start}, {start + size}) of dim {dim} is outside {info.shape}")
+        return dim, size
 
     @staticmethod
     def _rows_heads(name: str, info: GGUFTensorInfo, n_head: int | None, start: int, size: int) -> int | None:

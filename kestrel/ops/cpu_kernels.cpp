@@ -1440,16 +1440,16 @@ inline const uint8_t* q8_block(const uint8_t* wq, int64_t K, int64_t n, int64_t 
 inline const float* q8_scales(const uint8_t* block) { return reinterpret_cast<const float*>(block); }
 inline const int8_t* q8_quants(const uint8_t* block) { return reinterpret_cast<const int8_t*>(block + kQ8ScaleBytes); }
 
-// Rows [k0, k0 + len) of the panel of column n dequantized: panel[k][c] as float32 (len any).
-void q8_dequantize_panel(const uint8_t* wq, int64_t K, int64_t n, int64_t k0, int64_t len, float* panel) {
-  for (int64_t k = k0; k < k0 + len;) {
-    const int64_t b = k / kQ8Block, stop = std::min(k0 + len, (b + 1) * kQ8Block);
+// The panel of column n dequantized, all of K: panel[k][c] as float32.
+void q8_dequantize_panel(const uint8_t* wq, int64_t K, int64_t n, float* panel) {
+  for (int64_t b = 0; b < K / kQ8Block; ++b) {
     const uint8_t* block = q8_block(wq, K, n, b);
     VecF d[kPanelVecs];
     for (int v = 0; v < kPanelVecs; ++v) d[v] = load_f32(q8_scales(block) + v * kLanes);
-    for (; k < stop; ++k) {
-      const int8_t* q = q8_quants(block) + (k - b * kQ8Block) * kPanelCols;
-      for (int v = 0; v < kPanelVecs; ++v) store(panel + (k - k0) * kPanelCols + v * kLanes, mul(load_int8(q + v * kLanes), d[v]));
+    for (int64_t i = 0; i < kQ8Block; ++i) {
+      const int8_t* q = q8_quants(block) + i * kPanelCols;
+      float* row = panel + (b * kQ8Block + i) * kPanelCols;
+      for (int v = 0; v < kPanelVecs; ++v) store(row + v * kLanes, mul(load_int8(q + v * kLanes), d[v]));
     }
   }
 }
@@ -1514,7 +1514,7 @@ void q8_panels(const float* x, const uint8_t* wq, int64_t M, int64_t K, int64_t 
   const int64_t piece = panel_k_piece(K);
   alignas(64) float acc[kPanelRows * kPanelCols];
   for (int64_t n = n0; n < n1; n += kPanelCols) {
-    q8_dequantize_panel(wq, K, n, 0, K, panel);
+    q8_dequantize_panel(wq, K, n, panel);
     for (int64_t m = 0; m < M; m += kPanelRows) {
       const int64_t rows = std::min<int64_t>(kPanelRows, M - m);
       for (int64_t k0 = 0; k0 < K; k0 += piece)

@@ -356,6 +356,7 @@ def packed_bf16_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 # A GGUF Q8_0 block: a float16 scale d, then 32 int8 q; its values are q * d.
 Q8_0_BLOCK = 32
 Q8_0_BLOCK_BYTES = 34
+Q8_0_PANEL = 16   # linear_q8_0's panel: the rows of a weight that one packed block holds
 
 
 def q8_0_plan_matmul() -> PlanMatmul | None:
@@ -366,13 +367,13 @@ def q8_0_plan_matmul() -> PlanMatmul | None:
     kernels = cpu_kernels()
     if kernels is None:
         return None
-    return PlanMatmul(kernels.linear_q8_0, torch.uint8, WIDENING_BF16_PLAN_ROWS, 16, Q8_0_BLOCK,
+    return PlanMatmul(kernels.linear_q8_0, torch.uint8, WIDENING_BF16_PLAN_ROWS, Q8_0_PANEL, Q8_0_BLOCK,
                       kernels.matmul_address("linear_q8_0"))
 
 
 def q8_0_packable(n: int, k: int) -> bool:
     """Whether a Q8_0 weight [n, k] packs for linear_q8_0: whole panels of 16 rows, whole blocks of K."""
-    return n > 0 and n % 16 == 0 and k > 0 and k % Q8_0_BLOCK == 0
+    return n > 0 and n % Q8_0_PANEL == 0 and k > 0 and k % Q8_0_BLOCK == 0
 
 
 def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -383,7 +384,7 @@ def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return (b[..., 2:].contiguous().view(torch.int8).float() * d).reshape(n, -1)
 
 
-def pack_q8_0_weight(blocks: torch.Tensor, panel: int = 16) -> torch.Tensor:
+def pack_q8_0_weight(blocks: torch.Tensor, panel: int = Q8_0_PANEL) -> torch.Tensor:
     """Q8_0 rows [N, K / 32 * 34] (uint8) as linear_q8_0's packed layout [N / panel, K / 32, panel * 4 + 32 * panel]:
     per panel of `panel` rows and block of 32 along K, the rows' scales as float32, then the block's
     32 k-rows of `panel` int8 (cpu_kernels.cpp, "GGUF Q8_0 weights")."""
@@ -402,7 +403,7 @@ def pack_q8_0_weight(blocks: torch.Tensor, panel: int = 16) -> torch.Tensor:
 def q8_0_rows(packed: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The rows `rows` of the Q8_0 weight [N, K] that pack_q8_0_weight packed, dequantized and rounded
     to `dtype` (an embedding's lookup): [len(rows), K]."""
-    n, panel = rows.shape[0], 16
+    n, panel = rows.shape[0], Q8_0_PANEL
     blocks = packed[rows // panel]                                        # [n, K / 32, 64 + 512]
     column = (rows % panel).view(n, 1, 1)
     scales = blocks[..., :panel * 4].contiguous().view(torch.float32)     # [n, K / 32, 16]
