@@ -77,7 +77,7 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 
 def write_tiny_gguf(model: torch.nn.Module, path: Path, arch: str, matrices=None) -> None:
-    """`model` as a GGUF file, its tensors in float32; `matrices` (quantize(w) -> (bytes, GGUF type)):
+    """`model` as a GGUF file, its tensors in float32; `matrices` ((HF name, w) -> (bytes, GGUF type)):
     its 2-D tensors in that type instead."""
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -100,7 +100,7 @@ def write_tiny_gguf(model: torch.nn.Module, path: Path, arch: str, matrices=None
         elif arch == "llama" and name.endswith("k_proj.weight"):
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
         if matrices is not None and w.ndim == 2:
-            data, qtype = matrices(w)
+            data, qtype = matrices(name, w)
             writer.add_tensor(gguf_tensor_name(name), data, raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_tensor_name(name), w)

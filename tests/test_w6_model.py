@@ -280,9 +280,10 @@ def test_w6_peers_read_the_generated_files(tmp_path):
     assert w6_peer_gguf("llama-server:bf16", model) == model.bf16_gguf
     assert w6_peer_gguf("llama-server:q8_0", model) == model.quantized_path("Q8_0")
     assert w6_peer_gguf("llama-server:q4_k", model) == model.quantized_path("Q4_K_M")
-    # Kestrel reads the folder, or with --kestrel-weights q8_0 the very file llama-server:q8_0 reads.
+    # Kestrel reads the folder, or with --kestrel-weights q8_0 (q4_k_m) the very file llama-server:q8_0 (:q4_k) reads.
     assert w6_kestrel_model("bf16", model) == model.hf_folder
     assert w6_kestrel_model("q8_0", model) == model.quantized_path("Q8_0")
+    assert w6_kestrel_model("q4_k_m", model) == model.quantized_path("Q4_K_M")
     with pytest.raises(ValueError, match="--workload W6"):
         launch_server("llama-server:q4_k", parallel=1, ctx_per_slot=64)
     # Q4_K keeps llama.cpp's AVX2 repacking except where AMX would trap; Q8_0 never repacks (as for W1).

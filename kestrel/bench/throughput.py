@@ -9,9 +9,9 @@ W6 (`--workload W6`): W1's requests (the same seed and lengths; prompt ids insid
 vocabulary) on a Llama of TinyLlama-1.1B's shape with random weights (kestrel/bench/w6_model.py),
 generated into Kestrel's cache folder on first use. Kestrel and `transformers` read its safetensors
 folder (bf16); `llama-server:bf16` its bf16 GGUF file, `llama-server:q8_0` and `llama-server:q4_k`
-llama-quantize's Q8_0 and Q4_K_M files of it. `--kestrel-weights q8_0` has Kestrel (and transformers)
-read the Q8_0 file instead, Kestrel keeping its weights in Q8_0. The report names the file each
-engine read.
+llama-quantize's Q8_0 and Q4_K_M files of it. `--kestrel-weights q8_0` (or `q4_k_m`) has Kestrel (and
+transformers) read the Q8_0 (Q4_K_M) file instead, Kestrel keeping its weights in the file's blocks.
+The report names the file each engine read.
 
 Peers `llama-server[:bf16|:f32|:q4_1]` (kestrel/bench/launch.py): llama.cpp's server on the same
 weights written in that precision (by default Kestrel's own dtype here: bf16, or f32 on a CPU
@@ -78,7 +78,9 @@ if TYPE_CHECKING:
 TRANSFORMERS_PEERS = ("transformers", "transformers:float32", "transformers:bfloat16")
 PEERS = (*TRANSFORMERS_PEERS, *PEER_SPECS)
 WORKLOADS = ("W1", "W4", "W6")
-W6_KESTREL_WEIGHTS = ("bf16", "q8_0")
+W6_KESTREL_WEIGHTS = ("bf16", "q8_0", "q4_k_m")
+# The llama-quantize file each of those reads (None: the safetensors folder).
+W6_KESTREL_FILES: dict[str, str | None] = {"bf16": None, "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
 # W6's llama-server peers and the file each reads: its bf16 GGUF (None) or a llama-quantize type.
 W6_PEER_FILES: dict[str, str | None] = {"llama-server:bf16": None, "llama-server:q8_0": "Q8_0",
                                         "llama-server:q4_k": "Q4_K_M"}
@@ -110,9 +112,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "or its native q4_1 file; W6: llama-server:bf16 on its bf16 GGUF, :q8_0 and :q4_k "
                              "on llama-quantize's Q8_0 and Q4_K_M files")
     parser.add_argument("--kestrel-weights", choices=W6_KESTREL_WEIGHTS, default="bf16",
-                        help="W6 only: the file Kestrel reads: bf16, the safetensors folder; q8_0, "
-                             "llama-quantize's Q8_0 GGUF (the file llama-server:q8_0 reads), its weights kept "
-                             "in Q8_0 (default: bf16)")
+                        help="W6 only: the file Kestrel reads: bf16, the safetensors folder; q8_0 or q4_k_m, "
+                             "llama-quantize's Q8_0 or Q4_K_M GGUF (the file llama-server:q8_0 or :q4_k reads), "
+                             "its weights kept in the file's blocks (default: bf16)")
     parser.add_argument("--no-roofline", dest="roofline", action="store_false",
                         help="skip measuring the machine's matmul and copy rates (W1 and W6 only: W4 never does)")
     parser.add_argument("--peer-batch-size", type=int, default=DEFAULT_PEER_BATCH_SIZE,
@@ -143,7 +145,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
     limits = rate_before_run = None
     # W4's first engine skips the prefill its prefix cache holds: W1's FLOP count would not apply.
     if args.roofline and args.workload in ("W1", "W6"):
-        limits = measure_machine_limits(engine_kwargs, q8_0_layers=args.kestrel_weights == "q8_0")
+        limits = measure_machine_limits(engine_kwargs, gguf_blocks=args.kestrel_weights != "bf16")
         from kestrel.bench.roofline import gflops_of
         rate_before_run = functools.partial(gflops_of, [tuple(x) for x in limits["shapes"]], limits["roofline_dtype"])
     results, engine_info = run_kestrel(requests, engine_kwargs, args.runs, args.workload, rate_before_run)
@@ -185,12 +187,22 @@ def w6_peer_gguf(peer: str, model: W6Model) -> Path:
 
 
 def w6_kestrel_model(weights: str, model: W6Model) -> Path:
-    """What Kestrel reads in W6: the safetensors folder (bf16), or llama-quantize's Q8_0 file."""
+    """What Kestrel reads in W6: the safetensors folder (bf16), or llama-quantize's Q8_0 or Q4_K_M file."""
     from kestrel.bench.w6_model import quantized_gguf
-    return model.hf_folder if weights == "bf16" else quantized_gguf(model, "Q8_0")
+    quant_type = W6_KESTREL_FILES[weights]
+    return model.hf_folder if quant_type is None else quantized_gguf(model, quant_type)
 
 
-def measure_machine_limits(engine_kwargs: dict[str, Any], q8_0_layers: bool = False) -> dict[str, Any]:
+def gguf_read_bytes(path: str) -> int:
+    """The bytes a decode step reads of a GGUF file's weights: every tensor as the file stores it, but
+    the embedding (a few rows per step) unless it is also the output head."""
+    from kestrel.model.gguf_loader import read_gguf_header
+    tensors = read_gguf_header(path).tensors
+    tied = "output.weight" not in tensors
+    return sum(info.n_bytes for name, info in tensors.items() if tied or name != "token_embd.weight")
+
+
+def measure_machine_limits(engine_kwargs: dict[str, Any], gguf_blocks: bool = False) -> dict[str, Any]:
     from kestrel.bench.roofline import (
         kv_bytes_per_token,
         layer_shapes,
@@ -208,14 +220,15 @@ def measure_machine_limits(engine_kwargs: dict[str, Any], q8_0_layers: bool = Fa
     dtype = resolve_dtype(engine_kwargs.get("dtype") or "auto", resolve_device(engine_kwargs.get("device") or "auto"),
                           cpu_prefers_bf16)
     dtype_bytes = dtype.itemsize
-    # --quantization int8 stores the decoder's projections in one byte (the output head stays); a Q8_0
-    # file's matrices, the output head too, are kept in 34 bytes per 32.
-    q8_0_bytes = 34 / 32
-    layer_bytes = 1 if engine_kwargs.get("quantization") == "int8" else q8_0_bytes if q8_0_layers else dtype_bytes
-    head_bytes = q8_0_bytes if q8_0_layers else dtype_bytes
+    # --quantization int8 stores the decoder's projections in one byte (the output head stays); a GGUF
+    # file's kept matrices, the output head too, are read as the file stores them.
+    layer_bytes = 1 if engine_kwargs.get("quantization") == "int8" else dtype_bytes
+    weight_bytes = params.non_embedding * layer_bytes + params.output_head * dtype_bytes
+    if gguf_blocks:
+        weight_bytes = gguf_read_bytes(engine_kwargs["model"])
     limits.update(non_embedding_params=params.non_embedding, output_head_params=params.output_head,
                   roofline_dtype=roofline_dtype(str(dtype).removeprefix("torch.")),
-                  weight_bytes=params.non_embedding * layer_bytes + params.output_head * head_bytes,
+                  weight_bytes=weight_bytes,
                   kv_bytes_per_token=kv_bytes_per_token(hf_config, engine_kwargs.get("kv_cache_dtype") or "auto",
                                                         dtype_bytes))
     log(f"bf16 matmul {limits['bf16_gflops']:.0f} GFLOP/s, fp32 {limits['fp32_gflops']:.0f} GFLOP/s, "

@@ -37,7 +37,7 @@ import torch
 
 from kestrel.attention import AttentionBackend, CommonAttentionMetadata, DecodeStepKernels, KVCache
 from kestrel.model.layers import Linear
-from kestrel.model.quantization import Q8_0Linear
+from kestrel.model.quantization import GGUFLinear
 from kestrel.ops.dispatch import PlanKernels, PlanMatmul
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
@@ -178,11 +178,11 @@ class DecodePlan:
 
 
 def _layers_matmul(model: torch.nn.Module, matmul: PlanMatmul) -> PlanMatmul:
-    """The matmul the plan binds: the model's linear op's, or linear_q8_0 where every projection holds
-    a GGUF file's Q8_0 blocks (Q8_0Linear; the C++ layer loop then runs on them too)."""
+    """The matmul the plan binds: the model's linear op's, or linear_gguf where every projection holds
+    a GGUF file's blocks (GGUFLinear; the C++ layer loop then runs on them too)."""
     projections = [p for layer in model.layers for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
                                                          layer.down_proj)]
-    if projections and all(type(p) is Q8_0Linear for p in projections):
+    if projections and all(type(p) is GGUFLinear for p in projections):
         return projections[0].plan_matmul
     return matmul
 
@@ -191,7 +191,7 @@ def _projection(module: torch.nn.Module, matmul: PlanMatmul) -> Projection:
     """The call for one projection: the plan's matmul on its weight where the model's linear op would
     pick it for every row count the plan covers, else the module itself (int8, bias, odd shapes)."""
     w = getattr(module, "weight", None)
-    if type(module) is Q8_0Linear and not module.has_bias and module.plan_matmul is matmul:
+    if type(module) is GGUFLinear and not module.has_bias and module.plan_matmul is matmul:
         return BoundMatmul(matmul.kernel, w)   # packed: its shapes were checked when it was kept
     if (type(module) is Linear and not module.has_bias and w.dtype == matmul.dtype and w.is_contiguous()
             and w.shape[0] % matmul.n_multiple == 0 and w.shape[1] % matmul.k_multiple == 0):

@@ -505,18 +505,17 @@ class GGUFWeightReader:
             array = array.copy()
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
-    def q8_0_names(self) -> frozenset[str]:
-        """The tensors stored as Q8_0, which read_q8_0 returns as the file's blocks."""
-        return frozenset(name for name, info in self._infos.items()
-                         if info.qtype == GGMLQuantizationType.Q8_0 and len(info.shape) == 2)
+    def block_types(self) -> dict[str, str]:
+        """Each matrix's GGUF type by name ("Q4_K", "F16", ...): read_blocks returns the file's bytes of any."""
+        return {name: info.qtype.name for name, info in self._infos.items() if len(info.shape) == 2}
 
-    def read_q8_0(self, name: str, dim: int | None = None, start: int = 0, size: int | None = None) -> torch.Tensor:
-        """A Q8_0 tensor [N, K] (whole, or the slice `read` would give: rows, or columns on block
-        boundaries) as the file's bytes, uint8 [rows, K / 32 * 34], q/k rows in Hugging Face's rotary
-        layout as `read` gives them."""
+    def read_blocks(self, name: str, dim: int | None = None, start: int = 0, size: int | None = None) -> torch.Tensor:
+        """A matrix [N, K] (whole, or the slice `read` would give: rows, or columns on whole blocks of its
+        type) as the file's bytes, uint8 [rows, K / block * block bytes], q/k rows in Hugging Face's
+        rotary layout as `read` gives them."""
         info = self._infos[name]
-        if info.qtype != GGMLQuantizationType.Q8_0 or len(info.shape) != 2:
-            raise ValueError(f"{name} is {info.qtype.name} {list(info.shape)}, not a Q8_0 matrix")
+        if len(info.shape) != 2:
+            raise ValueError(f"{name} is {info.qtype.name} {list(info.shape)}, not a matrix")
         n_head = self._permuted.get(info.name.split(".", 2)[-1])
         rows = _row_view(self._bytes, info)
         block, block_bytes = GGML_QUANT_SIZES[info.qtype]
@@ -526,7 +525,8 @@ class GGUFWeightReader:
                 n_head = self._rows_heads(name, info, n_head, start, size)
                 rows = rows[start : start + size]
             elif start % block or size % block:
-                raise ValueError(f"{name}: columns [{start}, {start + size}) are not whole Q8_0 blocks of {block}")
+                raise ValueError(f"{name}: columns [{start}, {start + size}) are not whole "
+                                 f"{info.qtype.name} blocks of {block}")
             else:
                 rows = rows[:, start // block * block_bytes : (start + size) // block * block_bytes]
         if n_head is not None:

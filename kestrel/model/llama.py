@@ -217,9 +217,13 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight {name!r} has no place in the {self.cfg.architecture} model")
             param = params[placement.param]
             dst = param.data if placement.rows is None else param.data.narrow(0, placement.row, placement.rows)
-            # A projection kept in GGUF Q8_0 (kestrel/model/quantization.py) holds the file's blocks.
-            read = reader.read_q8_0 if param.dtype == torch.uint8 else reader.read
-            tensor = read(name, placement.dim, placement.start, placement.size)
+            if param.dtype == torch.uint8:
+                # A GGUFLinear (kestrel/model/quantization.py) holds the file's blocks, each part's rows
+                # from column 0 of a row as wide as its widest type's.
+                tensor = reader.read_blocks(name, placement.dim, placement.start, placement.size)
+                dst = dst[:, :tensor.shape[1]]
+            else:
+                tensor = reader.read(name, placement.dim, placement.start, placement.size)
             if dst.shape != tensor.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)} on this rank, "
                                  f"expected {tuple(dst.shape)}")

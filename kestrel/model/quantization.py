@@ -1,12 +1,13 @@
-"""Quantized decoder projections: --quantization int8, and a GGUF file's Q8_0 weights as the file
-stores them.
+"""Quantized decoder projections: --quantization int8, and a GGUF file's Q8_0, Q6_K and Q4_K weights
+as the file stores them.
 
-GGUF Q8_0 (as vLLM runs a GGUF file's quantized weights, and llama.cpp does): a projection (and the
-embedding and output head) whose tensors the file stores as Q8_0 keeps them, blocks of 32 int8 along K with
-one scale each (1.06 bytes a weight against 2 for bf16), where the model is bf16 on a CPU with the
-kernels (cpu_kernels.cpp's linear_q8_0, which sums the exact dequantized weights in float32).
-Elsewhere, under --quantization int8, and for every other GGUF type, the weights are dequantized at
-load. `keep_gguf_q8_0_` decides, once, before the weights are read.
+GGUF blocks (as vLLM runs a GGUF file's quantized weights, and llama.cpp does): a projection (and the
+embedding and output head) whose tensors the file stores as Q8_0, Q6_K or Q4_K keeps them (1.06, 0.82
+and 0.56 bytes a weight in the file, 1.125, 1.25 and 0.59 as the kernel packs them, against 2 for
+bf16), where the model is bf16 on a CPU with the kernels (cpu_kernels.cpp's linear_gguf, which sums
+the dequantized weights, llama.cpp's float32 values, in float32). Elsewhere, under --quantization
+int8, and for every other GGUF type (Q4_0, Q4_1, Q5_K, ...), the weights are dequantized at load.
+`keep_gguf_blocks_` decides, once, before the weights are read.
 
 --quantization int8: the decoder layers' projections in int8, quantized at load time from the
 checkpoint's weights (no calibration, no quantized checkpoint needed).
@@ -39,17 +40,8 @@ import torch
 from torch import nn
 
 from kestrel.model.layers import Linear
-from kestrel.ops.dispatch import (
-    Q8_0_BLOCK,
-    Q8_0_BLOCK_BYTES,
-    PlanMatmul,
-    amx_gemv,
-    int8_kernels,
-    pack_q8_0_weight,
-    q8_0_packable,
-    q8_0_plan_matmul,
-    q8_0_rows,
-)
+from kestrel.ops.dispatch import PlanMatmul, amx_gemv, gguf_plan_matmul, int8_kernels
+from kestrel.ops.gguf_blocks import GGUF_FORMATS, GGUFFormat, gguf_packable, gguf_rows, pack_gguf_weight
 
 # (x [M, K], qweight [N, K], scale [N]) -> y [M, N] in x's dtype
 Int8Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -191,33 +183,36 @@ def quantize_model_(model: nn.Module, method: str | None) -> int:
     return len(targets)
 
 
-# ---- GGUF Q8_0 -------------------------------------------------------------------------------------
+# ---- GGUF blocks ------------------------------------------------------------------------------------
 
-class Q8_0Linear(nn.Module):
+class GGUFLinear(nn.Module):
     """A projection (or the embedding, or the output head, or both where tied) holding a GGUF file's
-    Q8_0 blocks: `weight` is uint8
-    [N, K / 32 * 34] (the file's rows, which load_weights fills) until `pack_` puts it in the kernel's
-    layout. `plan_matmul`: its kernel (linear_q8_0), which a decode plan binds."""
+    blocks (Q8_0, Q6_K, Q4_K: kestrel/ops/gguf_blocks.py), `parts` saying which: (format, rows) down
+    its N rows, in order (a fused projection may hold parts of several types). Until `pack_`, `weight`
+    is uint8 [N, the widest part's row bytes], each part's file rows from column 0, which load_weights
+    fills; then linear_gguf's packed weight. `plan_matmul`: its kernel (linear_gguf), which a decode
+    plan binds."""
 
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None,
-                 plan_matmul: PlanMatmul, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, plan_matmul: PlanMatmul,
+                 parts: list[tuple[GGUFFormat, int]], dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         self.dtype = dtype   # the model's: what `rows` gives
         self.in_features, self.out_features = in_features, out_features
-        blocks = torch.empty(out_features, in_features // Q8_0_BLOCK * Q8_0_BLOCK_BYTES, dtype=torch.uint8)
-        self.weight = nn.Parameter(blocks, requires_grad=False)
+        self.parts = parts
+        width = max(fmt.row_bytes(in_features) for fmt, _ in parts)
+        self.weight = nn.Parameter(torch.empty(out_features, width, dtype=torch.uint8), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.has_bias = bias is not None
         self.plan_matmul = plan_matmul
         self.matmul = plan_matmul.kernel
 
     @classmethod
-    def replacing(cls, module: nn.Module, plan_matmul: PlanMatmul) -> Q8_0Linear:
-        """The Q8_0 form of a Linear, or of an embedding or output head (an Embedding [vocab, hidden])."""
+    def replacing(cls, module: nn.Module, plan_matmul: PlanMatmul, parts: list[tuple[GGUFFormat, int]]) -> GGUFLinear:
+        """The GGUF form of a Linear, or of an embedding or output head (an Embedding [vocab, hidden])."""
         if isinstance(module, Linear):
             bias = None if module.bias is None else module.bias.data
-            return cls(module.in_features, module.out_features, bias, plan_matmul, module.weight.dtype)
-        return cls(module.embedding_dim, module.num_embeddings, None, plan_matmul, module.weight.dtype)
+            return cls(module.in_features, module.out_features, bias, plan_matmul, parts, module.weight.dtype)
+        return cls(module.embedding_dim, module.num_embeddings, None, plan_matmul, parts, module.weight.dtype)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """As the output head: float32 logits [rows, vocab], rounded as bf16 (Embedding.logits)."""
@@ -225,10 +220,14 @@ class Q8_0Linear(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """As the embedding: its rows for `ids`, dequantized, in the model's dtype (Embedding.rows)."""
-        return q8_0_rows(self.weight, ids, self.dtype)
+        return gguf_rows(self.weight, ids).to(self.dtype)
 
     def pack_(self) -> None:
-        self.weight.data = pack_q8_0_weight(self.weight.data)
+        parts, row = [], 0
+        for fmt, rows in self.parts:
+            parts.append((fmt, self.weight.data[row:row + rows, :fmt.row_bytes(self.in_features)]))
+            row += rows
+        self.weight.data = pack_gguf_weight(parts, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x.reshape(-1, self.in_features), self.weight).view(*x.shape[:-1], self.out_features)
@@ -237,52 +236,58 @@ class Q8_0Linear(nn.Module):
     __call__ = forward  # as Linear's: no hook machinery on the decode path
 
 
-def keep_gguf_q8_0_(model: nn.Module, reader: object, quantization: str | None) -> int:
+def keep_gguf_blocks_(model: nn.Module, reader: object, quantization: str | None) -> int:
     """Before the weights are read: every projection (`Linear`), the embedding and the output head (one
-    module where they are tied), all of whose checkpoint tensors `reader` holds as Q8_0 (a GGUF reader's
-    `q8_0_names`), replaced by a Q8_0Linear that load_weights fills with the file's blocks, where
-    linear_q8_0 runs (a bf16 model on a CPU with the kernels), no --quantization is asked for and the
-    shapes pack (a tensor-parallel share of K on whole blocks). The number replaced; 0 leaves every
-    weight to be dequantized as before."""
-    q8_0_names = getattr(reader, "q8_0_names", None)
+    module where they are tied) whose checkpoint tensors `reader` (a GGUF reader: `block_types`) holds
+    in types linear_gguf runs (GGUF_FORMATS), replaced by a GGUFLinear that load_weights fills with the
+    file's blocks, where linear_gguf runs (a bf16 model on a CPU with the kernels), no --quantization
+    is asked for and the shapes pack (whole panels of 16 rows per type, a tensor-parallel share of K on
+    whole blocks). The number replaced; 0 leaves every weight to be dequantized as before."""
+    block_types = getattr(reader, "block_types", None)
     targets = {name: module for name, module in model.named_modules() if type(module) is Linear}
     embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
     for name, module in (("embed_tokens", embed), ("lm_head", head)):
         if module is not None and module not in targets.values():
             targets[name] = module   # a tied head is the embedding: one module, read once
-    if q8_0_names is None or quantization is not None or not targets:
+    if block_types is None or quantization is not None or not targets:
         return 0
     weight = next(iter(targets.values())).weight
-    plan_matmul = q8_0_plan_matmul() if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 else None
+    plan_matmul = gguf_plan_matmul() if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 else None
     if plan_matmul is None:
         return 0
-    held = q8_0_names()
-    sources: dict[str, list[bool]] = {}   # module name -> for each tensor placed in it: Q8_0 on whole blocks
+    types = block_types()
+    sources: dict[str, list[tuple[int, int, GGUFFormat | None]]] = {}   # module -> (row, rows, format) per tensor
     for name in reader.names():
         placement = model.placement(name)
         if placement is None or not placement.param.endswith(".weight"):
             continue
         module = placement.param.removesuffix(".weight")
         if module in targets:
-            whole_blocks = placement.dim in (None, 0) or (placement.start % Q8_0_BLOCK == 0
-                                                         and (placement.size or 0) % Q8_0_BLOCK == 0)
-            sources.setdefault(module, []).append(name in held and whole_blocks)
+            fmt = GGUF_FORMATS.get(types.get(name, ""))
+            if fmt is not None and placement.dim not in (None, 0) and (
+                    placement.start % fmt.file_block or (placement.size or 0) % fmt.file_block):
+                fmt = None   # a column share that splits the type's blocks
+            rows = targets[module].weight.shape[0] if placement.rows is None else placement.rows
+            sources.setdefault(module, []).append((placement.row, rows, fmt))
     replaced = 0
-    for name, kept in sources.items():
+    for name, placed in sources.items():
         module = targets[name]
-        if all(kept) and q8_0_packable(*module.weight.shape):   # [N, K]: a Linear's and a head's alike
+        n, k = module.weight.shape   # [N, K]: a Linear's and a head's alike
+        placed.sort(key=lambda source: source[0])
+        parts = [(fmt, rows) for _, rows, fmt in placed if fmt is not None and gguf_packable(fmt, rows, k)]
+        if len(parts) == len(placed) and sum(rows for _, rows in parts) == n:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, Q8_0Linear.replacing(module, plan_matmul))
+            setattr(parent, child, GGUFLinear.replacing(module, plan_matmul, parts))
             replaced += 1
     if head is not None and head is embed:
         model.lm_head = model.embed_tokens   # still tied, in whichever form the embedding now has
     return replaced
 
 
-def pack_q8_0_weights_(model: nn.Module) -> int:
-    """After loading: each Q8_0Linear's blocks put in the kernel's layout; the number packed."""
-    layers = [module for module in model.modules() if isinstance(module, Q8_0Linear)]
+def pack_gguf_weights_(model: nn.Module) -> int:
+    """After loading: each GGUFLinear's blocks put in the kernel's layout; the number packed."""
+    layers = [module for module in model.modules() if isinstance(module, GGUFLinear)]
     for layer in layers:
         layer.pack_()
     return len(layers)

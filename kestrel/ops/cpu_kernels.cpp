@@ -15,8 +15,8 @@
 // one pass over each row. linear_f32: float32 decode-sized products. linear_bf16: bf16 products of any
 // size where there is no AVX512-BF16 (see "bf16 linear layers" below). DecodeLayers: the decode plan's
 // layer loop, over the matmul the plan binds. linear_int8: --quantization int8's products where there is no AMX
-// (AVX512-VNNI or AVX2; see "int8 linear layers" below). linear_q8_0: products with a GGUF file's Q8_0
-// weights as the file stores them (see "GGUF Q8_0 weights" below).
+// (AVX512-VNNI or AVX2; see "int8 linear layers" below). linear_gguf: products with a GGUF file's Q8_0,
+// Q6_K and Q4_K weights as the file stores them (see "GGUF quantized weights" below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -1404,60 +1404,116 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
   else linear_bf16_columns(xf, w, M, K, n_begin, n_end, out);
 }
 
-// ---- GGUF Q8_0 weights ----
+// ---- GGUF quantized weights ----
 //
-// linear_q8_0(x [M, K] bf16, w packed Q8_0) -> y [M, N] = x w^T, bf16 (or its float32 values), for a
-// weight kept as the GGUF file stores it: blocks of 32 int8 along K with one scale each (llama.cpp's
-// Q8_0; its float16 scale widened once at load). The weight is packed at load
-// (kestrel/ops/dispatch.py: pack_q8_0_weight) as [N / 16, K / 32, kQ8BlockBytes] uint8: for each panel of
-// 16 columns and each block of 32 along K, the 16 columns' scales (float32), then the block's 32
-// k-rows of 16 int8, a row per k in column order. 1.125 bytes a weight, against 2 for bf16.
+// linear_gguf(x [M, K] bf16, w) -> y [M, N] = x w^T, bf16 (or its float32 values), for a weight kept
+// as a GGUF file stores it: llama.cpp's Q8_0, Q6_K or Q4_K blocks, packed at load
+// (kestrel/ops/dispatch.py: pack_gguf_weight) into panels of 16 columns (w's rows). w is one uint8
+// tensor: a header of int64 (K, N, the number of segments, then for each segment its format, rows and
+// byte offset), then the segments, each a run of whole panels in one format. A fused projection whose
+// parts the file stores in different types (Q4_K_M's q and k in Q4_K, v in Q6_K) is one weight of
+// several segments. Per panel of 16 columns and block along K:
+//   Q8_0 (blocks of 32) and Q6_K (blocks of 16, as int8 q - 32 and the scale d x its 8-bit scale):
+//     16 float32 scales, then the block's k-rows of 16 int8 (1.125 / 1.25 bytes a weight);
+//   Q4_K (super-blocks of 256 in 8 sub-blocks of 32): 16 float32 d, 16 float32 dmin, the sub-blocks'
+//     6-bit scales and mins as 8 x 16 bytes each, then 128 rows of 16 bytes, each a pair of k-rows (the
+//     first in the low nibbles): 0.59 bytes a weight, against 0.5625 in the file.
 //
-// Each weight is widened and multiplied by its scale as it is read: int8 times a float16 scale is
-// exact in float32, so the kernel sums the dequantized weights themselves (not llama.cpp's products
-// of int8 activations) in linear_bf16's packed order: one sum down k per piece of K (panel_k_piece),
-// the pieces added in order, whatever M is. Where the dequantized weights are bf16 numbers (a
-// power-of-two scale), y is bit for bit linear_bf16's on them (tests/test_gguf_quant.py holds it to
-// that). Up to kQ8PanelMinRows rows the panels stream through registers (packed_stream's tiles); from
-// there a thread dequantizes a panel's piece into L1 once for a block of rows (bf16_panels' tile), so
-// the widening is paid once per block.
+// Each weight is dequantized in registers as it is read, with llama.cpp's (and gguf.quants') float32
+// arithmetic: q * scale for the int8 formats; for Q4_K, (d * scale) * q - dmin * min, whose two
+// products are exact, so one fused multiply-subtract gives the same bits. The kernel then sums those
+// values in linear_bf16's packed order: one sum down k per piece of K (panel_k_piece), the pieces added
+// in order, whatever M is. Where the dequantized weights are bf16 numbers, y is bit for bit linear_bf16's
+// on them (tests/test_gguf_quant.py holds it to that). Up to kQuantPanelMinRows rows the panels stream
+// through registers (packed_stream's tiles); from there a thread dequantizes a panel whole into L2
+// once for all the rows (bf16_panels' tile), so the widening is paid once per panel.
 
 namespace {
 
-constexpr int64_t kQ8Block = 32;
-constexpr int64_t kQ8ScaleBytes = kPanelCols * sizeof(float);
-constexpr int64_t kQ8BlockBytes = kQ8ScaleBytes + kQ8Block * kPanelCols;
-// From here the dequantized panels: against the streamed tiles, on the 1B-class model's four layer
-// shapes (2 Zen 3 cores, medians of 5 interleaved calls, time over linear_bf16's): 1.39 against 1.16
-// at 16 rows, 1.12 against 1.21 at 24; 1.03-1.1 from 64 rows up.
-constexpr int64_t kQ8PanelMinRows = 24;
-static_assert(kPanelK % kQ8Block == 0, "panel pieces hold whole blocks where K allows");
+enum GgufFormat : int64_t { kGgufQ8_0 = 0, kGgufQ6_K = 1, kGgufQ4_K = 2 };  // dispatch.py's GGUF_FORMATS
 
-// The block (panel of column n, block b along K) of a packed weight of K columns.
-inline const uint8_t* q8_block(const uint8_t* wq, int64_t K, int64_t n, int64_t b) {
-  return wq + ((n / kPanelCols) * (K / kQ8Block) + b) * kQ8BlockBytes;
+// From here the dequantized panels: against the streamed tiles, on the 1B-class model's four layer
+// shapes (2 Zen 3 cores, medians of 5 interleaved calls, Q8_0's time over linear_bf16's): 1.39 against
+// 1.16 at 16 rows, 1.12 against 1.21 at 24; 1.03-1.1 from 64 rows up.
+constexpr int64_t kQuantPanelMinRows = 24;
+constexpr int64_t kQuantScaleBytes = kPanelCols * sizeof(float);
+
+// The int8 formats: blocks of B along K, a float32 scale per column and block.
+template <int64_t B>
+constexpr int64_t kInt8BlockBytes = kQuantScaleBytes + B * kPanelCols;
+static_assert(kPanelK % 32 == 0, "panel pieces hold whole blocks where K allows");
+
+template <int64_t B>
+inline const uint8_t* int8_block(const uint8_t* wq, int64_t K, int64_t n, int64_t b) {
+  return wq + ((n / kPanelCols) * (K / B) + b) * kInt8BlockBytes<B>;
 }
-inline const float* q8_scales(const uint8_t* block) { return reinterpret_cast<const float*>(block); }
-inline const int8_t* q8_quants(const uint8_t* block) { return reinterpret_cast<const int8_t*>(block + kQ8ScaleBytes); }
+inline const float* block_scales(const uint8_t* block) { return reinterpret_cast<const float*>(block); }
+inline const int8_t* block_int8(const uint8_t* block) { return reinterpret_cast<const int8_t*>(block + kQuantScaleBytes); }
+
+// Q4_K: super-blocks of 256 along K.
+constexpr int64_t kQ4KBlock = 256, kQ4KSub = 32, kQ4KSubs = kQ4KBlock / kQ4KSub;
+constexpr int64_t kQ4KMins = 2 * kQuantScaleBytes;                 // d at 0, dmin at 64
+constexpr int64_t kQ4KSubMins = kQ4KMins + kQ4KSubs * kPanelCols;  // scales at 128, mins at 256
+constexpr int64_t kQ4KQuants = kQ4KSubMins + kQ4KSubs * kPanelCols;
+constexpr int64_t kQ4KBlockBytes = kQ4KQuants + kQ4KBlock / 2 * kPanelCols;
+static_assert(kPanelK == kQ4KBlock, "a Q4_K super-block is one panel piece (K % 256 == 0)");
+
+inline const uint8_t* q4k_block(const uint8_t* wq, int64_t K, int64_t n, int64_t b) {
+  return wq + ((n / kPanelCols) * (K / kQ4KBlock) + b) * kQ4KBlockBytes;
+}
+
+// Sub-block j's scale d * sc and min dmin * m of a panel's vector v: both products exact in float32.
+inline void q4k_scale_min(const uint8_t* block, int64_t j, int v, VecF& scale, VecF& min) {
+  const float* d = block_scales(block);
+  const uint8_t* sc = block + kQ4KMins + j * kPanelCols + v * kLanes;
+  scale = mul(load_f32(d + v * kLanes), load_uint8(sc));
+  min = mul(load_f32(d + kPanelCols + v * kLanes), load_uint8(sc + kQ4KSubs * kPanelCols));
+}
+
+// The pair of k-rows i of a super-block, vector v: q * scale - min for each nibble.
+inline void q4k_pair(const uint8_t* block, int64_t i, int v, VecF scale, VecF min, VecF& first, VecF& second) {
+  const VecI q = load_uint8_lanes(block + kQ4KQuants + i * kPanelCols + v * kLanes);
+  first = fmsub(low_nibbles(q), scale, min);
+  second = fmsub(high_nibbles(q), scale, min);
+}
 
 // The panel of column n dequantized, all of K: panel[k][c] as float32.
-void q8_dequantize_panel(const uint8_t* wq, int64_t K, int64_t n, float* panel) {
-  for (int64_t b = 0; b < K / kQ8Block; ++b) {
-    const uint8_t* block = q8_block(wq, K, n, b);
+template <int64_t B>
+void int8_dequantize_panel(const uint8_t* wq, int64_t K, int64_t n, float* panel) {
+  for (int64_t b = 0; b < K / B; ++b) {
+    const uint8_t* block = int8_block<B>(wq, K, n, b);
     VecF d[kPanelVecs];
-    for (int v = 0; v < kPanelVecs; ++v) d[v] = load_f32(q8_scales(block) + v * kLanes);
-    for (int64_t i = 0; i < kQ8Block; ++i) {
-      const int8_t* q = q8_quants(block) + i * kPanelCols;
-      float* row = panel + (b * kQ8Block + i) * kPanelCols;
+    for (int v = 0; v < kPanelVecs; ++v) d[v] = load_f32(block_scales(block) + v * kLanes);
+    for (int64_t i = 0; i < B; ++i) {
+      const int8_t* q = block_int8(block) + i * kPanelCols;
+      float* row = panel + (b * B + i) * kPanelCols;
       for (int v = 0; v < kPanelVecs; ++v) store(row + v * kLanes, mul(load_int8(q + v * kLanes), d[v]));
     }
   }
 }
 
-// out.row() of MR rows of x (widened, [MR, K]) and the P panels of [n0, n0 + P x kPanelCols): the
-// packed bf16 tile's loop, each weight row dequantized in registers.
-template <int MR, int P, typename Out>
-void q8_stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, const Out& out) {
+void q4k_dequantize_panel(const uint8_t* wq, int64_t K, int64_t n, float* panel) {
+  for (int64_t b = 0; b < K / kQ4KBlock; ++b) {
+    const uint8_t* block = q4k_block(wq, K, n, b);
+    for (int64_t j = 0; j < kQ4KSubs; ++j)
+      for (int v = 0; v < kPanelVecs; ++v) {
+        VecF scale, min;
+        q4k_scale_min(block, j, v, scale, min);
+        for (int64_t i = j * kQ4KSub / 2; i < (j + 1) * kQ4KSub / 2; ++i) {
+          VecF first, second;
+          q4k_pair(block, i, v, scale, min, first, second);
+          float* row = panel + (b * kQ4KBlock + 2 * i) * kPanelCols + v * kLanes;
+          store(row, first);
+          store(row + kPanelCols, second);
+        }
+      }
+  }
+}
+
+// out.row() of MR rows of x (widened, [MR, K]) and the P panels of [n0, n0 + P x kPanelCols) of an
+// int8 weight: the packed bf16 tile's loop, each weight row dequantized in registers.
+template <int64_t B, int MR, int P, typename Out>
+void int8_stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, const Out& out) {
   constexpr int V = P * kPanelVecs;
   const int64_t piece = panel_k_piece(K);
   VecF total[MR][V];
@@ -1467,16 +1523,16 @@ void q8_stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, 
     for (int m = 0; m < MR; ++m)
       for (int v = 0; v < V; ++v) c[m][v] = zero();
     for (int64_t k = k0; k < end;) {
-      const int64_t b = k / kQ8Block, stop = std::min(end, (b + 1) * kQ8Block);
+      const int64_t b = k / B, stop = std::min(end, (b + 1) * B);
       const uint8_t* block[P];
-      for (int p = 0; p < P; ++p) block[p] = q8_block(wq, K, n0 + p * kPanelCols, b);
+      for (int p = 0; p < P; ++p) block[p] = int8_block<B>(wq, K, n0 + p * kPanelCols, b);
       for (; k < stop; ++k) {
-        const int64_t row = (k - b * kQ8Block) * kPanelCols;
+        const int64_t row = (k - b * B) * kPanelCols;
         VecF w[V];
         for (int p = 0; p < P; ++p)
           for (int v = 0; v < kPanelVecs; ++v)
-            w[p * kPanelVecs + v] = mul(load_int8(q8_quants(block[p]) + row + v * kLanes),
-                                        load_f32(q8_scales(block[p]) + v * kLanes));
+            w[p * kPanelVecs + v] = mul(load_int8(block_int8(block[p]) + row + v * kLanes),
+                                        load_f32(block_scales(block[p]) + v * kLanes));
         for (int m = 0; m < MR; ++m) {
           const VecF a = splat(x[m * K + k]);
           for (int v = 0; v < V; ++v) c[m][v] = fma(a, w[v], c[m][v]);
@@ -1488,33 +1544,97 @@ void q8_stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, 
   emit_rows<MR, V>(total, n0, out);
 }
 
-template <int MR, typename Out>
-void q8_stream(const float* x, const uint8_t* wq, int64_t K, int64_t n0, int64_t n1, const Out& out) {
-  constexpr int64_t span = kStreamPanels<MR> * kPanelCols;
-  int64_t n = n0;
-  for (; n + span <= n1; n += span) q8_stream_panels<MR, kStreamPanels<MR>>(x, wq, K, n, out);
-  for (; n < n1; n += kPanelCols) q8_stream_panels<MR, 1>(x, wq, K, n, out);
+// The same for Q4_K, whose super-blocks are the pieces of K: each pair of k-rows dequantized in
+// registers, then summed k by k.
+template <int MR, int P, typename Out>
+void q4k_stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, const Out& out) {
+  constexpr int V = P * kPanelVecs;
+  VecF total[MR][V];
+  for (int64_t b = 0; b < K / kQ4KBlock; ++b) {
+    VecF c[MR][V];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < V; ++v) c[m][v] = zero();
+    const uint8_t* block[P];
+    for (int p = 0; p < P; ++p) block[p] = q4k_block(wq, K, n0 + p * kPanelCols, b);
+    for (int64_t j = 0; j < kQ4KSubs; ++j) {
+      VecF scale[V], min[V];
+      for (int p = 0; p < P; ++p)
+        for (int v = 0; v < kPanelVecs; ++v) q4k_scale_min(block[p], j, v, scale[p * kPanelVecs + v], min[p * kPanelVecs + v]);
+      for (int64_t i = j * kQ4KSub / 2; i < (j + 1) * kQ4KSub / 2; ++i) {
+        VecF first[V], second[V];
+        for (int p = 0; p < P; ++p)
+          for (int v = 0; v < kPanelVecs; ++v)
+            q4k_pair(block[p], i, v, scale[p * kPanelVecs + v], min[p * kPanelVecs + v], first[p * kPanelVecs + v],
+                     second[p * kPanelVecs + v]);
+        const int64_t k = b * kQ4KBlock + 2 * i;
+        for (int m = 0; m < MR; ++m) {
+          const VecF a = splat(x[m * K + k]);
+          for (int v = 0; v < V; ++v) c[m][v] = fma(a, first[v], c[m][v]);
+        }
+        for (int m = 0; m < MR; ++m) {
+          const VecF a = splat(x[m * K + k + 1]);
+          for (int v = 0; v < V; ++v) c[m][v] = fma(a, second[v], c[m][v]);
+        }
+      }
+    }
+    add_piece<MR, V>(total, c, b == 0);
+  }
+  emit_rows<MR, V>(total, n0, out);
 }
 
-// row_groups' walk (a group of panels, the rows kPanelRows at a time under it) on q8_stream.
-template <typename Out>
-void q8_row_groups(const float* x, const uint8_t* wq, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
+// A format's streamed tiles and whole-panel dequantization.
+template <int64_t B>
+struct Int8Format {
+  template <int MR>
+  static constexpr int kPanels = kStreamPanels<MR>;
+  template <int MR, int P, typename Out>
+  static void stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, const Out& out) {
+    int8_stream_panels<B, MR, P>(x, wq, K, n0, out);
+  }
+  static void dequantize_panel(const uint8_t* wq, int64_t K, int64_t n, float* panel) {
+    int8_dequantize_panel<B>(wq, K, n, panel);
+  }
+};
+
+struct Q4KFormat {
+  template <int MR>
+  // Fewer panels side by side than the int8 tiles from 2 rows: each panel vector needs its scale and
+  // min in registers too (2 Zen 3 cores, the 1B model's layer shapes: 8 rows 0.69x linear_bf16's time
+  // against 0.83x with the int8 tiles' count; 1 row better with the int8 tiles' count).
+  static constexpr int kPanels = MR == 1 ? kStreamPanels<1> : std::max(1, 4 / (MR * kPanelVecs));
+  template <int MR, int P, typename Out>
+  static void stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, const Out& out) {
+    q4k_stream_panels<MR, P>(x, wq, K, n0, out);
+  }
+  static void dequantize_panel(const uint8_t* wq, int64_t K, int64_t n, float* panel) {
+    q4k_dequantize_panel(wq, K, n, panel);
+  }
+};
+
+// row_groups' walk (a group of panels, the rows kPanelRows at a time under it) on a format's stream.
+template <typename Format, typename Out>
+void quant_row_groups(const float* x, const uint8_t* wq, int64_t M, int64_t K, int64_t n0, int64_t n1,
+                      const Out& out) {
   row_groups(x, M, K, n0, n1, out, [&](auto MRc, const float* xm, int64_t n, int64_t n_end, const auto& rows) {
-    q8_stream<decltype(MRc)::value>(xm, wq, K, n, n_end, rows);
+    constexpr int MR = decltype(MRc)::value;
+    constexpr int P = Format::template kPanels<MR>;
+    int64_t c = n;
+    for (; c + P * kPanelCols <= n_end; c += P * kPanelCols) Format::template stream_panels<MR, P>(xm, wq, K, c, rows);
+    for (; c < n_end; c += kPanelCols) Format::template stream_panels<MR, 1>(xm, wq, K, c, rows);
   });
 }
 
-// From kQ8PanelMinRows rows: a panel dequantized whole (16 columns by all of K, into L2) once, then
+// From kQuantPanelMinRows rows: a panel dequantized whole (16 columns by all of K, into L2) once, then
 // every block of kPanelRows rows down it on bf16_panels' tile, a piece of K at a time: the same sums
-// in the same order as q8_row_groups, the widening paid once per panel instead of once per block.
-template <typename Out>
-void q8_panels(const float* x, const uint8_t* wq, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
+// in the same order as quant_row_groups, the widening paid once per panel instead of once per block.
+template <typename Format, typename Out>
+void quant_panels(const float* x, const uint8_t* wq, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
   thread_local std::vector<float> panel_buffer;
   float* panel = scratch(panel_buffer, kPanelCols * K);
   const int64_t piece = panel_k_piece(K);
   alignas(64) float acc[kPanelRows * kPanelCols];
   for (int64_t n = n0; n < n1; n += kPanelCols) {
-    q8_dequantize_panel(wq, K, n, panel);
+    Format::dequantize_panel(wq, K, n, panel);
     for (int64_t m = 0; m < M; m += kPanelRows) {
       const int64_t rows = std::min<int64_t>(kPanelRows, M - m);
       for (int64_t k0 = 0; k0 < K; k0 += piece)
@@ -1525,30 +1645,85 @@ void q8_panels(const float* x, const uint8_t* wq, int64_t M, int64_t K, int64_t 
   }
 }
 
+template <typename Format, typename Out>
+void quant_columns(const float* x, const uint8_t* wq, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
+  if (M < kQuantPanelMinRows) quant_row_groups<Format>(x, wq, M, K, n0, n1, out);
+  else quant_panels<Format>(x, wq, M, K, n0, n1, out);
+}
+
+// Columns shifted by n_offset: out.row(m, n_offset + n0, ...).
 template <typename Out>
-void linear_q8_0_columns(const float* x, const uint8_t* wq, int64_t M, int64_t K, int64_t n0, int64_t n1,
-                         const Out& out) {
-  if (M < kQ8PanelMinRows) q8_row_groups(x, wq, M, K, n0, n1, out);
-  else q8_panels(x, wq, M, K, n0, n1, out);
+struct ColumnsFrom {
+  const Out& out;
+  int64_t n_offset;
+  void row(int64_t m, int64_t n0, const float* v, int64_t cols) const { out.row(m, n_offset + n0, v, cols); }
+};
+
+struct GgufSegment {
+  int64_t format, panel0, panels;  // its first panel in w's columns, and how many
+  const uint8_t* data;
+};
+
+// A packed weight's header, checked against its size.
+struct GgufLayout {
+  int64_t K = 0, N = 0;
+  std::vector<GgufSegment> segments;
+
+  explicit GgufLayout(const torch::Tensor& w) {
+    TORCH_CHECK(w.dim() == 1 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() >= 24,
+                "linear_gguf: w must be a packed GGUF weight (contiguous uint8, dispatch.py: pack_gguf_weight)");
+    const uint8_t* base = w.data_ptr<uint8_t>();
+    const auto header = [&](int64_t i) {
+      int64_t v;
+      std::memcpy(&v, base + 8 * i, sizeof v);
+      return v;
+    };
+    K = header(0), N = header(1);
+    const int64_t count = header(2);
+    TORCH_CHECK(K > 0 && N > 0 && count > 0 && w.numel() >= 8 * (3 + 3 * count), "linear_gguf: bad header");
+    int64_t panel = 0;
+    for (int64_t s = 0; s < count; ++s) {
+      const int64_t format = header(3 + 3 * s), rows = header(4 + 3 * s), offset = header(5 + 3 * s);
+      TORCH_CHECK(rows > 0 && rows % kPanelCols == 0, "linear_gguf: a segment of whole panels");
+      const int64_t bytes = format == kGgufQ8_0 ? K / 32 * kInt8BlockBytes<32>
+                            : format == kGgufQ6_K ? K / 16 * kInt8BlockBytes<16>
+                            : format == kGgufQ4_K ? K / kQ4KBlock * kQ4KBlockBytes : -1;
+      const int64_t block = format == kGgufQ8_0 ? 32 : format == kGgufQ6_K ? 16 : kQ4KBlock;
+      TORCH_CHECK(bytes > 0 && K % block == 0, "linear_gguf: format ", format, " with K = ", K);
+      TORCH_CHECK(offset >= 0 && offset + rows / kPanelCols * bytes <= w.numel(), "linear_gguf: a segment past the end");
+      segments.push_back({format, panel, rows / kPanelCols, base + offset});
+      panel += rows / kPanelCols;
+    }
+    TORCH_CHECK(panel * kPanelCols == N, "linear_gguf: the segments' rows are not N");
+  }
+};
+
+template <typename Out>
+void gguf_columns(const float* x, const GgufSegment& s, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
+  const ColumnsFrom<Out> shifted{out, s.panel0 * kPanelCols};
+  if (s.format == kGgufQ8_0) quant_columns<Int8Format<32>>(x, s.data, M, K, n0, n1, shifted);
+  else if (s.format == kGgufQ6_K) quant_columns<Int8Format<16>>(x, s.data, M, K, n0, n1, shifted);
+  else quant_columns<Q4KFormat>(x, s.data, M, K, n0, n1, shifted);
 }
 
 }  // namespace
 
-torch::Tensor linear_q8_0(torch::Tensor x, torch::Tensor w, bool float_out) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == kQ8BlockBytes && x.size(1) == w.size(1) * kQ8Block,
-              "linear_q8_0: x [M, K], w packed Q8_0 [N / ", kPanelCols, ", K / ", kQ8Block, ", ", kQ8BlockBytes, "]");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kUInt8,
-              "linear_q8_0: bf16 x, uint8 w");
+torch::Tensor linear_gguf(torch::Tensor x, torch::Tensor w, bool float_out) {
+  const GgufLayout layout(w);
+  const int64_t K = layout.K, N = layout.N;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kBFloat16,
+              "linear_gguf: x must be bf16 [M, ", K, "]");
   x = x.contiguous();
-  w = w.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0) * kPanelCols;
+  const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat32 : torch::kBFloat16));
-  if (M == 0 || N == 0) return y;
+  if (M == 0) return y;
   const float* xf = widened_x(x);
-  const uint8_t* wq = w.data_ptr<uint8_t>();
   const Bf16Out out{y.data_ptr(), N, float_out};
   at::parallel_for(0, N / kPanelCols, 1, [&](int64_t begin, int64_t end) {
-    linear_q8_0_columns(xf, wq, M, K, begin * kPanelCols, end * kPanelCols, out);
+    for (const GgufSegment& s : layout.segments) {
+      const int64_t p0 = std::max(begin, s.panel0), p1 = std::min(end, s.panel0 + s.panels);
+      if (p0 < p1) gguf_columns(xf, s, M, K, (p0 - s.panel0) * kPanelCols, (p1 - s.panel0) * kPanelCols, out);
+    }
   });
   return y;
 }
@@ -2125,7 +2300,7 @@ using kestrel_matmul::MatmulSliceFn;
 
 torch::Tensor linear_f32_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_f32(x, w); }
 torch::Tensor linear_bf16_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_bf16(x, w, false); }
-torch::Tensor linear_q8_0_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_q8_0(x, w, false); }
+torch::Tensor linear_gguf_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_gguf(x, w, false); }
 
 // A projection's output features: w [N, K], or a packed bf16 weight [N / 16, K, 16].
 inline int64_t out_features(const torch::Tensor& w) { return w.dim() == 3 ? w.size(0) * w.size(2) : w.size(0); }
@@ -2217,10 +2392,10 @@ void in_one_region(const F& f) {
 class DecodeLayers {
  public:
   // weights: 6 per layer (input norm, qkv, o, post-attention norm, gate_up, down), the norms in the
-  // model's dtype, the projections in one dtype (the model's, or uint8: packed GGUF Q8_0); caches: k, v
+  // model's dtype, the projections in one dtype (the model's, or uint8: packed GGUF blocks); caches: k, v
   // per layer, each [num_slots, kv_heads, head_dim]; matmul_address: a MatmulFn for the projections;
   // slice_address: its MatmulSliceFn for 1..15 rows (bf16 only; for packed weights, the packed one), or 0.
-  // The projections are all [N, K] or all packed ([N / 16, K, 16] bf16, or Q8_0's layout).
+  // The projections are all [N, K] or all packed ([N / 16, K, 16] bf16, or linear_gguf's layout).
   DecodeLayers(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches, int64_t heads,
                double eps, double scale, int64_t matmul_address, int64_t slice_address)
       : weights_(std::move(weights)), caches_(std::move(caches)), heads_(heads), eps_(eps), scale_(scale),
@@ -2350,14 +2525,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x w^T for bf16 x and w ([N, K], or packed [N / 16, K, 16]), any rows (CPU, without AVX512-BF16); "
         "float_out: y in float32, rounded as bf16",
         py::arg("x"), py::arg("w"), py::arg("float_out") = false);
-  m.attr("q8_0_block_bytes") = kQ8BlockBytes;  // the bytes of a packed Q8_0 weight's block (16 x 32 values)
-  m.def("linear_q8_0", &linear_q8_0,
-        "y = x w^T for bf16 x and a GGUF Q8_0 weight packed [N / 16, K / 32, q8_0_block_bytes], any rows (CPU); "
-        "float_out: y in float32, rounded as bf16",
+  m.def("linear_gguf", &linear_gguf,
+        "y = x w^T for bf16 x and GGUF Q8_0 / Q6_K / Q4_K weights packed by dispatch.py's pack_gguf_weight, "
+        "any rows (CPU); float_out: y in float32, rounded as bf16",
         py::arg("x"), py::arg("w"), py::arg("float_out") = false);
   m.def("matmul_address", [](const std::string& name) -> int64_t {
     if (name == "linear_bf16") return reinterpret_cast<int64_t>(&linear_bf16_matmul);
-    if (name == "linear_q8_0") return reinterpret_cast<int64_t>(&linear_q8_0_matmul);
+    if (name == "linear_gguf") return reinterpret_cast<int64_t>(&linear_gguf_matmul);
     TORCH_CHECK(name == "linear_f32", "matmul_address: no matmul ", name);
     return reinterpret_cast<int64_t>(&linear_f32_matmul);
   }, "the address of a matmul as a MatmulFn, for DecodeLayers", py::arg("name"));

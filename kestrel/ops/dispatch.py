@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.ops import amx_disabled, cpu_gemv, cpu_kernels, linear_f32_preferred
+from kestrel.ops.gguf_blocks import GGUF_PANEL
 
 RmsNorm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 AddRmsNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
@@ -353,64 +354,16 @@ def packed_bf16_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return packed[rows // panel, :, slot]
 
 
-# A GGUF Q8_0 block: a float16 scale d, then 32 int8 q; its values are q * d.
-Q8_0_BLOCK = 32
-Q8_0_BLOCK_BYTES = 34
-Q8_0_PANEL = 16   # linear_q8_0's panel: the rows of a weight that one packed block holds
-
-
-def q8_0_plan_matmul() -> PlanMatmul | None:
-    """cpu_kernels()' linear_q8_0 (y = x w^T for bf16 x and a GGUF Q8_0 weight packed by
-    pack_q8_0_weight, any row count), as Q8_0Linear calls it and a decode plan binds it (with its
-    address, for the C++ layer loop); None where the kernels do not build (GGUF Q8_0 weights are
+def gguf_plan_matmul() -> PlanMatmul | None:
+    """cpu_kernels()' linear_gguf (y = x w^T for bf16 x and GGUF Q8_0 / Q6_K / Q4_K blocks packed by
+    gguf_blocks.pack_gguf_weight, any row count), as GGUFLinear calls it and a decode plan binds it
+    (with its address, for the C++ layer loop); None where the kernels do not build (GGUF weights are
     then dequantized at load, as every other GGUF type)."""
     kernels = cpu_kernels()
     if kernels is None:
         return None
-    return PlanMatmul(kernels.linear_q8_0, torch.uint8, WIDENING_BF16_PLAN_ROWS, Q8_0_PANEL, Q8_0_BLOCK,
-                      kernels.matmul_address("linear_q8_0"))
-
-
-def q8_0_packable(n: int, k: int) -> bool:
-    """Whether a Q8_0 weight [n, k] packs for linear_q8_0: whole panels of 16 rows, whole blocks of K."""
-    return n > 0 and n % Q8_0_PANEL == 0 and k > 0 and k % Q8_0_BLOCK == 0
-
-
-def dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    """Q8_0 rows [N, K / 32 * 34] (uint8, the file's bytes) as float32 [N, K]: q * d, exact in float32."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, -1, Q8_0_BLOCK_BYTES)
-    d = b[..., :2].contiguous().view(torch.float16).float()           # [N, K / 32, 1]
-    return (b[..., 2:].contiguous().view(torch.int8).float() * d).reshape(n, -1)
-
-
-def pack_q8_0_weight(blocks: torch.Tensor, panel: int = Q8_0_PANEL) -> torch.Tensor:
-    """Q8_0 rows [N, K / 32 * 34] (uint8) as linear_q8_0's packed layout [N / panel, K / 32, panel * 4 + 32 * panel]:
-    per panel of `panel` rows and block of 32 along K, the rows' scales as float32, then the block's
-    32 k-rows of `panel` int8 (cpu_kernels.cpp, "GGUF Q8_0 weights")."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n // panel, panel, -1, Q8_0_BLOCK_BYTES)                 # [P, panel, blocks, 34]
-    nb = b.shape[2]
-    scales = b[..., :2].contiguous().view(torch.float16).float()             # [P, panel, blocks, 1]
-    scales = scales.squeeze(-1).permute(0, 2, 1).contiguous()                 # [P, blocks, panel]
-    quants = b[..., 2:].permute(0, 2, 3, 1)                                  # [P, blocks, 32, panel]
-    packed = torch.empty(n // panel, nb, panel * 4 + Q8_0_BLOCK * panel, dtype=torch.uint8)
-    packed[..., :panel * 4] = scales.view(torch.uint8)
-    packed[..., panel * 4:] = quants.reshape(n // panel, nb, Q8_0_BLOCK * panel)
-    return packed
-
-
-def q8_0_rows(packed: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The rows `rows` of the Q8_0 weight [N, K] that pack_q8_0_weight packed, dequantized and rounded
-    to `dtype` (an embedding's lookup): [len(rows), K]."""
-    n, panel = rows.shape[0], Q8_0_PANEL
-    blocks = packed[rows // panel]                                        # [n, K / 32, 64 + 512]
-    column = (rows % panel).view(n, 1, 1)
-    scales = blocks[..., :panel * 4].contiguous().view(torch.float32)     # [n, K / 32, 16]
-    scales = scales.gather(2, column.expand(n, scales.shape[1], 1))
-    quants = blocks[..., panel * 4:].contiguous().view(torch.int8).view(n, -1, Q8_0_BLOCK, panel)
-    quants = quants.gather(3, column.view(n, 1, 1, 1).expand(n, quants.shape[1], Q8_0_BLOCK, 1)).squeeze(3)
-    return (quants.float() * scales).view(n, -1).to(dtype)
+    return PlanMatmul(kernels.linear_gguf, torch.uint8, WIDENING_BF16_PLAN_ROWS, GGUF_PANEL, 16,
+                      kernels.matmul_address("linear_gguf"))
 
 
 def _f32_linear(f32: F32Kernels) -> LinearOps:

@@ -19,7 +19,7 @@ from kestrel.messages import ModelRunnerOutput, SchedulerOutput
 from kestrel.model import build_model, local_attention_config, shard_of_this_rank
 from kestrel.model.layers import pack_linear_weights_
 from kestrel.model.loader import ModelSource, resolve_model, weight_reader
-from kestrel.model.quantization import keep_gguf_q8_0_, pack_q8_0_weights_, quantize_model_
+from kestrel.model.quantization import keep_gguf_blocks_, pack_gguf_weights_, quantize_model_
 from kestrel.ops.huge_pages import move_to_huge_pages
 from kestrel.worker.memory import MemoryProfile, num_blocks_for, profile_cpu, profile_cuda
 from kestrel.worker.model_runner import ModelRunner
@@ -59,14 +59,14 @@ class Worker:
         start = time.perf_counter()
         self.model = build_model(config.model, self.device, self.attn_backend)
         reader = weight_reader(source)
-        kept = keep_gguf_q8_0_(self.model, reader, config.model.quantization)
+        kept = keep_gguf_blocks_(self.model, reader, config.model.quantization)
         self.model.load_weights(reader)
         quantize_model_(self.model, config.model.quantization)
-        packed = pack_linear_weights_(self.model) + pack_q8_0_weights_(self.model)
+        packed = pack_linear_weights_(self.model) + pack_gguf_weights_(self.model)
         in_huge_pages = self._into_huge_pages(self.model)
         logger.info("loaded %s in %.1f s; attention backend: %s%s%s%s", source.name, time.perf_counter() - start,
                     self.attn_backend.describe(), f"; {packed} weights packed" if packed else "",
-                    f"; {kept} projections kept in the file's Q8_0" if kept else "",
+                    f"; {kept} weights kept in the file's quantized blocks" if kept else "",
                     "; weights in huge pages" if in_huge_pages else "")
         self.runner = ModelRunner(config, self.model, self.attn_backend, self._load_draft_model())
         self.memory_profile: MemoryProfile | None = None

@@ -1,0 +1,220 @@
+"""GGUF quantized weights as linear_gguf runs them (cpu_kernels.cpp, "GGUF quantized weights").
+
+A GGUF file stores a matrix [N, K] as rows of blocks along K. Three of llama.cpp's block types are kept
+as the file stores them, in `GGUF_FORMATS`:
+- Q8_0: 32 int8 q and a float16 scale d; values q * d.
+- Q6_K: super-blocks of 256 in 16 blocks of 16: 6-bit q, an int8 scale per block and a float16 d;
+  values (d * scale) * (q - 32).
+- Q4_K: super-blocks of 256 in 8 blocks of 32: 4-bit q, 6-bit scales and mins, float16 d and dmin;
+  values (d * scale) * q - dmin * min.
+These are the float32 operations and order of gguf.quants (and of llama.cpp's dequantization), so the
+values here are its bits; the kernel computes the same ones.
+
+`pack_gguf_weight` puts a weight (one part or several, each of its own type, stacked along N: a fused
+projection whose parts the file stores in different types) into linear_gguf's layout: a header of
+int64 (K, N, the number of segments, then each segment's format code, rows and byte offset), then the
+segments, each 16 rows (a panel) at a time along its blocks (see cpu_kernels.cpp for the bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+GGUF_PANEL = 16        # the rows of a weight that one packed block holds
+_ALIGN = 64            # each segment starts on a cache line
+_SCALES = GGUF_PANEL * 4   # a panel's float32 per column
+
+
+@dataclass(frozen=True)
+class GGUFFormat:
+    """A GGUF block type that linear_gguf runs from its blocks."""
+    name: str            # gguf.GGMLQuantizationType's name
+    code: int            # cpu_kernels.cpp's GgufFormat
+    file_block: int      # values per file block along K (K is a multiple of it)
+    file_block_bytes: int
+    block: int           # values per packed block along K (Q6_K: its blocks of 16, each with a scale)
+    packed_bytes: int    # packed bytes per panel and block
+    # file rows [n, K / file_block * file_block_bytes] (uint8; n a multiple of 16) -> [n / 16, K / block, packed_bytes]
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    # packed panels [n, K / block, packed_bytes] and a column in each -> float32 [n, K], that column's values
+    values: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def row_bytes(self, k: int) -> int:
+        return k // self.file_block * self.file_block_bytes
+
+
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """Each block's float16 at byte `at`, widened: [..., blocks]."""
+    return blocks[..., at:at + 2].contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _panels(t: torch.Tensor) -> torch.Tensor:
+    """[n, blocks, *rest] -> [n / 16, blocks, *rest, 16]: each panel's 16 rows innermost."""
+    n, blocks = t.shape[:2]
+    t = t.reshape(n // GGUF_PANEL, GGUF_PANEL, blocks, -1)
+    return t.permute(0, 2, 3, 1).contiguous()
+
+
+def _pack_int8(scales: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """float32 scales [n, blocks] and int8 q [n, blocks, B] as the int8 layout: per panel and block, the
+    16 scales, then B k-rows of 16 int8."""
+    p, nb = scales.shape[0] // GGUF_PANEL, scales.shape[1]
+    packed = torch.empty(p, nb, _SCALES + q.shape[2] * GGUF_PANEL, dtype=torch.uint8)
+    packed[..., :_SCALES] = _panels(scales.contiguous()).reshape(p, nb, GGUF_PANEL).view(torch.uint8)
+    packed[..., _SCALES:] = _panels(q.view(torch.uint8)).reshape(p, nb, -1)
+    return packed
+
+
+def _column(packed: torch.Tensor, column: torch.Tensor, at: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """From each panel [n, blocks, bytes], its column's `count` values of `dtype` stored 16 to a row
+    from byte `at`: [n, blocks, count]."""
+    n, nb = packed.shape[:2]
+    width = torch.empty((), dtype=dtype).element_size()
+    rows = packed[..., at:at + count * GGUF_PANEL * width].contiguous().view(dtype).view(n, nb, count, GGUF_PANEL)
+    return rows.gather(3, column.view(n, 1, 1, 1).expand(n, nb, count, 1)).squeeze(3)
+
+
+def _int8_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    n, nb = packed.shape[:2]
+    block = (packed.shape[2] - _SCALES) // GGUF_PANEL
+    scales = _column(packed, column, 0, 1, torch.float32)
+    return (_column(packed, column, _SCALES, block, torch.int8).float() * scales).view(n, -1)
+
+
+# ---- Q8_0: d f16, 32 int8 q ----
+
+def _pack_q8_0(rows: torch.Tensor) -> torch.Tensor:
+    b = rows.reshape(rows.shape[0], -1, 34)
+    return _pack_int8(_f16(b, 0), b[..., 2:].contiguous().view(torch.int8))
+
+
+# ---- Q6_K: ql [128], qh [64], int8 scales [16], d f16 ----
+
+def _q6_k_quants(b: torch.Tensor) -> torch.Tensor:
+    """A super-block's 256 q - 32 as int8 [..., 16 blocks, 16] (gguf.quants' order)."""
+    lead = b.shape[:-1]
+    shifts = torch.tensor([0, 4], dtype=torch.uint8)
+    ql = (b[..., :128].reshape(*lead, 2, 1, 64) >> shifts.view(2, 1)) & 0x0F          # [.., 2, 2, 64]
+    qh = (b[..., 128:192].reshape(*lead, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3
+    q = ql.reshape(*lead, 2, 128) | (qh.reshape(*lead, 2, 128) << 4)
+    return (q.view(torch.int8) - 32).reshape(*lead, 16, 16)
+
+
+def _pack_q6_k(rows: torch.Tensor) -> torch.Tensor:
+    b = rows.reshape(rows.shape[0], -1, 210)
+    scales = _f16(b, 208).unsqueeze(-1) * b[..., 192:208].contiguous().view(torch.int8).float()   # [n, sb, 16]
+    q = _q6_k_quants(b)                                                                             # [n, sb, 16, 16]
+    n = rows.shape[0]
+    return _pack_int8(scales.reshape(n, -1), q.reshape(n, -1, 16))
+
+
+# ---- Q4_K: d f16, dmin f16, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit q ----
+
+# Per panel and super-block: d and dmin (float32, 64 bytes each), the 8 scales and 8 mins (128 bytes
+# each), then the 128 pairs of k-rows.
+_Q4_K_SCALES = 2 * _SCALES
+_Q4_K_MINS = _Q4_K_SCALES + 8 * GGUF_PANEL
+_Q4_K_QUANTS = _Q4_K_MINS + 8 * GGUF_PANEL
+
+
+def _q4_k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit scales and mins of each super-block [..., 12] as uint8 [..., 8] (gguf.quants' Q4_K)."""
+    d, m, m_d = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return scales, mins
+
+
+def _pack_q4_k(rows: torch.Tensor) -> torch.Tensor:
+    n = rows.shape[0]
+    b = rows.reshape(n, -1, 144)
+    nb = b.shape[1]
+    scales, mins = _q4_k_scales_mins(b[..., 4:16])
+    # 4 runs of 32 bytes: the low nibbles are values 64j..64j+31, the high ones the next 32.
+    qs = b[..., 16:].reshape(n, nb, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    q = (qs & 0x0F).reshape(n, nb, 128, 2)                          # k-rows in pairs (2i, 2i + 1)
+    pairs = q[..., 0] | (q[..., 1] << 4)                             # [n, nb, 128]
+    packed = torch.empty(n // GGUF_PANEL, nb, _Q4_K_QUANTS + 128 * GGUF_PANEL, dtype=torch.uint8)
+    packed[..., :_SCALES] = _panels(_f16(b, 0).unsqueeze(-1)).reshape(-1, nb, GGUF_PANEL).view(torch.uint8)
+    packed[..., _SCALES:2 * _SCALES] = _panels(_f16(b, 2).unsqueeze(-1)).reshape(-1, nb, GGUF_PANEL).view(torch.uint8)
+    packed[..., _Q4_K_SCALES:_Q4_K_MINS] = _panels(scales).reshape(-1, nb, 8 * GGUF_PANEL)
+    packed[..., _Q4_K_MINS:_Q4_K_QUANTS] = _panels(mins).reshape(-1, nb, 8 * GGUF_PANEL)
+    packed[..., _Q4_K_QUANTS:] = _panels(pairs).reshape(-1, nb, 128 * GGUF_PANEL)
+    return packed
+
+
+def _q4_k_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    n, nb = packed.shape[:2]
+    d = _column(packed, column, 0, 1, torch.float32)
+    dmin = _column(packed, column, _SCALES, 1, torch.float32)
+    scale = d * _column(packed, column, _Q4_K_SCALES, 8, torch.uint8).float()      # [n, nb, 8]
+    low = dmin * _column(packed, column, _Q4_K_MINS, 8, torch.uint8).float()
+    pairs = _column(packed, column, _Q4_K_QUANTS, 128, torch.uint8)
+    q = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).reshape(n, nb, 8, 32).float()
+    return (scale.unsqueeze(-1) * q - low.unsqueeze(-1)).view(n, -1)
+
+
+GGUF_FORMATS: dict[str, GGUFFormat] = {f.name: f for f in (
+    GGUFFormat("Q8_0", 0, 32, 34, 32, _SCALES + 32 * GGUF_PANEL, _pack_q8_0, _int8_values),
+    GGUFFormat("Q6_K", 1, 256, 210, 16, _SCALES + 16 * GGUF_PANEL, _pack_q6_k, _int8_values),
+    GGUFFormat("Q4_K", 2, 256, 144, 256, _Q4_K_QUANTS + 128 * GGUF_PANEL, _pack_q4_k, _q4_k_values),
+)}
+
+
+def gguf_packable(fmt: GGUFFormat, n: int, k: int) -> bool:
+    """Whether rows [n, k] of `fmt` pack: whole panels of 16 rows, whole file blocks along K."""
+    return n > 0 and n % GGUF_PANEL == 0 and k > 0 and k % fmt.file_block == 0
+
+
+def pack_gguf_weight(parts: list[tuple[GGUFFormat, torch.Tensor]], k: int) -> torch.Tensor:
+    """A weight [N, k] from its parts stacked along N, each (format, its file rows [n, row bytes] uint8),
+    as linear_gguf's uint8 blob (header, then one segment per part, parts of one format in a row merged)."""
+    segments: list[tuple[GGUFFormat, torch.Tensor]] = []
+    for fmt, rows in parts:
+        packed = fmt.pack(rows.contiguous())
+        if segments and segments[-1][0] is fmt:
+            packed = torch.cat([segments.pop()[1], packed])
+        segments.append((fmt, packed))
+    header_bytes = -(-8 * (3 + 3 * len(segments)) // _ALIGN) * _ALIGN
+    offsets, total = [], header_bytes
+    for _, packed in segments:
+        offsets.append(total)
+        total += -(-packed.numel() // _ALIGN) * _ALIGN
+    n = sum(packed.shape[0] * GGUF_PANEL for _, packed in segments)
+    header = [k, n, len(segments)]
+    for (fmt, packed), offset in zip(segments, offsets):
+        header += [fmt.code, packed.shape[0] * GGUF_PANEL, offset]
+    blob = torch.zeros(total, dtype=torch.uint8)
+    blob[:8 * len(header)] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
+    for (_, packed), offset in zip(segments, offsets):
+        blob[offset:offset + packed.numel()] = packed.reshape(-1)
+    return blob
+
+
+def gguf_segments(blob: torch.Tensor) -> tuple[int, list[tuple[GGUFFormat, int, torch.Tensor]]]:
+    """(K, each segment's (format, first row, its panels [rows / 16, K / block, packed_bytes])) of a blob."""
+    k, _, count = blob[:24].view(torch.int64).tolist()
+    fields = blob[24:24 + 24 * count].view(torch.int64).view(count, 3).tolist()
+    by_code = {f.code: f for f in GGUF_FORMATS.values()}
+    segments, row = [], 0
+    for code, rows, offset in fields:
+        fmt = by_code[code]
+        size = rows // GGUF_PANEL * (k // fmt.block) * fmt.packed_bytes
+        segments.append((fmt, row, blob[offset:offset + size].view(rows // GGUF_PANEL, k // fmt.block, -1)))
+        row += rows
+    return k, segments
+
+
+def gguf_rows(blob: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The rows `rows` of a packed weight, dequantized to float32 [len(rows), K] (an embedding's lookup)."""
+    k, segments = gguf_segments(blob)
+    out = torch.empty(rows.shape[0], k)
+    for fmt, first, panels in segments:
+        mine = (rows >= first) & (rows < first + panels.shape[0] * GGUF_PANEL)
+        if bool(mine.any()):
+            local = rows[mine] - first
+            out[mine] = fmt.values(panels[local // GGUF_PANEL], local % GGUF_PANEL)
+    return out

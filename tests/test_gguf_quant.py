@@ -1,0 +1,442 @@
+"""A GGUF file's Q8_0, Q6_K and Q4_K weights kept as the file stores them (kestrel/model/quantization.py:
+GGUFLinear; kestrel/ops/gguf_blocks.py; cpu_kernels.cpp: linear_gguf): the packed values against
+gguf.quants' dequantization bit for bit, the kernel against linear_bf16 bit for bit where the dequantized
+weights are bf16 numbers, the reader's blocks, a tensor-parallel rank's share, and the engine on the
+default model in Q8_0 and on a small Llama in Q4_K_M's mix of Q4_K and Q6_K giving the same tokens with
+the file's blocks as with the weights dequantized. tests/test_cpu_kernels_avx2_build.py runs the gguf
+tests again on the AVX2 build."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import gguf.quants
+import numpy as np
+import pytest
+import torch
+from parity import worker_of
+
+from kestrel import LLM, SamplingParams
+from kestrel.bench.peers import gguf_in_precision
+from kestrel.model import build_model, model_config_from_hf
+from kestrel.model import quantization as Q
+from kestrel.model.gguf_loader import GGUFWeightReader
+from kestrel.model.layers import Linear, pack_linear_weights_
+from kestrel.model.loader import default_model_path, load_config, resolve_model
+from kestrel.ops import cpu_gemv, cpu_kernels
+from kestrel.ops.dispatch import amx_gemv, gguf_plan_matmul, pack_bf16_weight
+from kestrel.ops.gguf_blocks import GGUF_FORMATS, gguf_rows, gguf_segments, pack_gguf_weight
+
+kernels = cpu_kernels()
+needs_kernel = pytest.mark.skipif(kernels is None, reason="needs a build of cpu_kernels (AVX2 or AVX-512)")
+QT = gguf.GGMLQuantizationType
+
+
+def _f16(values: torch.Tensor) -> torch.Tensor:
+    return values.half().view(torch.uint8).view(*values.shape[:-1], 2 * values.shape[-1])
+
+
+def _pow2(shape: tuple[int, ...], gen: torch.Generator, low: int = -10, high: int = -6) -> torch.Tensor:
+    return torch.pow(2.0, torch.randint(low, high, shape, generator=gen).float())
+
+
+def _q4_k_scale_bytes(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """Eight 6-bit scales and mins [..., 8] packed as Q4_K's 12 bytes (the inverse of get_scale_min)."""
+    lo = torch.cat([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6)], dim=-1)
+    return torch.cat([lo, (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)], dim=-1)
+
+
+def random_rows(name: str, n: int, k: int, gen: torch.Generator, bf16: bool = False) -> torch.Tensor:
+    """Random file rows of type `name` [n, k / block * block bytes] (uint8). bf16: every value a bf16
+    number (power-of-two d, and scales small enough that each block's values need 8 bits); else any
+    float16 d and any scales."""
+    fmt = GGUF_FORMATS[name]
+    nb = k // fmt.file_block
+    raw = torch.randint(0, 256, (n, nb, fmt.file_block_bytes), generator=gen, dtype=torch.uint8)
+    d = _pow2((n, nb, 1), gen) if bf16 else torch.rand(n, nb, 1, generator=gen) * 0.01 + 2 ** -12
+    if name == "Q8_0":
+        raw[..., 2:] = torch.randint(-127, 128, (n, nb, 32), generator=gen, dtype=torch.int8).view(torch.uint8)
+        raw[..., 0:2] = _f16(d)
+    elif name == "Q6_K":
+        if bf16:   # |(q - 32) x scale| <= 224
+            raw[..., 192:208] = torch.randint(-7, 8, (n, nb, 16), generator=gen, dtype=torch.int8).view(torch.uint8)
+        raw[..., 208:210] = _f16(d)
+    else:
+        high = 4 if bf16 else 64   # bf16: scale x q - min within [-15, 45]
+        sc = torch.randint(0, high, (n, nb, 8), generator=gen, dtype=torch.uint8)
+        m = torch.randint(0, high * 4, (n, nb, 8), generator=gen, dtype=torch.uint8).clamp_max(63) if not bf16 \
+            else (sc * 7).clamp_max(15)
+        raw[..., 4:16] = _q4_k_scale_bytes(sc, m)
+        raw[..., 0:2] = _f16(d)
+        raw[..., 2:4] = _f16(d if bf16 else torch.rand(n, nb, 1, generator=gen) * 0.01)
+    return raw.reshape(n, -1)
+
+
+def dequantized(name: str, rows: torch.Tensor) -> torch.Tensor:
+    """gguf.quants' float32 values of file rows [n, row bytes]."""
+    values = gguf.quants.dequantize(rows.numpy(), QT[name])
+    return torch.from_numpy(np.ascontiguousarray(values)).reshape(rows.shape[0], -1)
+
+
+def pow2_q8_0(values: np.ndarray) -> np.ndarray:
+    """Q8_0 blocks of float32 `values` [..., K] with each block's scale the power of two at or above
+    max|x| / 127: every dequantized value is then a bf16 number."""
+    blocks = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(-1, 32)
+    amax = blocks.abs().amax(1, keepdim=True).clamp_min(2.0 ** -24)
+    d = torch.pow(2.0, torch.ceil(torch.log2(amax / 127)))
+    q = torch.round(blocks / d).clamp(-127, 127).to(torch.int8)
+    raw = torch.cat([d.half().view(torch.uint8), q.view(torch.uint8)], dim=1)
+    return raw.reshape(*values.shape[:-1], values.shape[-1] // 32 * 34).numpy()
+
+
+# ---- the layout and the kernel --------------------------------------------------------------------
+
+FORMATS = ("Q8_0", "Q6_K", "Q4_K")
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_packed_values_are_gguf_dequantize(name):
+    """Each packed row, dequantized (as an embedding's lookup is), is gguf.quants' row bit for bit."""
+    gen = torch.Generator().manual_seed(len(name))
+    rows = random_rows(name, 48, 512, gen)
+    blob = pack_gguf_weight([(GGUF_FORMATS[name], rows)], 512)
+    ids = torch.tensor([0, 47, 5, 16, 31, 5])
+    assert torch.equal(gguf_rows(blob, ids), dequantized(name, rows)[ids])
+
+
+def test_a_weight_of_several_types_is_one_blob_of_segments():
+    """Q4_K_M's qkv: q and k in Q4_K (merged into one segment), v in Q6_K; each row where it was."""
+    gen = torch.Generator().manual_seed(2)
+    parts = [("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32), ("Q8_0", 16)]
+    rows = [random_rows(name, n, 256, gen) for name, n in parts]
+    blob = pack_gguf_weight([(GGUF_FORMATS[name], r) for (name, _), r in zip(parts, rows)], 256)
+    k, segments = gguf_segments(blob)
+    assert k == 256 and [(fmt.name, first, panels.shape[0]) for fmt, first, panels in segments] == [
+        ("Q4_K", 0, 6), ("Q6_K", 96, 2), ("Q8_0", 128, 1)]
+    whole = torch.cat([dequantized(name, r) for (name, _), r in zip(parts, rows)])
+    ids = torch.arange(144).flip(0)
+    assert torch.equal(gguf_rows(blob, ids), whole[ids])
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,n,k", [("Q8_0", 16, 32), ("Q8_0", 48, 96), ("Q8_0", 64, 2080), ("Q6_K", 48, 256),
+                                      ("Q6_K", 80, 768), ("Q4_K", 16, 256), ("Q4_K", 96, 1280)])
+def test_linear_gguf_is_linear_bf16_bit_for_bit_on_bf16_weights(name, n, k):
+    """Every row count (the streamed tiles below 24 rows, the dequantized panels from there): the same
+    sums in the same order as linear_bf16's packed path, so the same bits, y rounded to bf16 or not."""
+    gen = torch.Generator().manual_seed(n + k)
+    raw = random_rows(name, n, k, gen, bf16=True)
+    w = dequantized(name, raw)
+    assert torch.equal(w.bfloat16().float(), w)
+    packed = pack_gguf_weight([(GGUF_FORMATS[name], raw)], k)
+    bf16 = pack_bf16_weight(w.bfloat16(), kernels.panel_columns, kernels.lanes)
+    for m in (1, 2, 3, 5, 6, 7, 12, 13, 17, 23, 24, 33, 70):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        bits = kernels.linear_bf16(x, bf16).view(torch.int16)
+        assert torch.equal(kernels.linear_gguf(x, packed).view(torch.int16), bits)
+        assert torch.equal(kernels.linear_gguf(x, packed, float_out=True), kernels.linear_bf16(x, bf16, float_out=True))
+
+
+@needs_kernel
+def test_linear_gguf_runs_each_segment_on_its_columns():
+    gen = torch.Generator().manual_seed(5)
+    parts = [("Q4_K", 48), ("Q6_K", 32), ("Q4_K", 16), ("Q8_0", 32)]
+    rows = [random_rows(name, n, 512, gen, bf16=True) for name, n in parts]
+    blob = pack_gguf_weight([(GGUF_FORMATS[name], r) for (name, _), r in zip(parts, rows)], 512)
+    w = torch.cat([dequantized(name, r) for (name, _), r in zip(parts, rows)]).bfloat16()
+    bf16 = pack_bf16_weight(w, kernels.panel_columns, kernels.lanes)
+    for m in (1, 4, 30):
+        x = torch.randn(m, 512, generator=gen).bfloat16()
+        bits = kernels.linear_bf16(x, bf16).view(torch.int16)
+        assert torch.equal(kernels.linear_gguf(x, blob).view(torch.int16), bits)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", FORMATS)
+def test_linear_gguf_is_the_product_of_the_dequantized_weights(name):
+    gen = torch.Generator().manual_seed(7)
+    raw = random_rows(name, 256, 1024, gen)
+    w = dequantized(name, raw).double()
+    for m in (1, 9, 40):
+        x = torch.randn(m, 1024, generator=gen).bfloat16()
+        exact = x.double() @ w.T
+        y = kernels.linear_gguf(x, pack_gguf_weight([(GGUF_FORMATS[name], raw)], 1024), float_out=True).double()
+        # float32 sums of 1024 products, then one rounding to bf16 (2^-9 relative)
+        assert ((y - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4 * exact.abs().max()).all()
+
+
+@needs_kernel
+def test_linear_gguf_rejects_what_it_does_not_take():
+    blob = pack_gguf_weight([(GGUF_FORMATS["Q4_K"], random_rows("Q4_K", 16, 256, torch.Generator()))], 256)
+    with pytest.raises(RuntimeError, match="linear_gguf"):
+        kernels.linear_gguf(torch.randn(2, 512).bfloat16(), blob)     # K is not the weight's
+    with pytest.raises(RuntimeError, match="linear_gguf"):
+        kernels.linear_gguf(torch.randn(2, 256), blob)                # float32 x
+    with pytest.raises(RuntimeError, match="linear_gguf"):
+        kernels.linear_gguf(torch.randn(2, 256).bfloat16(), blob[:-512])   # a segment cut short
+    with pytest.raises(RuntimeError, match="linear_gguf"):
+        kernels.linear_gguf(torch.randn(2, 256).bfloat16(), blob.view(16, -1))   # not a packed blob
+
+
+@pytest.fixture(scope="module")
+def q8_0_default(tmp_path_factory) -> Path:
+    """The default model with its tensors requantized to Q8_0 by gguf's quantizer."""
+    return gguf_in_precision(default_model_path(), "q8_0", cache_dir=tmp_path_factory.mktemp("q8_0"))
+
+
+@pytest.fixture(scope="module")
+def pow2_q8_0_default(tmp_path_factory) -> Path:
+    """The default model in Q8_0 with power-of-two scales: its weights dequantize to bf16 numbers."""
+    original = gguf.quants.quantize
+
+    def quantize(values, qtype):
+        return pow2_q8_0(values) if qtype == gguf.GGMLQuantizationType.Q8_0 else original(values, qtype)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf.quants, "quantize", quantize)
+        return gguf_in_precision(default_model_path(), "q8_0", cache_dir=tmp_path_factory.mktemp("q8_0_pow2"))
+
+
+@pytest.mark.parametrize("name,dim,start,size", [
+    ("model.layers.0.self_attn.q_proj.weight", None, 0, None),     # rows permuted by llama.cpp, whole
+    ("model.layers.1.self_attn.k_proj.weight", 0, 64, 128),         # whole heads of the permuted rows
+    ("model.layers.2.mlp.gate_proj.weight", 0, 100, 700),
+    ("model.layers.3.self_attn.o_proj.weight", 1, 192, 384),        # a tensor-parallel share of K
+    ("model.layers.4.mlp.down_proj.weight", 1, 0, 768),
+])
+def test_read_blocks_is_the_dequantized_read(q8_0_default, name, dim, start, size):
+    reader = GGUFWeightReader(str(q8_0_default))
+    assert reader.block_types()[name] == "Q8_0"
+    blocks = reader.read_blocks(name, dim, start, size)
+    assert blocks.dtype == torch.uint8
+    assert torch.equal(dequantized("Q8_0", blocks), reader.read(name, dim, start, size))
+
+
+def test_read_blocks_refuses_columns_inside_a_block(q8_0_default):
+    reader = GGUFWeightReader(str(q8_0_default))
+    with pytest.raises(ValueError, match="whole Q8_0 blocks"):
+        reader.read_blocks("model.layers.0.mlp.down_proj.weight", 1, 16, 64)
+    with pytest.raises(ValueError, match="not a matrix"):
+        reader.read_blocks("model.norm.weight")
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+
+def _projections(llm) -> list[torch.nn.Module]:
+    return [m for layer in worker_of(llm).model.layers
+            for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+
+
+@needs_kernel
+def test_engine_keeps_the_files_blocks_and_gives_the_dequantized_tokens(pow2_q8_0_default, monkeypatch,
+                                                                         engine_check):
+    """Mixed prompt lengths, chunked prefill (a budget of 64 tokens), a prefix-cache hit and batched
+    decode. Where the model's bf16 products run linear_bf16 (no AVX512-BF16: AVX2 CPUs), every product
+    with the file's blocks is bit-identical to the dequantized bf16 weights', so the whole run is.
+    Elsewhere the dequantized weights take the AVX512-BF16 or AMX kernels, whose float32 sums run in
+    another order: the runs agree to within those roundings."""
+    prompts = [{"prompt_token_ids": [100 + (7 * i + 3 * j) % 4000 for j in range(n)]}
+               for i, n in enumerate([5, 40, 130, 17, 77, 1])]
+    prompts.append({"prompt_token_ids": prompts[2]["prompt_token_ids"] + [11, 12, 13]})
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    kw = dict(model=str(pow2_q8_0_default), dtype="bfloat16", max_model_len=512, kv_cache_memory=16 << 20,
+              max_num_batched_tokens=64)
+    llm = LLM(**kw)
+    kept = _projections(llm)
+    assert all(type(p) is Q.GGUFLinear for p in kept) and len(kept) == 4 * 30
+    assert all(p.weight.dtype == torch.uint8 and p.weight.dim() == 1 for p in kept)
+    model = worker_of(llm).model   # the tied embedding and head: one module, kept too
+    assert type(model.embed_tokens) is Q.GGUFLinear and model.lm_head is model.embed_tokens
+    runner = worker_of(llm).runner
+    assert runner.decode_plan.native_class is not None   # decode steps run the C++ layer loop on the blocks
+    native = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine_check(llm)
+    del llm
+    monkeypatch.setattr(Q, "gguf_plan_matmul", lambda: None)   # no kernel: every weight dequantized at load
+    llm = LLM(**kw)
+    assert all(type(p) is Linear for p in _projections(llm))
+    assert type(worker_of(llm).model.lm_head) is not Q.GGUFLinear
+    dequantized = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert all(len(t) == 24 for t in native)
+    if amx_gemv() is None and cpu_gemv() is None:
+        assert native == dequantized
+    else:
+        assert all(a[:8] == b[:8] for a, b in zip(native, dequantized))
+        assert sum(a == b for a, b in zip(native, dequantized)) >= len(prompts) - 2
+
+
+@needs_kernel
+def test_int8_quantization_overrides_the_files_blocks(q8_0_default):
+    llm = LLM(model=str(q8_0_default), dtype="bfloat16", quantization="int8", max_model_len=256,
+              kv_cache_memory=16 << 20)
+    assert all(type(p) is Q.Int8Linear for p in _projections(llm))
+
+
+def test_no_kernel_or_a_float32_model_dequantizes(q8_0_default, monkeypatch):
+    """keep_gguf_blocks_ leaves the weights to be dequantized where linear_gguf cannot run them."""
+    src = resolve_model(str(q8_0_default))
+    reader = GGUFWeightReader(src.gguf_path)
+    for dtype in (torch.float32, torch.bfloat16):
+        cfg = model_config_from_hf(load_config(src), model=src.path, dtype=dtype, max_model_len=64,
+                                   eos_token_id=2, bos_token_id=1)
+        model = build_model(cfg, torch.device("cpu"))
+        expected = 4 * 30 + 1 if dtype == torch.bfloat16 and gguf_plan_matmul() is not None else 0  # + embedding
+        assert Q.keep_gguf_blocks_(model, reader, None) == expected
+    monkeypatch.setattr(Q, "gguf_plan_matmul", lambda: None)
+    assert Q.keep_gguf_blocks_(build_model(cfg, torch.device("cpu")), reader, None) == 0
+
+
+def test_a_tensor_parallel_rank_keeps_its_share_of_the_blocks(q8_0_default, monkeypatch):
+    """Rank 1 of 2 on the default model (heads 6..8, KV head 2, intermediate 768..1535): its rows of
+    q/k/v and gate/up, and its columns of o and down on whole blocks, are the dequantized rank's."""
+    from test_tp_model import _as_rank
+
+    _as_rank(monkeypatch, 1, 2, 0, 1)
+    src = resolve_model(str(q8_0_default))
+    cfg = model_config_from_hf(load_config(src), model=src.path, dtype=torch.bfloat16, max_model_len=64,
+                               eos_token_id=2, bos_token_id=1)
+    kept, plain = build_model(cfg, torch.device("cpu")), build_model(cfg, torch.device("cpu"))
+    expected = 4 * 30 + 1 if gguf_plan_matmul() is not None else 0   # + the (tied) embedding's vocabulary rows
+    assert Q.keep_gguf_blocks_(kept, GGUFWeightReader(src.gguf_path), None) == expected
+    kept.load_weights(GGUFWeightReader(src.gguf_path))
+    plain.load_weights(GGUFWeightReader(src.gguf_path))
+    assert kept.layers[0].o_proj.in_features == 192 and kept.layers[0].down_proj.in_features == 768
+    for (name, mine), whole in zip(kept.named_parameters(), plain.parameters()):
+        if mine.dtype == torch.uint8:
+            assert torch.equal(dequantized("Q8_0", mine).bfloat16(), whole), name
+        else:
+            assert torch.equal(mine, whole), name
+
+
+def _write_q8_0_tiny_gguf(path: Path) -> None:
+    """A 2-layer random Llama with an untied output head, every matrix in Q8_0 with power-of-two scales."""
+    from test_loader import tiny_model, write_tiny_gguf
+
+    write_tiny_gguf(tiny_model("llama", tie=False), path, "llama",
+                    matrices=lambda name, w: (pow2_q8_0(w), QT.Q8_0))
+
+
+def _prefill_logits(path: Path, keep: bool, kept: int) -> torch.Tensor:
+    """A 20-token prefill's logits of the GGUF model at `path`, its blocks kept (`kept` modules) or
+    its weights dequantized."""
+    from kestrel.attention import CommonAttentionMetadata, PrefillSpan
+
+    src = resolve_model(str(path))
+    cfg = model_config_from_hf(load_config(src), model=src.path, dtype=torch.bfloat16, max_model_len=64,
+                               eos_token_id=2, bos_token_id=1)
+    model = build_model(cfg, torch.device("cpu"))
+    reader = GGUFWeightReader(src.gguf_path)
+    if keep:
+        assert Q.keep_gguf_blocks_(model, reader, None) == kept
+        assert type(model.lm_head) is Q.GGUFLinear and type(model.embed_tokens) is Q.GGUFLinear
+    model.load_weights(reader)
+    pack_linear_weights_(model)   # as the worker does: the bf16 weights into linear_bf16's panels
+    Q.pack_gguf_weights_(model)
+    n = 20
+    spans = [PrefillSpan(0, n, 0, np.zeros(0, dtype=np.int64))]
+    common = CommonAttentionMetadata(torch.zeros(n, dtype=torch.long), 16, 0, torch.zeros((0, 0), dtype=torch.long),
+                                     torch.zeros(0, dtype=torch.long), np.zeros(0, dtype=np.int64), spans)
+    ids = torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(3))
+    hidden = model(ids, torch.arange(n), None, model.attn.build_metadata(common))
+    return model.compute_logits(hidden)
+
+
+def _assert_same_logits(kept: torch.Tensor, dequantized: torch.Tensor) -> None:
+    assert kept.dtype == torch.float32 and kept.shape == dequantized.shape
+    if amx_gemv() is None and cpu_gemv() is None:
+        assert torch.equal(kept, dequantized)
+    else:
+        torch.testing.assert_close(kept, dequantized, rtol=0.02, atol=0.05)
+
+
+@needs_kernel
+def test_an_untied_output_head_keeps_its_blocks_too(tmp_path):
+    """The head's logits come from linear_gguf (float_out), the layers' from their blocks: a prefill's
+    logits equal the dequantized model's where its bf16 products run linear_bf16 (AVX2), and are
+    within the bf16 roundings elsewhere."""
+    _write_q8_0_tiny_gguf(tmp_path / "tiny.gguf")
+    kept = _prefill_logits(tmp_path / "tiny.gguf", True, 4 * 2 + 2)   # the projections, embedding and head
+    _assert_same_logits(kept, _prefill_logits(tmp_path / "tiny.gguf", False, 0))
+
+
+# ---- Q4_K_M's mix: Q4_K, with v, down (in some layers) and the head in Q6_K ----------------------
+
+def _q4_k_m_type(name: str) -> str:
+    """llama-quantize's Q4_K_M choice, as on W6's model: Q6_K for the output head, and for v and down in
+    the layers it gives more bits (here layer 1); Q4_K for the rest."""
+    if name == "lm_head.weight" or (name.startswith("model.layers.1.")
+                                    and name.endswith(("v_proj.weight", "down_proj.weight"))):
+        return "Q6_K"
+    return "Q4_K"
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_tiny(tmp_path_factory) -> Path:
+    """A 2-layer random Llama wide enough for Q4_K's super-blocks (hidden 256, intermediate 512), with an
+    untied head, in Q4_K_M's mix of types; every value a bf16 number (the blocks are random, not the
+    model's weights)."""
+    from test_loader import TINY, write_tiny_gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**TINY, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64},
+                         tie_word_embeddings=False)
+    gen = torch.Generator().manual_seed(11)
+
+    def matrices(name: str, w: np.ndarray) -> tuple[np.ndarray, QT]:
+        qtype = _q4_k_m_type(name)
+        return random_rows(qtype, w.shape[0], w.shape[1], gen, bf16=True).numpy(), QT[qtype]
+
+    path = tmp_path_factory.mktemp("q4_k_m") / "tiny-q4_k_m.gguf"
+    write_tiny_gguf(LlamaForCausalLM(config).eval(), path, "llama", matrices=matrices)
+    return path
+
+
+@needs_kernel
+def test_q4_k_m_mix_keeps_every_matrix_and_gives_the_dequantized_logits(q4_k_m_tiny):
+    kept = _prefill_logits(q4_k_m_tiny, True, 4 * 2 + 2)
+    _assert_same_logits(kept, _prefill_logits(q4_k_m_tiny, False, 0))
+
+
+@needs_kernel
+def test_engine_on_q4_k_m_gives_the_dequantized_tokens(q4_k_m_tiny, monkeypatch, engine_check):
+    """Chunked prefill, a prefix-cache hit and batched decode on the C++ layer loop, whose qkv and down
+    projections in layer 1 are blobs of two types."""
+    prompts = [{"prompt_token_ids": [1 + (7 * i + 3 * j) % 120 for j in range(n)]}
+               for i, n in enumerate([5, 40, 90, 17, 1])]
+    prompts.append({"prompt_token_ids": prompts[2]["prompt_token_ids"] + [11, 12, 13]})
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    kw = dict(model=str(q4_k_m_tiny), tokenizer=str(default_model_path()), dtype="bfloat16", max_model_len=256,
+              kv_cache_memory=8 << 20, max_num_batched_tokens=32)
+    llm = LLM(**kw)
+    model = worker_of(llm).model
+    qkv = model.layers[1].qkv_proj
+    assert type(qkv) is Q.GGUFLinear and [(fmt.name, rows) for fmt, rows in qkv.parts] == [
+        ("Q4_K", 256), ("Q4_K", 128), ("Q6_K", 128)]
+    assert all(type(p) is Q.GGUFLinear for p in _projections(llm)) and type(model.lm_head) is Q.GGUFLinear
+    assert worker_of(llm).runner.decode_plan.native_class is not None
+    native = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine_check(llm)
+    del llm
+    monkeypatch.setattr(Q, "gguf_plan_matmul", lambda: None)
+    llm = LLM(**kw)
+    assert all(type(p) is Linear for p in _projections(llm))
+    dequantized = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert all(len(t) == 16 for t in native)
+    if amx_gemv() is None and cpu_gemv() is None:
+        assert native == dequantized
+    else:
+        assert sum(a == b for a, b in zip(native, dequantized)) >= len(prompts) - 2
+
+
+def test_w6_memory_roof_counts_the_files_bytes(q4_k_m_tiny):
+    """`kestrel bench throughput --kestrel-weights q4_k_m`'s memory roof: every tensor as the file stores
+    it but the embedding (an untied head here)."""
+    from kestrel.bench.throughput import gguf_read_bytes
+    from kestrel.model.gguf_loader import read_gguf_header
+
+    tensors = read_gguf_header(q4_k_m_tiny).tensors
+    head, embed = tensors["output.weight"], tensors["token_embd.weight"]
+    assert head.qtype == QT.Q6_K and head.n_bytes == 128 * 256 // 256 * 210 and embed.qtype == QT.Q4_K
+    assert gguf_read_bytes(str(q4_k_m_tiny)) == sum(t.n_bytes for t in tensors.values()) - embed.n_bytes
