@@ -124,7 +124,8 @@ def test_a_weight_of_several_types_is_one_blob_of_segments():
                                       ("Q6_K", 80, 768), ("Q4_K", 16, 256), ("Q4_K", 96, 1280)])
 def test_linear_gguf_is_linear_bf16_bit_for_bit_on_bf16_weights(name, n, k):
     """Every row count (the streamed tiles below 24 rows, the dequantized panels from there): the same
-    sums in the same order as linear_bf16's packed path, so the same bits, y rounded to bf16 or not."""
+    sums in the same order as linear_bf16's packed path, so the same bits, y rounded to bf16 or not.
+    Q4_K's streamed tiles sum by sub-block instead (scale x sum(x q) - min x sum(x)): from 24 rows."""
     gen = torch.Generator().manual_seed(n + k)
     raw = random_rows(name, n, k, gen, bf16=True)
     w = dequantized(name, raw)
@@ -132,6 +133,8 @@ def test_linear_gguf_is_linear_bf16_bit_for_bit_on_bf16_weights(name, n, k):
     packed = pack_gguf_weight([(GGUF_FORMATS[name], raw)], k)
     bf16 = pack_bf16_weight(w.bfloat16(), kernels.panel_columns, kernels.lanes)
     for m in (1, 2, 3, 5, 6, 7, 12, 13, 17, 23, 24, 33, 70):
+        if name == "Q4_K" and m < 24:
+            continue
         x = torch.randn(m, k, generator=gen).bfloat16()
         bits = kernels.linear_bf16(x, bf16).view(torch.int16)
         assert torch.equal(kernels.linear_gguf(x, packed).view(torch.int16), bits)
@@ -140,16 +143,16 @@ def test_linear_gguf_is_linear_bf16_bit_for_bit_on_bf16_weights(name, n, k):
 
 @needs_kernel
 def test_linear_gguf_runs_each_segment_on_its_columns():
+    """A weight of several segments gives each segment's columns as that part alone does."""
     gen = torch.Generator().manual_seed(5)
     parts = [("Q4_K", 48), ("Q6_K", 32), ("Q4_K", 16), ("Q8_0", 32)]
-    rows = [random_rows(name, n, 512, gen, bf16=True) for name, n in parts]
+    rows = [random_rows(name, n, 512, gen) for name, n in parts]
     blob = pack_gguf_weight([(GGUF_FORMATS[name], r) for (name, _), r in zip(parts, rows)], 512)
-    w = torch.cat([dequantized(name, r) for (name, _), r in zip(parts, rows)]).bfloat16()
-    bf16 = pack_bf16_weight(w, kernels.panel_columns, kernels.lanes)
     for m in (1, 4, 30):
         x = torch.randn(m, 512, generator=gen).bfloat16()
-        bits = kernels.linear_bf16(x, bf16).view(torch.int16)
-        assert torch.equal(kernels.linear_gguf(x, blob).view(torch.int16), bits)
+        alone = [kernels.linear_gguf(x, pack_gguf_weight([(GGUF_FORMATS[name], r)], 512))
+                 for (name, _), r in zip(parts, rows)]
+        assert torch.equal(kernels.linear_gguf(x, blob), torch.cat(alone, dim=1))
 
 
 @needs_kernel
@@ -395,14 +398,18 @@ def q4_k_m_tiny(tmp_path_factory) -> Path:
 
 @needs_kernel
 def test_q4_k_m_mix_keeps_every_matrix_and_gives_the_dequantized_logits(q4_k_m_tiny):
+    """Within float32 roundings: a 20-row prefill runs Q4_K's streamed tiles, which sum by sub-block."""
     kept = _prefill_logits(q4_k_m_tiny, True, 4 * 2 + 2)
-    _assert_same_logits(kept, _prefill_logits(q4_k_m_tiny, False, 0))
+    plain = _prefill_logits(q4_k_m_tiny, False, 0)
+    assert kept.dtype == torch.float32 and kept.shape == plain.shape
+    torch.testing.assert_close(kept, plain, rtol=0.02, atol=0.05)
 
 
 @needs_kernel
 def test_engine_on_q4_k_m_gives_the_dequantized_tokens(q4_k_m_tiny, monkeypatch, engine_check):
     """Chunked prefill, a prefix-cache hit and batched decode on the C++ layer loop, whose qkv and down
-    projections in layer 1 are blobs of two types."""
+    projections in layer 1 are blobs of two types. Q4_K's streamed tiles sum in another order than
+    the dequantized weights' products: the greedy tokens agree but where two logits nearly tie."""
     prompts = [{"prompt_token_ids": [1 + (7 * i + 3 * j) % 120 for j in range(n)]}
                for i, n in enumerate([5, 40, 90, 17, 1])]
     prompts.append({"prompt_token_ids": prompts[2]["prompt_token_ids"] + [11, 12, 13]})
@@ -424,10 +431,8 @@ def test_engine_on_q4_k_m_gives_the_dequantized_tokens(q4_k_m_tiny, monkeypatch,
     assert all(type(p) is Linear for p in _projections(llm))
     dequantized = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert all(len(t) == 16 for t in native)
-    if amx_gemv() is None and cpu_gemv() is None:
-        assert native == dequantized
-    else:
-        assert sum(a == b for a, b in zip(native, dequantized)) >= len(prompts) - 2
+    assert all(a[:4] == b[:4] for a, b in zip(native, dequantized))
+    assert sum(a == b for a, b in zip(native, dequantized)) >= len(prompts) - 2
 
 
 def test_w6_memory_roof_counts_the_files_bytes(q4_k_m_tiny):

@@ -8,8 +8,8 @@
                             int8), or :q4_1 for the native file. Bare `llama-server` takes Kestrel's
                             default dtype on this machine: bf16, or f32 on a CPU without bf16
                             instructions (where Kestrel runs float32)
-    llama-server:q4_k       llama-quantize's Q4_K_M file: only where the caller gives the file
-                            (`gguf=`, workload W6: kestrel/bench/w6_model.py)
+    llama-server:q4_k       a llama-quantize Q4_K_M file as it is: the caller's (`gguf=`, workload W6:
+                            kestrel/bench/w6_model.py), or `model` (the file Kestrel reads too)
 
 All are driven through the same OpenAI-compatible client (kestrel/bench/serve.py). llama.cpp runs as
 its users would run it: flash attention on, `-np` slots (the best count of the sweep in BENCHMARKS.md,
@@ -113,10 +113,12 @@ def launch_server(spec: str, *, parallel: int, ctx_per_slot: int, kestrel_flags:
         variant = shlex.split(spec.partition(":")[2])
         return KestrelServer(list(kestrel_flags) + variant + (["--model", model] if model else []))
     precision = peer_label(spec).partition(":")[2]
-    if gguf is None:
-        if precision in GIVEN_FILE_PRECISIONS:
-            raise ValueError(f"{spec} runs llama-quantize's file of W6's model: use it with "
-                             "`kestrel bench throughput --workload W6`")
+    if gguf is None and precision in GIVEN_FILE_PRECISIONS:
+        if model is None:
+            raise ValueError(f"{spec} runs a llama-quantize file as it is: give one as --model (the file "
+                             "Kestrel reads too), or use `kestrel bench throughput --workload W6`")
+        gguf = model_gguf(model)
+    elif gguf is None:
         gguf = gguf_in_precision(model_gguf(model), precision)
     return LlamaServer(gguf, parallel=llama_slots(parallel), ctx_per_slot=ctx_per_slot,
                        threads=len(os.sched_getaffinity(0)), extra_args=repack_args(precision, cpu_has_amx_tile()))

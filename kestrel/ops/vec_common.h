@@ -18,6 +18,7 @@ inline VecF div(VecF a, VecF b) { return KESTREL_VEC_PS(div)(a, b); }
 inline VecF max(VecF a, VecF b) { return KESTREL_VEC_PS(max)(a, b); }
 inline VecF fma(VecF a, VecF b, VecF c) { return KESTREL_VEC_PS(fmadd)(a, b, c); }
 inline VecF fmsub(VecF a, VecF b, VecF c) { return KESTREL_VEC_PS(fmsub)(a, b, c); }  // a * b - c, rounded once
+inline VecF fnmadd(VecF a, VecF b, VecF c) { return KESTREL_VEC_PS(fnmadd)(a, b, c); }  // c - a * b, rounded once
 
 inline VecF min(VecF a, VecF b) { return KESTREL_VEC_PS(min)(a, b); }
 
