@@ -114,7 +114,8 @@ def _pack_q6_k(rows: torch.Tensor) -> torch.Tensor:
 # ---- Q4_K: d f16, dmin f16, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit q ----
 
 # Per panel and super-block: d and dmin (float32, 64 bytes each), the 8 scales and 8 mins (128 bytes
-# each), then the 128 pairs of k-rows.
+# each), then 64 groups of 4 k-rows, 32 bytes each: byte 2c + t holds column c's q of k-row 4g + t (low
+# nibble) and of 4g + 2 + t (high nibble).
 _Q4_K_SCALES = 2 * _SCALES
 _Q4_K_MINS = _Q4_K_SCALES + 8 * GGUF_PANEL
 _Q4_K_QUANTS = _Q4_K_MINS + 8 * GGUF_PANEL
@@ -135,15 +136,23 @@ def _pack_q4_k(rows: torch.Tensor) -> torch.Tensor:
     scales, mins = _q4_k_scales_mins(b[..., 4:16])
     # 4 runs of 32 bytes: the low nibbles are values 64j..64j+31, the high ones the next 32.
     qs = b[..., 16:].reshape(n, nb, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
-    q = (qs & 0x0F).reshape(n, nb, 128, 2)                          # k-rows in pairs (2i, 2i + 1)
-    pairs = q[..., 0] | (q[..., 1] << 4)                             # [n, nb, 128]
+    q = (qs & 0x0F).reshape(n, nb, 64, 2, 2)          # [.., group g, half h, t]: k-row 4g + 2h + t
+    nibbles = q[..., 0, :] | (q[..., 1, :] << 4)       # [n, nb, 64, 2 (t)]
     packed = torch.empty(n // GGUF_PANEL, nb, _Q4_K_QUANTS + 128 * GGUF_PANEL, dtype=torch.uint8)
     packed[..., :_SCALES] = _panels(_f16(b, 0).unsqueeze(-1)).reshape(-1, nb, GGUF_PANEL).view(torch.uint8)
     packed[..., _SCALES:2 * _SCALES] = _panels(_f16(b, 2).unsqueeze(-1)).reshape(-1, nb, GGUF_PANEL).view(torch.uint8)
     packed[..., _Q4_K_SCALES:_Q4_K_MINS] = _panels(scales).reshape(-1, nb, 8 * GGUF_PANEL)
     packed[..., _Q4_K_MINS:_Q4_K_QUANTS] = _panels(mins).reshape(-1, nb, 8 * GGUF_PANEL)
-    packed[..., _Q4_K_QUANTS:] = _panels(pairs).reshape(-1, nb, 128 * GGUF_PANEL)
+    by_group = _panels(nibbles).view(-1, nb, 64, 2, GGUF_PANEL).transpose(-1, -2)   # [.., g, c, t]
+    packed[..., _Q4_K_QUANTS:] = by_group.reshape(-1, nb, 128 * GGUF_PANEL)
     return packed
+
+
+def _column_pairs(packed: torch.Tensor, column: torch.Tensor, at: int) -> torch.Tensor:
+    """The Q4_K quants of each panel's column: its 2 bytes in each of the 64 groups of 32 from `at`."""
+    n, nb = packed.shape[:2]
+    groups = packed[..., at:].reshape(n, nb, 64, GGUF_PANEL, 2)
+    return groups.gather(3, column.view(n, 1, 1, 1, 1).expand(n, nb, 64, 1, 2)).squeeze(3)
 
 
 def _q4_k_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
@@ -152,8 +161,8 @@ def _q4_k_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
     dmin = _column(packed, column, _SCALES, 1, torch.float32)
     scale = d * _column(packed, column, _Q4_K_SCALES, 8, torch.uint8).float()      # [n, nb, 8]
     low = dmin * _column(packed, column, _Q4_K_MINS, 8, torch.uint8).float()
-    pairs = _column(packed, column, _Q4_K_QUANTS, 128, torch.uint8)
-    q = torch.stack([pairs & 0x0F, pairs >> 4], dim=-1).reshape(n, nb, 8, 32).float()
+    groups = _column_pairs(packed, column, _Q4_K_QUANTS)               # [n, nb, 64, 2 (t)]
+    q = torch.stack([groups & 0x0F, groups >> 4], dim=-2).reshape(n, nb, 8, 32).float()
     return (scale.unsqueeze(-1) * q - low.unsqueeze(-1)).view(n, -1)
 
 

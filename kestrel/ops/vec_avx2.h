@@ -43,6 +43,17 @@ inline void store_bf16(uint16_t* p, VecF v) {
   const __m256i h = _mm256_srli_epi32(round_to_bf16_upper(v), 16);  // each lane < 2^16: packus is exact
   _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
 }
+// 2 x kLanes bytes widened into as many 16-bit lanes; 16-bit lane operations; pairs of 16-bit products
+// summed into 32-bit lanes (vpmaddwd).
+inline VecI load_u8_words(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VecI low_nibble_words(VecI w) { return _mm256_and_si256(w, _mm256_set1_epi16(15)); }
+inline VecI high_nibble_words(VecI w) { return _mm256_srli_epi16(w, 4); }
+inline VecI madd_words(VecI a, VecI b) { return _mm256_madd_epi16(a, b); }
+inline VecI add_lanes(VecI a, VecI b) { return _mm256_add_epi32(a, b); }
+inline VecI zero_i() { return _mm256_setzero_si256(); }
+inline VecF to_float_lanes(VecI v) { return _mm256_cvtepi32_ps(v); }
+inline VecI low_words(VecI v) { return _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)); }
+inline VecI high_words(VecI v) { return _mm256_srli_epi32(v, 16); }
 inline VecF abs(VecF v) { return _mm256_andnot_ps(splat(-0.f), v); }
 inline float hsum(VecF v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -48,6 +48,17 @@ inline void load_panel_row(const uint16_t* p, VecF b[1]) {
   const __m256i high = _mm256_and_si256(w, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
   b[0] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1));
 }
+// 2 x kLanes bytes widened into as many 16-bit lanes; 16-bit lane operations; pairs of 16-bit products
+// summed into 32-bit lanes (vpmaddwd).
+inline VecI load_u8_words(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline VecI low_nibble_words(VecI w) { return _mm512_and_si512(w, _mm512_set1_epi16(15)); }
+inline VecI high_nibble_words(VecI w) { return _mm512_srli_epi16(w, 4); }
+inline VecI madd_words(VecI a, VecI b) { return _mm512_madd_epi16(a, b); }
+inline VecI add_lanes(VecI a, VecI b) { return _mm512_add_epi32(a, b); }
+inline VecI zero_i() { return _mm512_setzero_si512(); }
+inline VecF to_float_lanes(VecI v) { return _mm512_cvtepi32_ps(v); }
+inline VecI low_words(VecI v) { return _mm512_and_si512(v, _mm512_set1_epi32(0xFFFF)); }
+inline VecI high_words(VecI v) { return _mm512_srli_epi32(v, 16); }
 inline VecF abs(VecF v) { return _mm512_abs_ps(v); }
 inline float hsum(VecF v) { return _mm512_reduce_add_ps(v); }
 inline float hmax(VecF v) { return _mm512_reduce_max_ps(v); }

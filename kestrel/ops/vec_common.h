@@ -52,9 +52,6 @@ inline VecF load_bf16(const uint16_t* p) {
 inline VecF load_int8(const int8_t* p) { return KESTREL_VEC_PS(cvtepi32)(KESTREL_VEC_EPI32(cvtepi8)(load_8bit_lanes(p))); }
 inline VecI load_uint8_lanes(const uint8_t* p) { return KESTREL_VEC_EPI32(cvtepu8)(load_8bit_lanes(p)); }
 inline VecF load_uint8(const uint8_t* p) { return KESTREL_VEC_PS(cvtepi32)(load_uint8_lanes(p)); }
-// The low and the high 4 bits of bytes widened into int32 lanes (load_uint8_lanes), as floats.
-inline VecF low_nibbles(VecI bytes) { return KESTREL_VEC_PS(cvtepi32)(KESTREL_VEC_SI(and)(bytes, splat_i(15))); }
-inline VecF high_nibbles(VecI bytes) { return KESTREL_VEC_PS(cvtepi32)(KESTREL_VEC_EPI32(srli)(bytes, 4)); }
 
 // exp(x), x clamped to [-87, 88]: 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5], 2^f by the degree-6
 // polynomial of exp_poly.h (relative error ~2e-7, float's own rounding).
