@@ -150,8 +150,8 @@ def describe_engine(llm: Any) -> dict[str, Any]:
     config, source = engine.config, engine.source
     return {
         "model": source.name, "model_path": source.path, "gguf_file": source.gguf_file,
-        "format": (f"GGUF ({source.gguf_file}; Q8_0, Q6_K and Q4_K matrices kept where the kernels run them, other types "
-                   "dequantized on load)") if source.gguf_file else "Hugging Face folder",
+        "format": (f"GGUF ({source.gguf_file}; Q8_0, Q6_K and Q4_K matrices kept where the kernels run them, "
+                   "other types dequantized on load)") if source.gguf_file else "Hugging Face folder",
         "dtype": str(config.model.dtype).removeprefix("torch."), "device": str(config.device.device),
         "quantization": config.model.quantization, "kv_cache_dtype": config.cache.kv_cache_dtype,
         "max_num_seqs": config.scheduler.max_num_seqs,
