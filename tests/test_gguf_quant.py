@@ -125,16 +125,14 @@ def test_a_weight_of_several_types_is_one_blob_of_segments():
 def test_linear_gguf_is_linear_bf16_bit_for_bit_on_bf16_weights(name, n, k):
     """Every row count (the streamed tiles below 24 rows, the dequantized panels from there): the same
     sums in the same order as linear_bf16's packed path, so the same bits, y rounded to bf16 or not.
-    Q4_K's streamed tiles sum by sub-block instead (scale x sum(x q) - min x sum(x)): from 24 rows."""
+    Q4_K's streamed tiles (up to 127 rows) sum by sub-block instead, in integers: from 128 rows."""
     gen = torch.Generator().manual_seed(n + k)
     raw = random_rows(name, n, k, gen, bf16=True)
     w = dequantized(name, raw)
     assert torch.equal(w.bfloat16().float(), w)
     packed = pack_gguf_weight([(GGUF_FORMATS[name], raw)], k)
     bf16 = pack_bf16_weight(w.bfloat16(), kernels.panel_columns, kernels.lanes)
-    for m in (1, 2, 3, 5, 6, 7, 12, 13, 17, 23, 24, 33, 70):
-        if name == "Q4_K" and m < 24:
-            continue
+    for m in (1, 2, 3, 5, 6, 7, 12, 13, 17, 23, 24, 33, 70) if name != "Q4_K" else (128, 131):
         x = torch.randn(m, k, generator=gen).bfloat16()
         bits = kernels.linear_bf16(x, bf16).view(torch.int16)
         assert torch.equal(kernels.linear_gguf(x, packed).view(torch.int16), bits)
@@ -161,7 +159,7 @@ def test_linear_gguf_is_the_product_of_the_dequantized_weights(name):
     gen = torch.Generator().manual_seed(7)
     raw = random_rows(name, 256, 1024, gen)
     w = dequantized(name, raw).double()
-    for m in (1, 9, 40, 2):
+    for m in (1, 9, 40, 130, 2):
         x = torch.randn(m, 1024, generator=gen)
         if m == 2:   # outliers: Q4_K's 16-bit activations hold the rest of their sub-block coarser
             x[:, ::37] *= 300
@@ -170,6 +168,23 @@ def test_linear_gguf_is_the_product_of_the_dequantized_weights(name):
         y = kernels.linear_gguf(x, pack_gguf_weight([(GGUF_FORMATS[name], raw)], 1024), float_out=True).double()
         # float32 sums of 1024 products, then one rounding to bf16 (2^-9 relative)
         assert ((y - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4 * exact.abs().max()).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 30])
+def test_linear_gguf_carries_nan_and_infinity(m):
+    """A NaN or infinite activation makes its row's outputs NaN (or infinite), on the streamed tiles'
+    16-bit activations too; zeros give zeros."""
+    raw = random_rows("Q4_K", 32, 512, torch.Generator().manual_seed(9))
+    blob = pack_gguf_weight([(GGUF_FORMATS["Q4_K"], raw)], 512)
+    x = torch.randn(m, 512).bfloat16()
+    x[0, 5], x[-1, 300] = float("nan"), float("inf")
+    if m > 2:
+        x[m // 2] = 0
+    y = kernels.linear_gguf(x, blob, float_out=True)
+    assert y[0].isnan().all() and (~y[-1].isfinite()).all()
+    if m > 2:
+        assert torch.equal(y[m // 2], torch.zeros(32)) and y[1].isfinite().all()
 
 
 @needs_kernel

@@ -1427,7 +1427,7 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 // there a thread dequantizes a panel whole into L2 once for all the rows (bf16_panels' tile), so the
 // widening is paid once per panel. Q4_K's values are (d * scale) * q - dmin * min, whose two products
 // are exact, so one fused multiply-subtract gives gguf.quants' bits; its panels (from
-// kQuantPanelMinRows rows) are summed as above, bit for bit linear_bf16's on bf16 values. Its streamed
+// kQ4KPanelMinRows rows: prefill chunks) are summed as above, bit for bit linear_bf16's on bf16 values. Its streamed
 // tiles instead sum each sub-block of 32 as scale (sum x q) - min (sum x), the inner sums in 32-bit
 // integers on x held as 16-bit integers per sub-block (Q4KActivations: exact for every bf16 x within
 // 2^7 of the sub-block's largest, the rest within 2^-15 of it), as llama.cpp sums Q4_K against 8-bit
@@ -1442,6 +1442,11 @@ enum GgufFormat : int64_t { kGgufQ8_0 = 0, kGgufQ6_K = 1, kGgufQ4_K = 2 };  // d
 // shapes (2 Zen 3 cores, medians of 5 interleaved calls, Q8_0's time over linear_bf16's): 1.39 against
 // 1.16 at 16 rows, 1.12 against 1.21 at 24; 1.03-1.1 from 64 rows up.
 constexpr int64_t kQuantPanelMinRows = 24;
+// Q4_K's streamed tiles, on integers, hold out to the decode plan's largest step: on the 1B model's four
+// layer shapes (2 Zen 3 cores, medians of 5) 12.0 against 14.6 ms at 24 rows, 16.2 against 20.0 at 32,
+// 33.3 against 34.8 at 64, 48.0 against 49.5 at 96, even at 128. So every decode step's rows are
+// summed alike, whatever the batch.
+constexpr int64_t kQ4KPanelMinRows = 128;
 constexpr int64_t kQuantScaleBytes = kPanelCols * sizeof(float);
 
 // The int8 formats: blocks of B along K, a float32 scale per column and block.
@@ -1580,11 +1585,13 @@ struct Q4KActivations {
         total += xs[t];
       }
       int e = 0;
-      std::frexp(largest, &e);   // largest < 2^e (0 for zeros)
-      unit[i] = largest > 0.f ? std::ldexp(1.f, e - 15) : 0.f;
+      std::frexp(largest, &e);   // largest < 2^e
+      // Zeros give X = 0; a NaN or infinity reaches y through the sum (X = 0, not an undefined cast).
+      const bool scaled = largest > 0.f && std::isfinite(largest);
+      unit[i] = scaled ? std::ldexp(1.f, e - 15) : 0.f;
       sum[i] = total;
       for (int64_t t = 0; t < kQ4KSub; ++t)
-        X[i * kQ4KSub + t] = largest > 0.f ? static_cast<int16_t>(std::nearbyint(std::ldexp(xs[t], 15 - e))) : 0;
+        X[i * kQ4KSub + t] = scaled ? static_cast<int16_t>(std::nearbyint(std::ldexp(xs[t], 15 - e))) : 0;
     }
     return {x, X, unit, sum, K};
   }
@@ -1646,6 +1653,7 @@ void q4k_stream_panels(const Q4KActivations& a, const float* xm, const uint8_t* 
 // A format's streamed tiles and whole-panel dequantization.
 template <int64_t B>
 struct Int8Format {
+  static constexpr int64_t kPanelMinRows = kQuantPanelMinRows;
   template <int MR>
   static constexpr int kPanels = kStreamPanels<MR>;
   template <int MR, int P, typename Out>
@@ -1663,7 +1671,8 @@ struct Q4KFormat {
   // sums and the super-block's for every row (2 Zen 3 cores, the 1B model's layer shapes, 8 rows:
   // 6.3-6.6 ms against 7.5-7.9 with the int8 tiles' count; 1 row better with the int8 tiles' count).
   static constexpr int kPanels = MR == 1 ? kStreamPanels<1> : std::max(1, 4 / (MR * kPanelVecs));
-  const Q4KActivations* activations;   // set where a call has fewer than kQuantPanelMinRows rows
+  static constexpr int64_t kPanelMinRows = kQ4KPanelMinRows;
+  const Q4KActivations* activations;   // set where a call has fewer than kPanelMinRows rows
   template <int MR, int P, typename Out>
   void stream_panels(const float* x, const uint8_t* wq, int64_t, int64_t n0, const Out& out) const {
     q4k_stream_panels<MR, P>(*activations, x, wq, n0, out);
@@ -1710,7 +1719,7 @@ void quant_panels(const float* x, const uint8_t* wq, int64_t M, int64_t K, int64
 template <typename Format, typename Out>
 void quant_columns(const Format& format, const float* x, const uint8_t* wq, int64_t M, int64_t K, int64_t n0,
                    int64_t n1, const Out& out) {
-  if (M < kQuantPanelMinRows) quant_row_groups(format, x, wq, M, K, n0, n1, out);
+  if (M < Format::kPanelMinRows) quant_row_groups(format, x, wq, M, K, n0, n1, out);
   else quant_panels<Format>(x, wq, M, K, n0, n1, out);
 }
 
@@ -1782,7 +1791,7 @@ torch::Tensor linear_gguf(torch::Tensor x, torch::Tensor w, bool float_out) {
   auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat32 : torch::kBFloat16));
   if (M == 0) return y;
   const float* xf = widened_x(x);
-  const bool q4k_streams = M < kQuantPanelMinRows && std::any_of(layout.segments.begin(), layout.segments.end(),
+  const bool q4k_streams = M < kQ4KPanelMinRows && std::any_of(layout.segments.begin(), layout.segments.end(),
                                                                  [](const GgufSegment& s) { return s.format == kGgufQ4_K; });
   const Q4KActivations activations = q4k_streams ? Q4KActivations::of(xf, M, K) : Q4KActivations{};
   const Bf16Out out{y.data_ptr(), N, float_out};
