@@ -4,9 +4,10 @@ as the file stores them.
 GGUF blocks (as vLLM runs a GGUF file's quantized weights, and llama.cpp does): a projection (and the
 embedding and output head) whose tensors the file stores as Q8_0, Q6_K or Q4_K keeps them (1.06, 0.82
 and 0.56 bytes a weight in the file, 1.125, 1.25 and 0.59 as the kernel packs them, against 2 for
-bf16), where the model is bf16 on a CPU with the kernels (cpu_kernels.cpp's linear_gguf, which sums
-the dequantized weights, llama.cpp's float32 values, in float32). Elsewhere, under --quantization
-int8, and for every other GGUF type (Q4_0, Q4_1, Q5_K, ...), the weights are dequantized at load.
+bf16), where the model is bf16 on a CPU with the kernels (cpu_kernels.cpp's linear_gguf, on
+llama.cpp's float32 values of the weights; for Q4_K below 128 rows, each block of 32 summed in
+integers against the activations held as 16-bit integers). Elsewhere, under --quantization int8, and
+for every other GGUF type (Q4_0, Q4_1, Q5_K, ...), the weights are dequantized at load.
 `keep_gguf_blocks_` decides, once, before the weights are read.
 
 --quantization int8: the decoder layers' projections in int8, quantized at load time from the
