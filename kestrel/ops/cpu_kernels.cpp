@@ -1408,7 +1408,7 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 //
 // linear_gguf(x [M, K] bf16, w) -> y [M, N] = x w^T, bf16 (or its float32 values), for a weight kept
 // as a GGUF file stores it: llama.cpp's Q8_0, Q6_K or Q4_K blocks, packed at load
-// (kestrel/ops/dispatch.py: pack_gguf_weight) into panels of 16 columns (w's rows). w is one uint8
+// (kestrel/ops/gguf_blocks.py: pack_gguf_weight) into panels of 16 columns (w's rows). w is one uint8
 // tensor: a header of int64 (K, N, the number of segments, then for each segment its format, rows and
 // byte offset), then the segments, each a run of whole panels in one format. A fused projection whose
 // parts the file stores in different types (Q4_K_M's q and k in Q4_K, v in Q6_K) is one weight of
@@ -1416,18 +1416,18 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 //   Q8_0 (blocks of 32) and Q6_K (blocks of 16, as int8 q - 32 and the scale d x its 8-bit scale):
 //     16 float32 scales, then the block's k-rows of 16 int8 (1.125 / 1.25 bytes a weight);
 //   Q4_K (super-blocks of 256 in 8 sub-blocks of 32): 16 float32 d, 16 float32 dmin, the sub-blocks'
-//     6-bit scales and mins as 8 x 16 bytes each, then 128 rows of 16 bytes, each a pair of k-rows (the
-//     first in the low nibbles): 0.59 bytes a weight, against 0.5625 in the file.
+//     6-bit scales and mins as 8 x 16 bytes each, then 64 groups of 4 k-rows, 32 bytes each
+//     (q4k_group_words): 0.59 bytes a weight, against 0.5625 in the file.
 //
 // The int8 formats' weights are dequantized in registers as they are read, with llama.cpp's (and
 // gguf.quants') float32 arithmetic, q * scale, and summed in linear_bf16's packed order: one sum down k
 // per piece of K (panel_k_piece), the pieces added in order, whatever M is. Where those values are
 // bf16 numbers, y is bit for bit linear_bf16's on them (tests/test_gguf_quant.py holds it to that).
-// Up to kQuantPanelMinRows rows the panels stream through registers (packed_stream's tiles); from
+// Below kQuantPanelMinRows rows the panels stream through registers (packed_stream's tiles); from
 // there a thread dequantizes a panel whole into L2 once for all the rows (bf16_panels' tile), so the
 // widening is paid once per panel. Q4_K's values are (d * scale) * q - dmin * min, whose two products
-// are exact, so one fused multiply-subtract gives gguf.quants' bits; its panels (from
-// kQ4KPanelMinRows rows: prefill chunks) are summed as above, bit for bit linear_bf16's on bf16 values. Its streamed
+// are exact, so one fused multiply-subtract gives gguf.quants' bits; its panels (from kQ4KPanelMinRows
+// rows: prefill chunks) are summed as above, bit for bit linear_bf16's on bf16 values. Its streamed
 // tiles instead sum each sub-block of 32 as scale (sum x q) - min (sum x), the inner sums in 32-bit
 // integers on x held as 16-bit integers per sub-block (Q4KActivations: exact for every bf16 x within
 // 2^7 of the sub-block's largest, the rest within 2^-15 of it), as llama.cpp sums Q4_K against 8-bit
@@ -1436,7 +1436,7 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 
 namespace {
 
-enum GgufFormat : int64_t { kGgufQ8_0 = 0, kGgufQ6_K = 1, kGgufQ4_K = 2 };  // dispatch.py's GGUF_FORMATS
+enum GgufFormat : int64_t { kGgufQ8_0 = 0, kGgufQ6_K = 1, kGgufQ4_K = 2 };  // gguf_blocks.py's GGUF_FORMATS codes
 
 // From here the dequantized panels: against the streamed tiles, on the 1B-class model's four layer
 // shapes (2 Zen 3 cores, medians of 5 interleaved calls, Q8_0's time over linear_bf16's): 1.39 against
@@ -1577,23 +1577,35 @@ struct Q4KActivations {
     float* unit = scratch(unit_buffer, M * subs);
     float* sum = scratch(sum_buffer, M * subs);
     int16_t* X = X_buffer.data();
-    for (int64_t i = 0; i < M * subs; ++i) {
-      const float* xs = x + i * kQ4KSub;
-      float largest = 0.f, total = 0.f;
-      for (int64_t t = 0; t < kQ4KSub; ++t) {
-        largest = std::max(largest, std::fabs(xs[t]));
-        total += xs[t];
-      }
-      int e = 0;
-      std::frexp(largest, &e);   // largest < 2^e
-      // Zeros give X = 0; a NaN or infinity reaches y through the sum (X = 0, not an undefined cast).
-      const bool scaled = largest > 0.f && std::isfinite(largest);
-      unit[i] = scaled ? std::ldexp(1.f, e - 15) : 0.f;
-      sum[i] = total;
-      for (int64_t t = 0; t < kQ4KSub; ++t)
-        X[i * kQ4KSub + t] = scaled ? static_cast<int16_t>(std::nearbyint(std::ldexp(xs[t], 15 - e))) : 0;
-    }
+    // The workers take the pointers: thread_locals named inside the lambda would be each worker's own.
+    at::parallel_for(0, M * subs, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) convert(x + i * kQ4KSub, X + i * kQ4KSub, unit[i], sum[i]);
+    });
     return {x, X, unit, sum, K};
+  }
+
+  // One sub-block of 32: X, its unit and the sum of x.
+  static void convert(const float* xs, int16_t* X, float& unit, float& sum) {
+    VecF largest_lanes = zero(), sum_lanes = zero();
+    for (int64_t t = 0; t < kQ4KSub; t += kLanes) {
+      const VecF v = load_f32(xs + t);
+      largest_lanes = max(largest_lanes, abs(v));
+      sum_lanes = add(sum_lanes, v);
+    }
+    const float largest = hmax(largest_lanes);
+    sum = hsum(sum_lanes);
+    int e = 0;
+    std::frexp(largest, &e);   // largest < 2^e
+    // Zeros give X = 0; a NaN or infinity reaches y through the sum (X = 0, not an undefined cast).
+    const bool scaled = largest > 0.f && std::isfinite(largest);
+    unit = scaled ? std::ldexp(1.f, e - 15) : 0.f;
+    if (scaled && e - 15 >= -100) {   // 2^(15 - e) a float: one exact multiply a lane
+      const VecF to_units = splat(std::ldexp(1.f, 15 - e));
+      for (int64_t t = 0; t < kQ4KSub; t += kLanes) store_int16_rounded(X + t, mul(load_f32(xs + t), to_units));
+    } else {
+      for (int64_t t = 0; t < kQ4KSub; ++t)
+        X[t] = scaled ? static_cast<int16_t>(std::nearbyint(std::ldexp(xs[t], 15 - e))) : 0;
+    }
   }
 };
 

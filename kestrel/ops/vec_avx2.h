@@ -54,6 +54,12 @@ inline VecI zero_i() { return _mm256_setzero_si256(); }
 inline VecF to_float_lanes(VecI v) { return _mm256_cvtepi32_ps(v); }
 inline VecI low_words(VecI v) { return _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)); }
 inline VecI high_words(VecI v) { return _mm256_srli_epi32(v, 16); }
+// Each lane rounded to an integer (to nearest even) and stored as int16 (|v| < 2^15).
+inline void store_int16_rounded(int16_t* p, VecF v) {
+  const __m256i i = _mm256_cvtps_epi32(v);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(i, i), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
 inline VecF abs(VecF v) { return _mm256_andnot_ps(splat(-0.f), v); }
 inline float hsum(VecF v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -59,6 +59,10 @@ inline VecI zero_i() { return _mm512_setzero_si512(); }
 inline VecF to_float_lanes(VecI v) { return _mm512_cvtepi32_ps(v); }
 inline VecI low_words(VecI v) { return _mm512_and_si512(v, _mm512_set1_epi32(0xFFFF)); }
 inline VecI high_words(VecI v) { return _mm512_srli_epi32(v, 16); }
+// Each lane rounded to an integer (to nearest even) and stored as int16 (|v| < 2^15).
+inline void store_int16_rounded(int16_t* p, VecF v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(v)));
+}
 inline VecF abs(VecF v) { return _mm512_abs_ps(v); }
 inline float hsum(VecF v) { return _mm512_reduce_add_ps(v); }
 inline float hmax(VecF v) { return _mm512_reduce_max_ps(v); }
