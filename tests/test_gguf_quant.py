@@ -119,24 +119,60 @@ def test_a_weight_of_several_types_is_one_blob_of_segments():
     assert torch.equal(gguf_rows(blob, ids), whole[ids])
 
 
+BYTE_MIN_ROWS = 16   # cpu_kernels.cpp's kByteMinRows: from here Q4_K and Q6_K run against 8-bit activations
+
+
 @needs_kernel
 @pytest.mark.parametrize("name,n,k", [("Q8_0", 16, 32), ("Q8_0", 48, 96), ("Q8_0", 64, 2080), ("Q6_K", 48, 256),
-                                      ("Q6_K", 80, 768), ("Q4_K", 16, 256), ("Q4_K", 96, 1280)])
+                                      ("Q6_K", 80, 768)])
 def test_linear_gguf_is_linear_bf16_bit_for_bit_on_bf16_weights(name, n, k):
-    """Every row count (the streamed tiles below 24 rows, the dequantized panels from there): the same
-    sums in the same order as linear_bf16's packed path, so the same bits, y rounded to bf16 or not.
-    Q4_K's streamed tiles (up to 127 rows) sum by sub-block instead, in integers: from 128 rows."""
+    """Q8_0 at every row count (the streamed tiles below 24 rows, the dequantized panels from there) and
+    Q6_K below 16 rows: the same sums in the same order as linear_bf16's packed path, so the same bits,
+    y rounded to bf16 or not."""
     gen = torch.Generator().manual_seed(n + k)
     raw = random_rows(name, n, k, gen, bf16=True)
     w = dequantized(name, raw)
     assert torch.equal(w.bfloat16().float(), w)
     packed = pack_gguf_weight([(GGUF_FORMATS[name], raw)], k)
     bf16 = pack_bf16_weight(w.bfloat16(), kernels.panel_columns, kernels.lanes)
-    for m in (1, 2, 3, 5, 6, 7, 12, 13, 17, 23, 24, 33, 70) if name != "Q4_K" else (128, 131):
+    rows = (1, 2, 3, 5, 6, 7, 12, 13, 17, 23, 24, 33, 70)
+    for m in rows if name == "Q8_0" else [m for m in rows if m < BYTE_MIN_ROWS]:
         x = torch.randn(m, k, generator=gen).bfloat16()
         bits = kernels.linear_bf16(x, bf16).view(torch.int16)
         assert torch.equal(kernels.linear_gguf(x, packed).view(torch.int16), bits)
         assert torch.equal(kernels.linear_gguf(x, packed, float_out=True), kernels.linear_bf16(x, bf16, float_out=True))
+
+
+def activations_in_8_bits(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the 8-bit tiles see it, in float32: each block of 32 as s q, s = max|x| / 127 and q =
+    round_half_even(x (127 / max|x|)) (a true division, as the kernel's; torch's 127 / t multiplies by
+    a reciprocal)."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    largest = blocks.abs().amax(-1, keepdim=True)
+    q = torch.round(blocks * (torch.tensor(127.0) / largest)).nan_to_num(0)
+    return (q * (largest / 127)).reshape(x.shape)
+
+
+@needs_kernel
+@pytest.mark.parametrize("parts,k", [([("Q4_K", 64)], 1024), ([("Q6_K", 48)], 768),
+                                     ([("Q4_K", 32), ("Q6_K", 16), ("Q8_0", 16), ("Q4_K", 16)], 512)])
+def test_q4_k_and_q6_k_from_16_rows_are_the_product_with_8_bit_activations(parts, k):
+    """From 16 rows, Q4_K and Q6_K meet x quantized to 8 bits per block of 32 (llama.cpp's scheme): y is
+    the dequantized weights' product with those activations, within float32 sums and the one bf16
+    rounding of y; below 16 rows, and Q8_0 always, the product with x itself."""
+    gen = torch.Generator().manual_seed(k)
+    raw = [random_rows(name, n, k, gen) for name, n in parts]
+    w = torch.cat([dequantized(name, r) for (name, _), r in zip(parts, raw)]).double()
+    blob = pack_gguf_weight([(GGUF_FORMATS[name], r) for (name, _), r in zip(parts, raw)], k)
+    on_bytes = torch.tensor([name != "Q8_0" for name, n in parts for _ in range(n)])
+    for m in (15, 16, 17, 40, 131):
+        x = torch.randn(m, k, generator=gen).bfloat16()
+        x[m // 2, 5:37] *= 1000   # a block across two of Q4_K's sub-blocks, far above the rest
+        y = kernels.linear_gguf(x, blob, float_out=True).double()
+        seen = activations_in_8_bits(x) if m >= BYTE_MIN_ROWS else x.float()
+        expected = torch.where(on_bytes, seen.double() @ w.T, x.double() @ w.T)
+        assert ((y - expected).abs() <= expected.abs() * 2 ** -8 + 1e-5 * expected.abs().max()).all(), m
+        assert not torch.equal(seen, x.float()) or m < BYTE_MIN_ROWS
 
 
 @needs_kernel
@@ -156,25 +192,32 @@ def test_linear_gguf_runs_each_segment_on_its_columns():
 @needs_kernel
 @pytest.mark.parametrize("name", FORMATS)
 def test_linear_gguf_is_the_product_of_the_dequantized_weights(name):
+    """Within float32 sums and the bf16 rounding of y of the exact product; where 8-bit activations run
+    (Q4_K and Q6_K from 16 rows), also within what they move: each x by at most half its block's step
+    max|x| / 127, so y[c] by at most sum_k |w[c, k]| step_k / 2."""
     gen = torch.Generator().manual_seed(7)
     raw = random_rows(name, 256, 1024, gen)
     w = dequantized(name, raw).double()
-    for m in (1, 9, 40, 130, 2):
+    for m in (1, 9, 40, 130, 2, 20):
         x = torch.randn(m, 1024, generator=gen)
-        if m == 2:   # outliers: Q4_K's 16-bit activations hold the rest of their sub-block coarser
+        if m in (2, 20):   # outliers: the rest of their block held coarser
             x[:, ::37] *= 300
         x = x.bfloat16()
         exact = x.double() @ w.T
         y = kernels.linear_gguf(x, pack_gguf_weight([(GGUF_FORMATS[name], raw)], 1024), float_out=True).double()
         # float32 sums of 1024 products, then one rounding to bf16 (2^-9 relative)
-        assert ((y - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4 * exact.abs().max()).all()
+        bound = exact.abs() * 2 ** -8 + 1e-4 * exact.abs().max()
+        if name != "Q8_0" and m >= BYTE_MIN_ROWS:
+            step = x.double().reshape(m, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(m, -1) / 127
+            bound = bound + (step / 2) @ w.abs().T
+        assert ((y - exact).abs() <= bound).all()
 
 
 @needs_kernel
 @pytest.mark.parametrize("m", [1, 30])
 def test_linear_gguf_carries_nan_and_infinity(m):
     """A NaN or infinite activation makes its row's outputs NaN (or infinite), on the streamed tiles'
-    16-bit activations too; zeros give zeros."""
+    16-bit activations (1 row) and the 8-bit ones (30 rows) too; zeros give zeros."""
     raw = random_rows("Q4_K", 32, 512, torch.Generator().manual_seed(9))
     blob = pack_gguf_weight([(GGUF_FORMATS["Q4_K"], raw)], 512)
     x = torch.randn(m, 512).bfloat16()

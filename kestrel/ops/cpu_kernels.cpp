@@ -1021,7 +1021,8 @@ inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
 // A scratch buffer of at least n floats that only ever grows: resizing a std::vector back up after a
 // smaller call zero-fills the difference, and the calls alternate between sizes (a layer's K is the
 // hidden size or the MLP's, prefill chunks vary).
-inline float* scratch(std::vector<float>& buffer, int64_t n) {
+template <typename T>
+inline T* scratch(std::vector<T>& buffer, int64_t n) {
   if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
   return buffer.data();
 }
@@ -1419,20 +1420,19 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 //     6-bit scales and mins as 8 x 16 bytes each, then 64 groups of 4 k-rows, 32 bytes each
 //     (q4k_group_words): 0.59 bytes a weight, against 0.5625 in the file.
 //
-// The int8 formats' weights are dequantized in registers as they are read, with llama.cpp's (and
+// Q8_0 and Q6_K's weights are dequantized in registers as they are read, with llama.cpp's (and
 // gguf.quants') float32 arithmetic, q * scale, and summed in linear_bf16's packed order: one sum down k
 // per piece of K (panel_k_piece), the pieces added in order, whatever M is. Where those values are
 // bf16 numbers, y is bit for bit linear_bf16's on them (tests/test_gguf_quant.py holds it to that).
 // Below kQuantPanelMinRows rows the panels stream through registers (packed_stream's tiles); from
-// there a thread dequantizes a panel whole into L2 once for all the rows (bf16_panels' tile), so the
-// widening is paid once per panel. Q4_K's values are (d * scale) * q - dmin * min, whose two products
-// are exact, so one fused multiply-subtract gives gguf.quants' bits; its panels (from kQ4KPanelMinRows
-// rows: prefill chunks) are summed as above, bit for bit linear_bf16's on bf16 values. Its streamed
-// tiles instead sum each sub-block of 32 as scale (sum x q) - min (sum x), the inner sums in 32-bit
-// integers on x held as 16-bit integers per sub-block (Q4KActivations: exact for every bf16 x within
-// 2^7 of the sub-block's largest, the rest within 2^-15 of it), as llama.cpp sums Q4_K against 8-bit
-// activations: on 2 Zen 3 cores, at 1 row, 0.85 ms against 1.40 with the float sums and 1.8 with each
-// weight dequantized (the 1B model's four layer shapes).
+// there (Q8_0) a thread dequantizes a panel whole into L2 once for all the rows (bf16_panels' tile),
+// so the widening is paid once per panel. Below kByteMinRows rows (decode steps of a few requests),
+// Q4_K's streamed tiles sum each sub-block of 32 as scale (sum x q) - min (sum x), the inner sums in
+// 32-bit integers on x held as 16-bit integers per sub-block (Q4KActivations: exact for every bf16 x
+// within 2^7 of the sub-block's largest, the rest within 2^-15 of it): on 2 Zen 3 cores, at 1 row,
+// 0.85 ms against 1.40 with float sums and 1.8 with each weight dequantized (the 1B model's four
+// layer shapes). From kByteMinRows rows, Q4_K and Q6_K run against x quantized to 8 bits, as
+// llama.cpp runs its K-quants (see "against 8-bit activations" below).
 
 namespace {
 
@@ -1442,11 +1442,6 @@ enum GgufFormat : int64_t { kGgufQ8_0 = 0, kGgufQ6_K = 1, kGgufQ4_K = 2 };  // g
 // shapes (2 Zen 3 cores, medians of 5 interleaved calls, Q8_0's time over linear_bf16's): 1.39 against
 // 1.16 at 16 rows, 1.12 against 1.21 at 24; 1.03-1.1 from 64 rows up.
 constexpr int64_t kQuantPanelMinRows = 24;
-// Q4_K's streamed tiles, on integers, hold out to the decode plan's largest step: on the 1B model's four
-// layer shapes (2 Zen 3 cores, medians of 5) 12.0 against 14.6 ms at 24 rows, 16.2 against 20.0 at 32,
-// 33.3 against 34.8 at 64, 48.0 against 49.5 at 96, even at 128. So every decode step's rows are
-// summed alike, whatever the batch.
-constexpr int64_t kQ4KPanelMinRows = 128;
 constexpr int64_t kQuantScaleBytes = kPanelCols * sizeof(float);
 
 // The int8 formats: blocks of B along K, a float32 scale per column and block.
@@ -1504,26 +1499,6 @@ void int8_dequantize_panel(const uint8_t* wq, int64_t K, int64_t n, float* panel
   }
 }
 
-void q4k_dequantize_panel(const uint8_t* wq, int64_t K, int64_t n, float* panel) {
-  for (int64_t b = 0; b < K / kQ4KBlock; ++b) {
-    const uint8_t* block = q4k_block(wq, K, n, b);
-    for (int64_t j = 0; j < kQ4KSubs; ++j)
-      for (int v = 0; v < kPanelVecs; ++v) {
-        VecF scale, min;
-        q4k_scale_min(block, j, v, scale, min);
-        for (int64_t g = j * kQ4KSub / 4; g < (j + 1) * kQ4KSub / 4; ++g) {
-          const VecI w = q4k_group_words(block, g, v);
-          const VecI pairs[2] = {low_nibble_words(w), high_nibble_words(w)};   // k-rows (0, 1), (2, 3)
-          float* row = panel + (b * kQ4KBlock + 4 * g) * kPanelCols + v * kLanes;
-          for (int h = 0; h < 2; ++h) {
-            store(row + 2 * h * kPanelCols, fmsub(to_float_lanes(low_words(pairs[h])), scale, min));
-            store(row + (2 * h + 1) * kPanelCols, fmsub(to_float_lanes(high_words(pairs[h])), scale, min));
-          }
-        }
-      }
-  }
-}
-
 // out.row() of MR rows of x (widened, [MR, K]) and the P panels of [n0, n0 + P x kPanelCols) of an
 // int8 weight: the packed bf16 tile's loop, each weight row dequantized in registers.
 template <int64_t B, int MR, int P, typename Out>
@@ -1573,10 +1548,9 @@ struct Q4KActivations {
     thread_local std::vector<int16_t> X_buffer;
     thread_local std::vector<float> unit_buffer, sum_buffer;
     const int64_t subs = K / kQ4KSub;
-    if (static_cast<int64_t>(X_buffer.size()) < M * K) X_buffer.resize(M * K);
     float* unit = scratch(unit_buffer, M * subs);
     float* sum = scratch(sum_buffer, M * subs);
-    int16_t* X = X_buffer.data();
+    int16_t* X = scratch(X_buffer, M * K);
     // The workers take the pointers: thread_locals named inside the lambda would be each worker's own.
     at::parallel_for(0, M * subs, 256, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) convert(x + i * kQ4KSub, X + i * kQ4KSub, unit[i], sum[i]);
@@ -1662,7 +1636,7 @@ void q4k_stream_panels(const Q4KActivations& a, const float* xm, const uint8_t* 
   emit_rows<MR, V>(total, n0, out);
 }
 
-// A format's streamed tiles and whole-panel dequantization.
+// A format's streamed tiles (and the int8 formats' whole-panel dequantization).
 template <int64_t B>
 struct Int8Format {
   static constexpr int64_t kPanelMinRows = kQuantPanelMinRows;
@@ -1683,14 +1657,10 @@ struct Q4KFormat {
   // sums and the super-block's for every row (2 Zen 3 cores, the 1B model's layer shapes, 8 rows:
   // 6.3-6.6 ms against 7.5-7.9 with the int8 tiles' count; 1 row better with the int8 tiles' count).
   static constexpr int kPanels = MR == 1 ? kStreamPanels<1> : std::max(1, 4 / (MR * kPanelVecs));
-  static constexpr int64_t kPanelMinRows = kQ4KPanelMinRows;
-  const Q4KActivations* activations;   // set where a call has fewer than kPanelMinRows rows
+  const Q4KActivations* activations;
   template <int MR, int P, typename Out>
   void stream_panels(const float* x, const uint8_t* wq, int64_t, int64_t n0, const Out& out) const {
     q4k_stream_panels<MR, P>(*activations, x, wq, n0, out);
-  }
-  static void dequantize_panel(const uint8_t* wq, int64_t K, int64_t n, float* panel) {
-    q4k_dequantize_panel(wq, K, n, panel);
   }
 };
 
@@ -1782,13 +1752,313 @@ struct GgufLayout {
   }
 };
 
+// ---- Q4_K and Q6_K against 8-bit activations (from kByteMinRows rows) ----
+//
+// llama.cpp's way with its K-quants (their q against activations quantized to 8 bits), with a scale
+// per block of 32 activations where its Q8_K has one per 256. Each row's blocks of 32 become int8,
+// x ~ s q with s = max|x| / 127 and q = round_half_even(x (127 / max|x|)) (ByteActivations). A
+// panel's q (Q4_K's 4-bit as they are, Q6_K's 6-bit + 32: unsigned bytes; BytePanel, made once a
+// call) meet four activations at once in vpmaddubsw, whose 16-bit sums cannot saturate: Q4_K adds 8
+// of them (a sub-block of 32; at most 8 x 2 x 15 x 127 = 30480), Q6_K 2 (at most 2 x 2 x 63 x 127 =
+// 32004). vpmaddwd then sums each column's pair into 32 bits, times Q4_K's integer sub-block scale,
+// and the rest is float32: per block of 32 times s (Q6_K: times d sc per 16), per Q4_K super-block
+// times d, and last the offsets, minus sum_j offset[c][j] (s sum_j q), offset being Q4_K's dmin m per
+// 32 and Q6_K's 32 d sc per 16 (its q are stored + 32). So y is the product of the dequantized
+// weights and the dequantized activations, summed in float32 in another order (tests hold it to that
+// product in float64). Each vpmaddubsw does 32 multiply-adds where an FMA does 8: on 2 Zen 3 cores,
+// the 1B model's four layer shapes, against float32 (torch's GEMM, or the tiles below) Q4_K ran
+// 1.8-2.8x faster from 16 to 512 rows and Q6_K 1.3-1.9x; at 8 rows, no faster than Q4_K's 16-bit
+// tiles and slower than Q6_K's float ones, whence kByteMinRows.
+
+constexpr int64_t kByteMinRows = 16;
+constexpr int64_t kByteBlock = 32;                 // activations per int8 scale
+constexpr int kByteRows = 6 / kPanelVecs;          // a tile's rows: 6 int16 accumulators (AVX2: 3 rows x 2)
+constexpr int64_t kByteRowBlockBytes = 128 << 10;  // a thread's rows of int8 x at a time (in L2)
+
+// Each row's int8 activations, with what the tiles' float32 steps need.
+struct ByteActivations {
+  const int8_t* q = nullptr;     // [M, K]
+  const float* scale = nullptr;  // [M, K / 32]: s
+  const float* sum16 = nullptr;  // [M, K / 16]: s times the sum of q over each 16
+  const float* sum32 = nullptr;  // [M, K / 32]: over each 32
+  int64_t K = 0;
+
+  static ByteActivations of(const float* x, int64_t M, int64_t K) {
+    thread_local std::vector<int8_t> q_buffer;
+    thread_local std::vector<float> scale_buffer, sum16_buffer, sum32_buffer;
+    const int64_t blocks = K / kByteBlock;
+    int8_t* q = scratch(q_buffer, M * K);
+    float* scale = scratch(scale_buffer, M * blocks);
+    float* sum16 = scratch(sum16_buffer, 2 * M * blocks);
+    float* sum32 = scratch(sum32_buffer, M * blocks);
+    // The workers take the pointers: thread_locals named inside the lambda would be each worker's own.
+    at::parallel_for(0, M * blocks, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        quantize(x + i * kByteBlock, q + i * kByteBlock, scale[i], sum16 + 2 * i, sum32[i]);
+    });
+    return {q, scale, sum16, sum32, K};
+  }
+
+  // One block of 32. A NaN or infinity makes s NaN (q = 0), which reaches every output of its row.
+  static void quantize(const float* xs, int8_t* q, float& scale, float* sum16, float& sum32) {
+    VecF largest_lanes = zero(), sum_lanes = zero();
+    for (int64_t t = 0; t < kByteBlock; t += kLanes) {
+      const VecF v = load_f32(xs + t);
+      largest_lanes = max(largest_lanes, abs(v));
+      sum_lanes = add(sum_lanes, v);   // a NaN that max() drops stays here
+    }
+    const float largest = hmax(largest_lanes);
+    if (!std::isfinite(largest) || !std::isfinite(hsum(sum_lanes)) || largest == 0.f) {
+      std::memset(q, 0, kByteBlock);
+      scale = sum32 = sum16[0] = sum16[1] = largest == 0.f ? 0.f : std::numeric_limits<float>::quiet_NaN();
+      return;
+    }
+    scale = largest / 127.f;
+    const VecF to_q = splat(127.f / largest);
+    float sums[2];
+    for (int h = 0; h < 2; ++h) {
+      VecF s = zero();
+      for (int64_t t = 16 * h; t < 16 * (h + 1); t += kLanes) {
+        const VecF r = round_nearest(mul(load_f32(xs + t), to_q));   // |r| <= 127
+        store_int8_rounded(q + t, r);
+        s = add(s, r);
+      }
+      sums[h] = hsum(s);   // an integer, exact
+    }
+    sum16[0] = scale * sums[0];
+    sum16[1] = scale * sums[1];
+    sum32 = scale * (sums[0] + sums[1]);
+  }
+};
+
+// A panel of kPanelCols columns as the byte tiles read it. q: each group of 4 k-rows 64 bytes, column
+// c's four q at 4c (vector v of kLanes columns at 4 kLanes v), unsigned. The rest per format (above).
+struct BytePanel {
+  uint8_t* q;             // [K / 4][16][4]
+  int16_t* scale_words;   // Q4_K: [K / 32][16][2], each sub-block's scale twice (vpmaddwd's pairs)
+  float* scale;           // Q4_K: d [K / 256][16]; Q6_K: d sc [K / 16][16]
+  float* offset;          // Q4_K: dmin m [K / 32][16]; Q6_K: 32 d sc [K / 16][16]
+};
+
+// The byte panels of a thread's columns, made once a call.
+struct BytePanels {
+  std::vector<uint8_t> q;
+  std::vector<int16_t> scale_words;
+  std::vector<float> scale, offset;
+  int64_t K = 0;
+  BytePanel at(int64_t p) const {
+    return {const_cast<uint8_t*>(q.data()) + p * K * kPanelCols,
+            const_cast<int16_t*>(scale_words.data()) + p * (K / 16) * kPanelCols,
+            const_cast<float*>(scale.data()) + p * (K / 16) * kPanelCols,
+            const_cast<float*>(offset.data()) + p * (K / 16) * kPanelCols};
+  }
+  void hold(int64_t panels, int64_t k) {
+    K = k;
+    scratch(q, panels * K * kPanelCols);
+    scratch(scale_words, panels * (K / 16) * kPanelCols);
+    scratch(scale, panels * (K / 16) * kPanelCols);
+    scratch(offset, panels * (K / 16) * kPanelCols);
+  }
+};
+
+// 16 columns' group of 4 k-rows: Q4_K's 32 bytes (byte 2c + t: q of k-row t in the low nibble, of
+// k-row 2 + t in the high one) as 64 (bytes 4c .. 4c + 3: k-rows 0 .. 3).
+inline void q4k_group_bytes(const uint8_t* src, uint8_t* dst) {
+  const __m128i low4 = _mm_set1_epi8(15);
+  for (int h = 0; h < 2; ++h) {   // columns 8h .. 8h + 7
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * h));
+    const __m128i low = _mm_and_si128(w, low4), high = _mm_and_si128(_mm_srli_epi16(w, 4), low4);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32 * h), _mm_unpacklo_epi16(low, high));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32 * h + 16), _mm_unpackhi_epi16(low, high));
+  }
+}
+
+void q4k_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
+  for (int64_t b = 0; b < K / kQ4KBlock; ++b) {
+    const uint8_t* block = q4k_block(wq, K, n, b);
+    const float* d = block_scales(block);
+    for (int64_t c = 0; c < kPanelCols; ++c) p.scale[b * kPanelCols + c] = d[c];
+    for (int64_t j = 0; j < kQ4KSubs; ++j)
+      for (int64_t c = 0; c < kPanelCols; ++c) {
+        const int64_t sub = b * kQ4KSubs + j;
+        const uint8_t sc = block[kQ4KMins + j * kPanelCols + c], m = block[kQ4KSubMins + j * kPanelCols + c];
+        p.scale_words[(sub * kPanelCols + c) * 2] = p.scale_words[(sub * kPanelCols + c) * 2 + 1] = sc;
+        p.offset[sub * kPanelCols + c] = d[kPanelCols + c] * static_cast<float>(m);   // exact, as q4k_scale_min's
+      }
+    for (int64_t g = 0; g < kQ4KBlock / 4; ++g)
+      q4k_group_bytes(block + kQ4KQuants + g * 2 * kPanelCols, p.q + (b * kQ4KBlock + 4 * g) * kPanelCols);
+  }
+}
+
+void q6k_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
+  const __m128i bias = _mm_set1_epi8(32);
+  for (int64_t b = 0; b < K / 16; ++b) {
+    const uint8_t* block = int8_block<16>(wq, K, n, b);
+    for (int64_t c = 0; c < kPanelCols; ++c) {
+      p.scale[b * kPanelCols + c] = block_scales(block)[c];
+      p.offset[b * kPanelCols + c] = 32.f * block_scales(block)[c];
+    }
+    for (int64_t g = 0; g < 4; ++g) {   // k-rows 4g .. 4g + 3, each 16 int8 q - 32: transposed to 4 per column
+      __m128i r[4];
+      for (int i = 0; i < 4; ++i)
+        r[i] = _mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block_int8(block) + (4 * g + i) * kPanelCols)), bias);
+      const __m128i pairs[4] = {_mm_unpacklo_epi8(r[0], r[1]), _mm_unpacklo_epi8(r[2], r[3]),
+                                _mm_unpackhi_epi8(r[0], r[1]), _mm_unpackhi_epi8(r[2], r[3])};
+      uint8_t* dst = p.q + (b * 16 + 4 * g) * kPanelCols;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm_unpacklo_epi16(pairs[0], pairs[1]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm_unpackhi_epi16(pairs[0], pairs[1]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32), _mm_unpacklo_epi16(pairs[2], pairs[3]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 48), _mm_unpackhi_epi16(pairs[2], pairs[3]));
+    }
+  }
+}
+
+inline VecI four_activations(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, sizeof v);
+  return splat_i(v);
+}
+
+// total[m] -= sum_j offset[j] x sums[m][j] over the J offsets (J = K / 32 or K / 16) of the panel.
+template <int MR, int V>
+void subtract_offsets(VecF (&total)[MR][V], const float* offset, const float* sums, int64_t J) {
+  for (int64_t j = 0; j < J; ++j)
+    for (int v = 0; v < V; ++v) {
+      const VecF o = load_f32(offset + j * kPanelCols + v * kLanes);
+      for (int m = 0; m < MR; ++m) total[m][v] = fnmadd(o, splat(sums[m * J + j]), total[m][v]);
+    }
+}
+
+template <int MR, int V>
+void store_tile(const VecF (&total)[MR][V], float (*out)[kPanelCols]) {
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < V; ++v) store(out[m] + v * kLanes, total[m][v]);
+}
+
+// out[m][c] for the MR rows from m0 and the panel's 16 columns.
+template <int MR>
+__attribute__((noinline)) void q4k_byte_tile(const ByteActivations& a, int64_t m0, const BytePanel& p, float (*out)[kPanelCols]) {
+  constexpr int V = kPanelVecs;
+  const int64_t K = a.K, blocks = K / kByteBlock;
+  const int8_t* x = a.q + m0 * K;
+  const float* s = a.scale + m0 * blocks;
+  VecF total[MR][V];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < V; ++v) total[m][v] = zero();
+  for (int64_t b = 0; b < K / kQ4KBlock; ++b) {
+    VecF in_d[MR][V];   // the super-block's sum in units of d
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < V; ++v) in_d[m][v] = zero();
+    for (int64_t j = b * kQ4KSubs; j < (b + 1) * kQ4KSubs; ++j) {
+      VecI acc[MR][V];
+      for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < V; ++v) acc[m][v] = zero_i();
+      for (int64_t k = j * kQ4KSub; k < (j + 1) * kQ4KSub; k += 4) {
+        VecI w[V];
+        for (int v = 0; v < V; ++v) w[v] = in_register_i(load_bytes(p.q + k * kPanelCols + v * 4 * kLanes));
+        for (int m = 0; m < MR; ++m) {
+          const VecI x4 = four_activations(x + m * K + k);
+          for (int v = 0; v < V; ++v) acc[m][v] = add_words(acc[m][v], madd_bytes(w[v], x4));
+        }
+        // Without this GCC regroups the sums and spills the accumulators.
+        for (int m = 0; m < MR; ++m)
+          for (int v = 0; v < V; ++v) keep_in_register(acc[m][v]);
+      }
+      for (int v = 0; v < V; ++v) {
+        const VecI sc = load_bytes(p.scale_words + j * 2 * kPanelCols + v * 2 * kLanes);
+        for (int m = 0; m < MR; ++m)
+          in_d[m][v] = fma(to_float_lanes(madd_words(acc[m][v], sc)), splat(s[m * blocks + j]), in_d[m][v]);
+      }
+    }
+    for (int v = 0; v < V; ++v) {
+      const VecF d = load_f32(p.scale + b * kPanelCols + v * kLanes);
+      for (int m = 0; m < MR; ++m) total[m][v] = fma(d, in_d[m][v], total[m][v]);
+    }
+  }
+  subtract_offsets<MR, V>(total, p.offset, a.sum32 + m0 * blocks, blocks);
+  store_tile<MR, V>(total, out);
+}
+
+template <int MR>
+__attribute__((noinline)) void q6k_byte_tile(const ByteActivations& a, int64_t m0, const BytePanel& p, float (*out)[kPanelCols]) {
+  constexpr int V = kPanelVecs;
+  const int64_t K = a.K, blocks = K / kByteBlock;
+  const int8_t* x = a.q + m0 * K;
+  const float* s = a.scale + m0 * blocks;
+  const VecI ones = splat_i(0x00010001);   // 16-bit ones: vpmaddwd sums each pair
+  VecF total[MR][V];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < V; ++v) total[m][v] = zero();
+  for (int64_t j = 0; j < K / 16; ++j) {
+    VecI acc[MR][V];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < V; ++v) acc[m][v] = zero_i();
+    for (int64_t k = 16 * j; k < 16 * (j + 1); k += 8) {
+      VecI w0[V], w1[V];
+      for (int v = 0; v < V; ++v) {
+        w0[v] = in_register_i(load_bytes(p.q + k * kPanelCols + v * 4 * kLanes));
+        w1[v] = in_register_i(load_bytes(p.q + (k + 4) * kPanelCols + v * 4 * kLanes));
+      }
+      for (int m = 0; m < MR; ++m) {
+        const VecI x0 = four_activations(x + m * K + k), x1 = four_activations(x + m * K + k + 4);
+        for (int v = 0; v < V; ++v)
+          acc[m][v] = add_lanes(acc[m][v], madd_words(add_words(madd_bytes(w0[v], x0), madd_bytes(w1[v], x1)), ones));
+      }
+      for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < V; ++v) acc[m][v] = in_register_i(acc[m][v]);
+    }
+    for (int v = 0; v < V; ++v) {
+      const VecF scale = load_f32(p.scale + j * kPanelCols + v * kLanes);
+      for (int m = 0; m < MR; ++m)
+        total[m][v] = fma(to_float_lanes(acc[m][v]), mul(scale, splat(s[m * blocks + j / 2])), total[m][v]);
+    }
+  }
+  subtract_offsets<MR, V>(total, p.offset, a.sum16 + 2 * m0 * blocks, 2 * blocks);
+  store_tile<MR, V>(total, out);
+}
+
+// rows (1 .. kByteRows) rows from m0 on the tile of that many rows.
+template <int MR = kByteRows>
+void byte_tile_rows(bool q4k, int rows, const ByteActivations& a, int64_t m0, const BytePanel& p,
+                    float (*out)[kPanelCols]) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return byte_tile_rows<MR - 1>(q4k, rows, a, m0, p, out);
+  }
+  if (q4k) q4k_byte_tile<MR>(a, m0, p, out);
+  else q6k_byte_tile<MR>(a, m0, p, out);
+}
+
+// The columns [n0, n1) of a Q4_K or Q6_K segment on the byte tiles: its panels made once, then the
+// rows a block at a time (whose int8 x stays in L2) down every panel.
 template <typename Out>
-void gguf_columns(const float* x, const Q4KActivations* activations, const GgufSegment& s, int64_t M, int64_t K,
-                  int64_t n0, int64_t n1, const Out& out) {
+void byte_columns(const ByteActivations& a, const GgufSegment& s, int64_t M, int64_t n0, int64_t n1, const Out& out) {
+  const int64_t K = a.K, panels = (n1 - n0) / kPanelCols;
+  const bool q4k = s.format == kGgufQ4_K;
+  thread_local BytePanels made;
+  made.hold(panels, K);
+  for (int64_t p = 0; p < panels; ++p) {
+    if (q4k) q4k_byte_panel(s.data, K, n0 + p * kPanelCols, made.at(p));
+    else q6k_byte_panel(s.data, K, n0 + p * kPanelCols, made.at(p));
+  }
+  const int64_t row_block = std::max<int64_t>(kByteRows, kByteRowBlockBytes / K / kByteRows * kByteRows);
+  alignas(64) float tile[kByteRows][kPanelCols];
+  for (int64_t m1 = 0; m1 < M; m1 += row_block)
+    for (int64_t p = 0; p < panels; ++p)
+      for (int64_t m = m1; m < std::min(M, m1 + row_block); m += kByteRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kByteRows, M - m));
+        byte_tile_rows(q4k, rows, a, m, made.at(p), tile);
+        for (int r = 0; r < rows; ++r) out.row(m + r, n0 + p * kPanelCols, tile[r], kPanelCols);
+      }
+}
+
+template <typename Out>
+void gguf_columns(const float* x, const Q4KActivations* activations, const ByteActivations* bytes, const GgufSegment& s,
+                  int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
   const ColumnsFrom<Out> shifted{out, s.panel0 * kPanelCols};
   if (s.format == kGgufQ8_0) quant_columns(Int8Format<32>{}, x, s.data, M, K, n0, n1, shifted);
-  else if (s.format == kGgufQ6_K) quant_columns(Int8Format<16>{}, x, s.data, M, K, n0, n1, shifted);
-  else quant_columns(Q4KFormat{activations}, x, s.data, M, K, n0, n1, shifted);
+  else if (M >= kByteMinRows) byte_columns(*bytes, s, M, n0, n1, shifted);
+  else if (s.format == kGgufQ6_K) quant_row_groups(Int8Format<16>{}, x, s.data, M, K, n0, n1, shifted);
+  else quant_row_groups(Q4KFormat{activations}, x, s.data, M, K, n0, n1, shifted);
 }
 
 }  // namespace
@@ -1803,15 +2073,18 @@ torch::Tensor linear_gguf(torch::Tensor x, torch::Tensor w, bool float_out) {
   auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat32 : torch::kBFloat16));
   if (M == 0) return y;
   const float* xf = widened_x(x);
-  const bool q4k_streams = M < kQ4KPanelMinRows && std::any_of(layout.segments.begin(), layout.segments.end(),
+  const bool q4k_streams = M < kByteMinRows && std::any_of(layout.segments.begin(), layout.segments.end(),
                                                                  [](const GgufSegment& s) { return s.format == kGgufQ4_K; });
   const Q4KActivations activations = q4k_streams ? Q4KActivations::of(xf, M, K) : Q4KActivations{};
+  const bool on_bytes = M >= kByteMinRows && std::any_of(layout.segments.begin(), layout.segments.end(),
+                                                          [](const GgufSegment& s) { return s.format != kGgufQ8_0; });
+  const ByteActivations bytes = on_bytes ? ByteActivations::of(xf, M, K) : ByteActivations{};
   const Bf16Out out{y.data_ptr(), N, float_out};
   at::parallel_for(0, N / kPanelCols, 1, [&](int64_t begin, int64_t end) {
     for (const GgufSegment& s : layout.segments) {
       const int64_t p0 = std::max(begin, s.panel0), p1 = std::min(end, s.panel0 + s.panels);
       if (p0 < p1)
-        gguf_columns(xf, &activations, s, M, K, (p0 - s.panel0) * kPanelCols, (p1 - s.panel0) * kPanelCols, out);
+        gguf_columns(xf, &activations, &bytes, s, M, K, (p0 - s.panel0) * kPanelCols, (p1 - s.panel0) * kPanelCols, out);
     }
   });
   return y;

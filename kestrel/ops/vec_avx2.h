@@ -60,6 +60,17 @@ inline void store_int16_rounded(int16_t* p, VecF v) {
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(i, i), 0xD8);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
+// Bytes: kLanes x 4 of them from p; pairs of unsigned x signed byte products summed into 16-bit lanes
+// (vpmaddubsw: each sum saturates past +-32767, which the caller rules out); 16-bit lane sums.
+inline VecI load_bytes(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline VecI madd_bytes(VecI u8, VecI s8) { return _mm256_maddubs_epi16(u8, s8); }
+inline VecI add_words(VecI a, VecI b) { return _mm256_add_epi16(a, b); }
+// Each lane rounded to an integer (to nearest even) and stored as int8 (|v| <= 127): kLanes bytes.
+inline void store_int8_rounded(int8_t* p, VecF v) {
+  const __m256i i = _mm256_cvtps_epi32(v);
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
+}
 inline VecF abs(VecF v) { return _mm256_andnot_ps(splat(-0.f), v); }
 inline float hsum(VecF v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -100,6 +111,11 @@ inline VecF in_register(VecF v) {
   asm("" : "+x"(v));
   return v;
 }
+inline VecI in_register_i(VecI v) {
+  asm("" : "+x"(v));
+  return v;
+}
+inline void keep_in_register(VecI& v) { asm("" : "+x"(v)); }
 
 // One k-row of a packed bf16 panel (16 columns; the layout of cpu_kernels.cpp's "packed bf16
 // weights": 32-bit word j holds column j in its low half and column j + 8 in its high half) widened

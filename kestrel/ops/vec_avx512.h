@@ -63,6 +63,12 @@ inline VecI high_words(VecI v) { return _mm512_srli_epi32(v, 16); }
 inline void store_int16_rounded(int16_t* p, VecF v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(v)));
 }
+inline VecI load_bytes(const void* p) { return _mm512_loadu_si512(p); }
+inline VecI madd_bytes(VecI u8, VecI s8) { return _mm512_maddubs_epi16(u8, s8); }
+inline VecI add_words(VecI a, VecI b) { return _mm512_add_epi16(a, b); }
+inline void store_int8_rounded(int8_t* p, VecF v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+}
 inline VecF abs(VecF v) { return _mm512_abs_ps(v); }
 inline float hsum(VecF v) { return _mm512_reduce_add_ps(v); }
 inline float hmax(VecF v) { return _mm512_reduce_max_ps(v); }
@@ -94,6 +100,11 @@ inline VecF in_register(VecF v) {
   asm("" : "+v"(v));
   return v;
 }
+inline VecI in_register_i(VecI v) {
+  asm("" : "+v"(v));
+  return v;
+}
+inline void keep_in_register(VecI& v) { asm("" : "+v"(v)); }
 
 // Rounded multiply and add: the _round_ forms are never contracted into an FMA, so the result
 // rounds exactly as torch's separate `x * cos + rotate_half(x) * sin` does.
