@@ -1878,13 +1878,22 @@ void q4k_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p)
     const uint8_t* block = q4k_block(wq, K, n, b);
     const float* d = block_scales(block);
     for (int64_t c = 0; c < kPanelCols; ++c) p.scale[b * kPanelCols + c] = d[c];
-    for (int64_t j = 0; j < kQ4KSubs; ++j)
-      for (int64_t c = 0; c < kPanelCols; ++c) {
-        const int64_t sub = b * kQ4KSubs + j;
-        const uint8_t sc = block[kQ4KMins + j * kPanelCols + c], m = block[kQ4KSubMins + j * kPanelCols + c];
-        p.scale_words[(sub * kPanelCols + c) * 2] = p.scale_words[(sub * kPanelCols + c) * 2 + 1] = sc;
-        p.offset[sub * kPanelCols + c] = d[kPanelCols + c] * static_cast<float>(m);   // exact, as q4k_scale_min's
+    for (int64_t j = 0; j < kQ4KSubs; ++j) {
+      const int64_t sub = b * kQ4KSubs + j;
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kQ4KMins + j * kPanelCols));
+      const __m128i words[2] = {_mm_unpacklo_epi8(sc, _mm_setzero_si128()), _mm_unpackhi_epi8(sc, _mm_setzero_si128())};
+      __m128i* scale_words = reinterpret_cast<__m128i*>(p.scale_words + sub * 2 * kPanelCols);
+      for (int h = 0; h < 2; ++h) {   // each scale twice: columns 8h .. 8h + 3, then 8h + 4 .. 8h + 7
+        _mm_storeu_si128(scale_words + 2 * h, _mm_unpacklo_epi16(words[h], words[h]));
+        _mm_storeu_si128(scale_words + 2 * h + 1, _mm_unpackhi_epi16(words[h], words[h]));
       }
+      for (int64_t c = 0; c < kPanelCols; c += 4) {   // dmin m: exact, as q4k_scale_min's
+        int32_t mins;
+        std::memcpy(&mins, block + kQ4KSubMins + j * kPanelCols + c, sizeof mins);
+        const __m128 m = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(mins)));
+        _mm_storeu_ps(p.offset + sub * kPanelCols + c, _mm_mul_ps(_mm_loadu_ps(d + kPanelCols + c), m));
+      }
+    }
     for (int64_t g = 0; g < kQ4KBlock / 4; ++g)
       q4k_group_bytes(block + kQ4KQuants + g * 2 * kPanelCols, p.q + (b * kQ4KBlock + 4 * g) * kPanelCols);
   }
@@ -1953,6 +1962,7 @@ __attribute__((noinline)) void q4k_byte_tile(const ByteActivations& a, int64_t m
       VecI acc[MR][V];
       for (int m = 0; m < MR; ++m)
         for (int v = 0; v < V; ++v) acc[m][v] = zero_i();
+#pragma GCC unroll 8
       for (int64_t k = j * kQ4KSub; k < (j + 1) * kQ4KSub; k += 4) {
         VecI w[V];
         for (int v = 0; v < V; ++v) w[v] = in_register_i(load_bytes(p.q + k * kPanelCols + v * 4 * kLanes));
