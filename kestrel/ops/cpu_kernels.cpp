@@ -1766,9 +1766,10 @@ struct GgufLayout {
 // 32 and Q6_K's 32 d sc per 16 (its q are stored + 32). So y is the product of the dequantized
 // weights and the dequantized activations, summed in float32 in another order (tests hold it to that
 // product in float64). Each vpmaddubsw does 32 multiply-adds where an FMA does 8: on 2 Zen 3 cores,
-// the 1B model's four layer shapes, against float32 (torch's GEMM, or the tiles below) Q4_K ran
-// 1.8-2.8x faster from 16 to 512 rows and Q6_K 1.3-1.9x; at 8 rows, no faster than Q4_K's 16-bit
-// tiles and slower than Q6_K's float ones, whence kByteMinRows.
+// the 1B model's four layer shapes, against the kernels they replace (Q4_K's 16-bit tiles and float
+// panels, Q6_K's float32 tiles and panels) Q4_K ran 1.3-1.8x faster from 16 to 512 rows and Q6_K
+// 1.1-1.5x; at 8 rows, no faster than Q4_K's 16-bit tiles and slower than Q6_K's float ones, whence
+// kByteMinRows.
 
 constexpr int64_t kByteMinRows = 16;
 constexpr int64_t kByteBlock = 32;                 // activations per int8 scale
