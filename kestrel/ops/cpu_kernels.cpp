@@ -1946,7 +1946,8 @@ void store_tile(const VecF (&total)[MR][V], float (*out)[kPanelCols]) {
     for (int v = 0; v < V; ++v) store(out[m] + v * kLanes, total[m][v]);
 }
 
-// out[m][c] for the MR rows from m0 and the panel's 16 columns.
+// out[m][c] for the MR rows from m0 and the panel's 16 columns. Not inlined (nor Q6_K's): inside
+// byte_columns the register allocator spilled an accumulator of the inner loop.
 template <int MR>
 __attribute__((noinline)) void q4k_byte_tile(const ByteActivations& a, int64_t m0, const BytePanel& p, float (*out)[kPanelCols]) {
   constexpr int V = kPanelVecs;
