@@ -1848,11 +1848,9 @@ struct BytePanels {
   std::vector<int16_t> scale_words;
   std::vector<float> scale, offset;
   int64_t K = 0;
-  BytePanel at(int64_t p) const {
-    return {const_cast<uint8_t*>(q.data()) + p * K * kPanelCols,
-            const_cast<int16_t*>(scale_words.data()) + p * (K / 16) * kPanelCols,
-            const_cast<float*>(scale.data()) + p * (K / 16) * kPanelCols,
-            const_cast<float*>(offset.data()) + p * (K / 16) * kPanelCols};
+  BytePanel at(int64_t p) {
+    return {q.data() + p * K * kPanelCols, scale_words.data() + p * (K / 16) * kPanelCols,
+            scale.data() + p * (K / 16) * kPanelCols, offset.data() + p * (K / 16) * kPanelCols};
   }
   void hold(int64_t panels, int64_t k) {
     K = k;
