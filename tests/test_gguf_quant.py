@@ -3,7 +3,8 @@ GGUFLinear; kestrel/ops/gguf_blocks.py; cpu_kernels.cpp: linear_gguf): the packe
 gguf.quants' dequantization bit for bit, the kernel against linear_bf16 bit for bit where the dequantized
 weights are bf16 numbers, the reader's blocks, a tensor-parallel rank's share, and the engine on the
 default model in Q8_0 and on a small Llama in Q4_K_M's mix of Q4_K and Q6_K giving the same tokens with
-the file's blocks as with the weights dequantized. tests/test_cpu_kernels_avx2_build.py runs the gguf
+the file's blocks as with the weights dequantized; from 16 rows, Q4_K and Q6_K against the product
+with 8-bit activations. tests/test_cpu_kernels_avx2_build.py runs the gguf
 tests again on the AVX2 build."""
 
 from __future__ import annotations
@@ -460,7 +461,7 @@ def q4_k_m_tiny(tmp_path_factory) -> Path:
 @needs_kernel
 def test_q4_k_m_mix_keeps_every_matrix_and_gives_the_dequantized_logits(q4_k_m_tiny):
     """Within a bf16 rounding or two of the logits (~20 here, whose bf16 step is 0.125): a 20-row
-    prefill runs Q4_K's streamed tiles, which sum each sub-block in integers on 16-bit activations."""
+    prefill runs Q4_K and Q6_K on the byte tiles, against the activations quantized to 8 bits."""
     kept = _prefill_logits(q4_k_m_tiny, True, 4 * 2 + 2)
     plain = _prefill_logits(q4_k_m_tiny, False, 0)
     assert kept.dtype == torch.float32 and kept.shape == plain.shape
@@ -471,8 +472,9 @@ def test_q4_k_m_mix_keeps_every_matrix_and_gives_the_dequantized_logits(q4_k_m_t
 @needs_kernel
 def test_engine_on_q4_k_m_gives_the_dequantized_tokens(q4_k_m_tiny, monkeypatch, engine_check):
     """Chunked prefill, a prefix-cache hit and batched decode on the C++ layer loop, whose qkv and down
-    projections in layer 1 are blobs of two types. Q4_K's streamed tiles sum in another order than
-    the dequantized weights' products: the greedy tokens agree but where two logits nearly tie."""
+    projections in layer 1 are blobs of two types. Q4_K's streamed tiles (below 16 rows) sum in another
+    order than the dequantized weights' products, and the byte tiles (prefill chunks of 16 rows or more)
+    on 8-bit activations: the greedy tokens agree but where two logits nearly tie."""
     prompts = [{"prompt_token_ids": [1 + (7 * i + 3 * j) % 120 for j in range(n)]}
                for i, n in enumerate([5, 40, 90, 17, 1])]
     prompts.append({"prompt_token_ids": prompts[2]["prompt_token_ids"] + [11, 12, 13]})
