@@ -1420,28 +1420,23 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 //     6-bit scales and mins as 8 x 16 bytes each, then 64 groups of 4 k-rows, 32 bytes each
 //     (q4k_group_words): 0.59 bytes a weight, against 0.5625 in the file.
 //
-// Q8_0 and Q6_K's weights are dequantized in registers as they are read, with llama.cpp's (and
-// gguf.quants') float32 arithmetic, q * scale, and summed in linear_bf16's packed order: one sum down k
-// per piece of K (panel_k_piece), the pieces added in order, whatever M is. Where those values are
-// bf16 numbers, y is bit for bit linear_bf16's on them (tests/test_gguf_quant.py holds it to that).
-// Below kQuantPanelMinRows rows the panels stream through registers (packed_stream's tiles); from
-// there (Q8_0) a thread dequantizes a panel whole into L2 once for all the rows (bf16_panels' tile),
-// so the widening is paid once per panel. Below kByteMinRows rows (decode steps of a few requests),
-// Q4_K's streamed tiles sum each sub-block of 32 as scale (sum x q) - min (sum x), the inner sums in
-// 32-bit integers on x held as 16-bit integers per sub-block (Q4KActivations: exact for every bf16 x
-// within 2^7 of the sub-block's largest, the rest within 2^-15 of it): on 2 Zen 3 cores, at 1 row,
-// 0.85 ms against 1.40 with float sums and 1.8 with each weight dequantized (the 1B model's four
-// layer shapes). From kByteMinRows rows, Q4_K and Q6_K run against x quantized to 8 bits, as
-// llama.cpp runs its K-quants (see "against 8-bit activations" below).
+// Few rows (decode steps of a few requests: below kQ8_0ByteMinRows for Q8_0, kByteMinRows for the
+// K-quants) take x as it is. Q8_0 and Q6_K's weights are dequantized in registers as they are read,
+// with llama.cpp's (and gguf.quants') float32 arithmetic, q * scale, and summed in linear_bf16's
+// packed order (packed_stream's tiles): one sum down k per piece of K (panel_k_piece), the pieces
+// added in order. Where those values are bf16 numbers, y is bit for bit linear_bf16's on them
+// (tests/test_gguf_quant.py holds it to that). Q4_K's streamed tiles sum each sub-block of 32 as
+// scale (sum x q) - min (sum x), the inner sums in 32-bit integers on x held as 16-bit integers per
+// sub-block (Q4KActivations: exact for every bf16 x within 2^7 of the sub-block's largest, the rest
+// within 2^-15 of it): on 2 Zen 3 cores, at 1 row, 0.85 ms against 1.40 with float sums and 1.8 with
+// each weight dequantized (the 1B model's four layer shapes). From those row counts every format
+// runs against x quantized to 8 bits, as llama.cpp runs its quants (see "against 8-bit activations"
+// below).
 
 namespace {
 
 enum GgufFormat : int64_t { kGgufQ8_0 = 0, kGgufQ6_K = 1, kGgufQ4_K = 2 };  // gguf_blocks.py's GGUF_FORMATS codes
 
-// From here the dequantized panels: against the streamed tiles, on the 1B-class model's four layer
-// shapes (2 Zen 3 cores, medians of 5 interleaved calls, Q8_0's time over linear_bf16's): 1.39 against
-// 1.16 at 16 rows, 1.12 against 1.21 at 24; 1.03-1.1 from 64 rows up.
-constexpr int64_t kQuantPanelMinRows = 24;
 constexpr int64_t kQuantScaleBytes = kPanelCols * sizeof(float);
 
 // The int8 formats: blocks of B along K, a float32 scale per column and block.
@@ -1484,23 +1479,6 @@ inline VecI q4k_group_words(const uint8_t* block, int64_t g, int v) {
   return load_u8_words(block + kQ4KQuants + g * 2 * kPanelCols + v * 2 * kLanes);
 }
 
-// The panel of column n dequantized, all of K: panel[k][c] as float32.
-template <int64_t B>
-void int8_dequantize_panel(const uint8_t* wq, int64_t K, int64_t n, float* panel) {
-  for (int64_t b = 0; b < K / B; ++b) {
-    const uint8_t* block = int8_block<B>(wq, K, n, b);
-    VecF d[kPanelVecs];
-    for (int v = 0; v < kPanelVecs; ++v) d[v] = load_f32(block_scales(block) + v * kLanes);
-    for (int64_t i = 0; i < B; ++i) {
-      const int8_t* q = block_int8(block) + i * kPanelCols;
-      float* row = panel + (b * B + i) * kPanelCols;
-      for (int v = 0; v < kPanelVecs; ++v) store(row + v * kLanes, mul(load_int8(q + v * kLanes), d[v]));
-    }
-  }
-}
-
-// out.row() of MR rows of x (widened, [MR, K]) and the P panels of [n0, n0 + P x kPanelCols) of an
-// int8 weight: the packed bf16 tile's loop, each weight row dequantized in registers.
 template <int64_t B, int MR, int P, typename Out>
 void int8_stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, const Out& out) {
   constexpr int V = P * kPanelVecs;
@@ -1636,18 +1614,14 @@ void q4k_stream_panels(const Q4KActivations& a, const float* xm, const uint8_t* 
   emit_rows<MR, V>(total, n0, out);
 }
 
-// A format's streamed tiles (and the int8 formats' whole-panel dequantization).
+// A format's streamed tiles.
 template <int64_t B>
 struct Int8Format {
-  static constexpr int64_t kPanelMinRows = kQuantPanelMinRows;
   template <int MR>
   static constexpr int kPanels = kStreamPanels<MR>;
   template <int MR, int P, typename Out>
   void stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, const Out& out) const {
     int8_stream_panels<B, MR, P>(x, wq, K, n0, out);
-  }
-  static void dequantize_panel(const uint8_t* wq, int64_t K, int64_t n, float* panel) {
-    int8_dequantize_panel<B>(wq, K, n, panel);
   }
 };
 
@@ -1675,34 +1649,6 @@ void quant_row_groups(const Format& format, const float* x, const uint8_t* wq, i
     for (; c + P * kPanelCols <= n_end; c += P * kPanelCols) format.template stream_panels<MR, P>(xm, wq, K, c, rows);
     for (; c < n_end; c += kPanelCols) format.template stream_panels<MR, 1>(xm, wq, K, c, rows);
   });
-}
-
-// From kQuantPanelMinRows rows: a panel dequantized whole (16 columns by all of K, into L2) once, then
-// every block of kPanelRows rows down it on bf16_panels' tile, a piece of K at a time: the same sums
-// in the same order as quant_row_groups, the widening paid once per panel instead of once per block.
-template <typename Format, typename Out>
-void quant_panels(const float* x, const uint8_t* wq, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
-  thread_local std::vector<float> panel_buffer;
-  float* panel = scratch(panel_buffer, kPanelCols * K);
-  const int64_t piece = panel_k_piece(K);
-  alignas(64) float acc[kPanelRows * kPanelCols];
-  for (int64_t n = n0; n < n1; n += kPanelCols) {
-    Format::dequantize_panel(wq, K, n, panel);
-    for (int64_t m = 0; m < M; m += kPanelRows) {
-      const int64_t rows = std::min<int64_t>(kPanelRows, M - m);
-      for (int64_t k0 = 0; k0 < K; k0 += piece)
-        panel_tile_rows(rows, x + m * K + k0, K, panel + k0 * kPanelCols, std::min(K, k0 + piece) - k0, acc,
-                        kPanelCols, kPanelCols, k0 > 0);
-      for (int64_t r = 0; r < rows; ++r) out.row(m + r, n, acc + r * kPanelCols, kPanelCols);
-    }
-  }
-}
-
-template <typename Format, typename Out>
-void quant_columns(const Format& format, const float* x, const uint8_t* wq, int64_t M, int64_t K, int64_t n0,
-                   int64_t n1, const Out& out) {
-  if (M < Format::kPanelMinRows) quant_row_groups(format, x, wq, M, K, n0, n1, out);
-  else quant_panels<Format>(x, wq, M, K, n0, n1, out);
 }
 
 // Columns shifted by n_offset: out.row(m, n_offset + n0, ...).
@@ -1752,26 +1698,29 @@ struct GgufLayout {
   }
 };
 
-// ---- Q4_K and Q6_K against 8-bit activations (from kByteMinRows rows) ----
+// ---- Q4_K, Q6_K and Q8_0 against 8-bit activations (from kByteMinRows / kQ8_0ByteMinRows rows) ----
 //
-// llama.cpp's way with its K-quants (their q against activations quantized to 8 bits), with a scale
-// per block of 32 activations where its Q8_K has one per 256. Each row's blocks of 32 become int8,
-// x ~ s q with s = max|x| / 127 and q = round_half_even(x (127 / max|x|)) (ByteActivations). A
-// panel's q (Q4_K's 4-bit as they are, Q6_K's 6-bit + 32: unsigned bytes; BytePanel, made once a
-// call) meet four activations at once in vpmaddubsw, whose 16-bit sums cannot saturate: Q4_K adds 8
-// of them (a sub-block of 32; at most 8 x 2 x 15 x 127 = 30480), Q6_K 2 (at most 2 x 2 x 63 x 127 =
-// 32004). vpmaddwd then sums each column's pair into 32 bits, times Q4_K's integer sub-block scale,
-// and the rest is float32: per block of 32 times s (Q6_K: times d sc per 16), per Q4_K super-block
-// times d, and last the offsets, minus sum_j offset[c][j] (s sum_j q), offset being Q4_K's dmin m per
-// 32 and Q6_K's 32 d sc per 16 (its q are stored + 32). So y is the product of the dequantized
-// weights and the dequantized activations, summed in float32 in another order (tests hold it to that
-// product in float64). Each vpmaddubsw does 32 multiply-adds where an FMA does 8: on 2 Zen 3 cores,
-// the 1B model's four layer shapes, against the kernels they replace (Q4_K's 16-bit tiles and float
-// panels, Q6_K's float32 tiles and panels) Q4_K ran 1.3-1.8x faster from 16 to 512 rows and Q6_K
-// 1.1-1.5x; at 8 rows, no faster than Q4_K's 16-bit tiles and slower than Q6_K's float ones, whence
-// kByteMinRows.
+// llama.cpp's way with its quants (their q against activations quantized to 8 bits), with a scale
+// per block of 32 activations (as its Q8_0; its Q8_K for the K-quants has one per 256). Each row's
+// blocks of 32 become int8, x ~ s q with s = max|x| / 127 and q = round_half_even(x (127 / max|x|))
+// (ByteActivations). A panel's q (Q4_K's 4-bit as they are, Q6_K's 6-bit + 32: unsigned bytes;
+// Q8_0's signed; BytePanel, made once a call) meet four activations at once in vpmaddubsw, whose
+// 16-bit sums cannot saturate: Q4_K adds 8 of them (a sub-block of 32; at most 8 x 2 x 15 x 127 =
+// 30480), Q6_K 2 (at most 2 x 2 x 63 x 127 = 32004), Q8_0 one (|q| against the activations with q's
+// signs: at most 2 x 128 x 127 = 32512). vpmaddwd then sums each column's pair into 32 bits, times
+// Q4_K's integer sub-block scale, and the rest is float32: per block of 32 times s (Q6_K: times d sc
+// per 16; Q8_0: times d), per Q4_K super-block times d, and last the offsets, minus sum_j
+// offset[c][j] (s sum_j q), offset being Q4_K's dmin m per 32 and Q6_K's 32 d sc per 16 (its q are
+// stored + 32). So y is the product of the dequantized weights and the dequantized activations,
+// summed in float32 in another order (tests hold it to that product in float64). Each vpmaddubsw does
+// 32 multiply-adds where an FMA does 8 (Q8_0 pays a vpsignb and a vpmaddwd beside each): on 2 Zen 3
+// cores, the 1B model's four layer shapes, against the kernels they replace (Q4_K's 16-bit tiles and
+// float panels, Q6_K's and Q8_0's float32 tiles and panels) Q4_K ran 1.3-1.8x faster from 16 to 512
+// rows, Q6_K 1.1-1.5x, Q8_0 1.1-1.3x from 8 rows; below those counts the bytes lost, their per-call
+// unpacking of the whole weight not paid back.
 
 constexpr int64_t kByteMinRows = 16;
+constexpr int64_t kQ8_0ByteMinRows = 8;           // Q8_0 from here (its float32 tiles are slower than Q4_K's 16-bit ones)
 constexpr int64_t kByteBlock = 32;                 // activations per int8 scale
 constexpr int kByteRows = 6 / kPanelVecs;          // a tile's rows: 6 int16 accumulators (AVX2: 3 rows x 2)
 constexpr int64_t kByteRowBlockBytes = 128 << 10;  // a thread's rows of int8 x at a time (in L2)
@@ -1838,7 +1787,7 @@ struct ByteActivations {
 struct BytePanel {
   uint8_t* q;             // [K / 4][16][4]
   int16_t* scale_words;   // Q4_K: [K / 32][16][2], each sub-block's scale twice (vpmaddwd's pairs)
-  float* scale;           // Q4_K: d [K / 256][16]; Q6_K: d sc [K / 16][16]
+  float* scale;           // Q4_K: d [K / 256][16]; Q6_K: d sc [K / 16][16]; Q8_0: d [K / 32][16]
   float* offset;          // Q4_K: dmin m [K / 32][16]; Q6_K: 32 d sc [K / 16][16]
 };
 
@@ -1899,6 +1848,20 @@ void q4k_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p)
   }
 }
 
+// The int8 formats' 4 k-rows of 16 columns (rows[i * 16 + c]), each byte plus bias, as 64 bytes
+// (bytes 4c .. 4c + 3: column c's k-rows 0 .. 3).
+inline void int8_group_bytes(const int8_t* rows, __m128i bias, uint8_t* dst) {
+  __m128i r[4];
+  for (int i = 0; i < 4; ++i)
+    r[i] = _mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + i * kPanelCols)), bias);
+  const __m128i pairs[4] = {_mm_unpacklo_epi8(r[0], r[1]), _mm_unpacklo_epi8(r[2], r[3]),
+                            _mm_unpackhi_epi8(r[0], r[1]), _mm_unpackhi_epi8(r[2], r[3])};
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm_unpacklo_epi16(pairs[0], pairs[1]));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm_unpackhi_epi16(pairs[0], pairs[1]));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32), _mm_unpacklo_epi16(pairs[2], pairs[3]));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 48), _mm_unpackhi_epi16(pairs[2], pairs[3]));
+}
+
 void q6k_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
   const __m128i bias = _mm_set1_epi8(32);
   for (int64_t b = 0; b < K / 16; ++b) {
@@ -1907,18 +1870,17 @@ void q6k_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p)
       p.scale[b * kPanelCols + c] = block_scales(block)[c];
       p.offset[b * kPanelCols + c] = 32.f * block_scales(block)[c];
     }
-    for (int64_t g = 0; g < 4; ++g) {   // k-rows 4g .. 4g + 3, each 16 int8 q - 32: transposed to 4 per column
-      __m128i r[4];
-      for (int i = 0; i < 4; ++i)
-        r[i] = _mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block_int8(block) + (4 * g + i) * kPanelCols)), bias);
-      const __m128i pairs[4] = {_mm_unpacklo_epi8(r[0], r[1]), _mm_unpacklo_epi8(r[2], r[3]),
-                                _mm_unpackhi_epi8(r[0], r[1]), _mm_unpackhi_epi8(r[2], r[3])};
-      uint8_t* dst = p.q + (b * 16 + 4 * g) * kPanelCols;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm_unpacklo_epi16(pairs[0], pairs[1]));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm_unpackhi_epi16(pairs[0], pairs[1]));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32), _mm_unpacklo_epi16(pairs[2], pairs[3]));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 48), _mm_unpackhi_epi16(pairs[2], pairs[3]));
-    }
+    for (int64_t g = 0; g < 4; ++g)
+      int8_group_bytes(block_int8(block) + 4 * g * kPanelCols, bias, p.q + (b * 16 + 4 * g) * kPanelCols);
+  }
+}
+
+void q8_0_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* block = int8_block<32>(wq, K, n, b);
+    std::memcpy(p.scale + b * kPanelCols, block_scales(block), kQuantScaleBytes);
+    for (int64_t g = 0; g < 8; ++g)
+      int8_group_bytes(block_int8(block) + 4 * g * kPanelCols, _mm_setzero_si128(), p.q + (b * 32 + 4 * g) * kPanelCols);
   }
 }
 
@@ -2028,15 +1990,55 @@ __attribute__((noinline)) void q6k_byte_tile(const ByteActivations& a, int64_t m
   store_tile<MR, V>(total, out);
 }
 
-// rows (1 .. kByteRows) rows from m0 on the tile of that many rows.
+// Q8_0's q are signed: each vpmaddubsw takes |q| and the activations with q's signs (at most 2 x 128
+// x 127 = 32512 a pair), and vpmaddwd sums its pairs into 32 bits at once.
+template <int MR>
+__attribute__((noinline)) void q8_0_byte_tile(const ByteActivations& a, int64_t m0, const BytePanel& p, float (*out)[kPanelCols]) {
+  constexpr int V = kPanelVecs;
+  const int64_t K = a.K, blocks = K / kByteBlock;
+  const int8_t* x = a.q + m0 * K;
+  const float* s = a.scale + m0 * blocks;
+  const VecI ones = splat_i(0x00010001);
+  VecF total[MR][V];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < V; ++v) total[m][v] = zero();
+  for (int64_t j = 0; j < blocks; ++j) {
+    VecI acc[MR][V];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < V; ++v) acc[m][v] = zero_i();
+#pragma GCC unroll 8
+    for (int64_t k = j * kByteBlock; k < (j + 1) * kByteBlock; k += 4) {
+      VecI w[V], magnitude[V];
+      for (int v = 0; v < V; ++v) {
+        w[v] = in_register_i(load_bytes(p.q + k * kPanelCols + v * 4 * kLanes));
+        magnitude[v] = abs_bytes(w[v]);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const VecI x4 = four_activations(x + m * K + k);
+        for (int v = 0; v < V; ++v)
+          acc[m][v] = add_lanes(acc[m][v], madd_words(madd_bytes(magnitude[v], with_signs_of(x4, w[v])), ones));
+      }
+      for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < V; ++v) keep_in_register(acc[m][v]);
+    }
+    for (int v = 0; v < V; ++v) {
+      const VecF d = load_f32(p.scale + j * kPanelCols + v * kLanes);
+      for (int m = 0; m < MR; ++m) total[m][v] = fma(to_float_lanes(acc[m][v]), mul(d, splat(s[m * blocks + j])), total[m][v]);
+    }
+  }
+  store_tile<MR, V>(total, out);
+}
+
+// rows (1 .. kByteRows) rows from m0 on the format's tile of that many rows.
 template <int MR = kByteRows>
-void byte_tile_rows(bool q4k, int rows, const ByteActivations& a, int64_t m0, const BytePanel& p,
+void byte_tile_rows(int64_t format, int rows, const ByteActivations& a, int64_t m0, const BytePanel& p,
                     float (*out)[kPanelCols]) {
   if constexpr (MR > 1) {
-    if (rows < MR) return byte_tile_rows<MR - 1>(q4k, rows, a, m0, p, out);
+    if (rows < MR) return byte_tile_rows<MR - 1>(format, rows, a, m0, p, out);
   }
-  if (q4k) q4k_byte_tile<MR>(a, m0, p, out);
-  else q6k_byte_tile<MR>(a, m0, p, out);
+  if (format == kGgufQ4_K) q4k_byte_tile<MR>(a, m0, p, out);
+  else if (format == kGgufQ6_K) q6k_byte_tile<MR>(a, m0, p, out);
+  else q8_0_byte_tile<MR>(a, m0, p, out);
 }
 
 // The columns [n0, n1) of a Q4_K or Q6_K segment on the byte tiles: its panels made once, then the
@@ -2044,16 +2046,16 @@ void byte_tile_rows(bool q4k, int rows, const ByteActivations& a, int64_t m0, co
 template <typename Out>
 void byte_columns(const ByteActivations& a, const GgufSegment& s, int64_t M, int64_t n0, int64_t n1, const Out& out) {
   const int64_t K = a.K, panels = (n1 - n0) / kPanelCols;
-  const bool q4k = s.format == kGgufQ4_K;
   const auto make = [&](int64_t p, const BytePanel& panel) {
-    if (q4k) q4k_byte_panel(s.data, K, n0 + p * kPanelCols, panel);
-    else q6k_byte_panel(s.data, K, n0 + p * kPanelCols, panel);
+    if (s.format == kGgufQ4_K) q4k_byte_panel(s.data, K, n0 + p * kPanelCols, panel);
+    else if (s.format == kGgufQ6_K) q6k_byte_panel(s.data, K, n0 + p * kPanelCols, panel);
+    else q8_0_byte_panel(s.data, K, n0 + p * kPanelCols, panel);
   };
   alignas(64) float tile[kByteRows][kPanelCols];
   const auto rows_of = [&](int64_t p, const BytePanel& panel, int64_t m_begin, int64_t m_end) {
     for (int64_t m = m_begin; m < m_end; m += kByteRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kByteRows, m_end - m));
-      byte_tile_rows(q4k, rows, a, m, panel, tile);
+      byte_tile_rows(s.format, rows, a, m, panel, tile);
       for (int r = 0; r < rows; ++r) out.row(m + r, n0 + p * kPanelCols, tile[r], kPanelCols);
     }
   };
@@ -2075,12 +2077,14 @@ void byte_columns(const ByteActivations& a, const GgufSegment& s, int64_t M, int
     for (int64_t p = 0; p < panels; ++p) rows_of(p, made.at(p), m1, std::min(M, m1 + row_block));
 }
 
+bool on_bytes(int64_t format, int64_t M) { return M >= (format == kGgufQ8_0 ? kQ8_0ByteMinRows : kByteMinRows); }
+
 template <typename Out>
 void gguf_columns(const float* x, const Q4KActivations* activations, const ByteActivations* bytes, const GgufSegment& s,
                   int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
   const ColumnsFrom<Out> shifted{out, s.panel0 * kPanelCols};
-  if (s.format == kGgufQ8_0) quant_columns(Int8Format<32>{}, x, s.data, M, K, n0, n1, shifted);
-  else if (M >= kByteMinRows) byte_columns(*bytes, s, M, n0, n1, shifted);
+  if (on_bytes(s.format, M)) byte_columns(*bytes, s, M, n0, n1, shifted);
+  else if (s.format == kGgufQ8_0) quant_row_groups(Int8Format<32>{}, x, s.data, M, K, n0, n1, shifted);
   else if (s.format == kGgufQ6_K) quant_row_groups(Int8Format<16>{}, x, s.data, M, K, n0, n1, shifted);
   else quant_row_groups(Q4KFormat{activations}, x, s.data, M, K, n0, n1, shifted);
 }
@@ -2097,12 +2101,11 @@ torch::Tensor linear_gguf(torch::Tensor x, torch::Tensor w, bool float_out) {
   auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat32 : torch::kBFloat16));
   if (M == 0) return y;
   const float* xf = widened_x(x);
-  const bool q4k_streams = M < kByteMinRows && std::any_of(layout.segments.begin(), layout.segments.end(),
-                                                                 [](const GgufSegment& s) { return s.format == kGgufQ4_K; });
+  const auto any_segment = [&](const auto& pred) { return std::any_of(layout.segments.begin(), layout.segments.end(), pred); };
+  const bool q4k_streams = any_segment([&](const GgufSegment& s) { return s.format == kGgufQ4_K && !on_bytes(s.format, M); });
   const Q4KActivations activations = q4k_streams ? Q4KActivations::of(xf, M, K) : Q4KActivations{};
-  const bool on_bytes = M >= kByteMinRows && std::any_of(layout.segments.begin(), layout.segments.end(),
-                                                          [](const GgufSegment& s) { return s.format != kGgufQ8_0; });
-  const ByteActivations bytes = on_bytes ? ByteActivations::of(xf, M, K) : ByteActivations{};
+  const bool bytes_used = any_segment([&](const GgufSegment& s) { return on_bytes(s.format, M); });
+  const ByteActivations bytes = bytes_used ? ByteActivations::of(xf, M, K) : ByteActivations{};
   const Bf16Out out{y.data_ptr(), N, float_out};
   at::parallel_for(0, N / kPanelCols, 1, [&](int64_t begin, int64_t end) {
     for (const GgufSegment& s : layout.segments) {

@@ -66,6 +66,11 @@ inline void store_int16_rounded(int16_t* p, VecF v) {
 inline VecI load_bytes(const void* p) { return _mm512_loadu_si512(p); }
 inline VecI madd_bytes(VecI u8, VecI s8) { return _mm512_maddubs_epi16(u8, s8); }
 inline VecI add_words(VecI a, VecI b) { return _mm512_add_epi16(a, b); }
+// As vec_avx2.h's (AVX-512 has no vpsignb: a negated under the mask of b's negative bytes).
+inline VecI abs_bytes(VecI b) { return _mm512_abs_epi8(b); }
+inline VecI with_signs_of(VecI a, VecI b) {
+  return _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(b), _mm512_setzero_si512(), a);
+}
 inline void store_int8_rounded(int8_t* p, VecF v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
 }
