@@ -3,8 +3,8 @@ GGUFLinear; kestrel/ops/gguf_blocks.py; cpu_kernels.cpp: linear_gguf): the packe
 gguf.quants' dequantization bit for bit, the kernel against linear_bf16 bit for bit where the dequantized
 weights are bf16 numbers, the reader's blocks, a tensor-parallel rank's share, and the engine on the
 default model in Q8_0 and on a small Llama in Q4_K_M's mix of Q4_K and Q6_K giving the same tokens with
-the file's blocks as with the weights dequantized; from 16 rows (Q4_K, Q6_K) or 8 (Q8_0) against the
-product with 8-bit activations. tests/test_cpu_kernels_avx2_build.py runs the gguf
+the file's blocks as with the weights dequantized; from 16 rows, Q4_K and Q6_K against the product
+with 8-bit activations. tests/test_cpu_kernels_avx2_build.py runs the gguf
 tests again on the AVX2 build."""
 
 from __future__ import annotations
@@ -120,12 +120,12 @@ def test_a_weight_of_several_types_is_one_blob_of_segments():
     assert torch.equal(gguf_rows(blob, ids), whole[ids])
 
 
-# cpu_kernels.cpp's kByteMinRows and kQ8_0ByteMinRows: from here each format runs against 8-bit activations
-BYTE_MIN_ROWS = {"Q4_K": 16, "Q6_K": 16, "Q8_0": 8}
+BYTE_MIN_ROWS = 16        # cpu_kernels.cpp's kByteMinRows: from here Q4_K and Q6_K run against 8-bit activations
+Q8_0_WORD_MIN_ROWS = 8    # kQ8_0WordMinRows: from here Q8_0 runs against 16-bit activations, in another order
 
 
 def on_bytes(name: str, m: int) -> bool:
-    return m >= BYTE_MIN_ROWS[name]
+    return name != "Q8_0" and m >= BYTE_MIN_ROWS
 
 
 @needs_kernel
@@ -133,7 +133,8 @@ def on_bytes(name: str, m: int) -> bool:
                                       ("Q6_K", 80, 768)])
 def test_linear_gguf_is_linear_bf16_bit_for_bit_on_bf16_weights(name, n, k):
     """Q8_0 below 8 rows and Q6_K below 16 (their streamed float32 tiles): the same sums in the same
-    order as linear_bf16's packed path, so the same bits, y rounded to bf16 or not."""
+    order as linear_bf16's packed path, so the same bits, y rounded to bf16 or not. (From 8 rows Q8_0
+    sums 16-bit activations in integers: within rounding of the exact product, tested below.)"""
     gen = torch.Generator().manual_seed(n + k)
     raw = random_rows(name, n, k, gen, bf16=True)
     w = dequantized(name, raw)
@@ -141,7 +142,7 @@ def test_linear_gguf_is_linear_bf16_bit_for_bit_on_bf16_weights(name, n, k):
     packed = pack_gguf_weight([(GGUF_FORMATS[name], raw)], k)
     bf16 = pack_bf16_weight(w.bfloat16(), kernels.panel_columns, kernels.lanes)
     rows = (1, 2, 3, 5, 6, 7, 12, 13)
-    for m in [m for m in rows if not on_bytes(name, m)]:
+    for m in [m for m in rows if m < (Q8_0_WORD_MIN_ROWS if name == "Q8_0" else BYTE_MIN_ROWS)]:
         x = torch.randn(m, k, generator=gen).bfloat16()
         bits = kernels.linear_bf16(x, bf16).view(torch.int16)
         assert torch.equal(kernels.linear_gguf(x, packed).view(torch.int16), bits)
@@ -162,10 +163,11 @@ def activations_in_8_bits(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("parts,k", [([("Q4_K", 64)], 1024), ([("Q6_K", 48)], 768),
                                      ([("Q8_0", 64)], 2080),
                                      ([("Q4_K", 32), ("Q6_K", 16), ("Q8_0", 16), ("Q4_K", 16)], 512)])
-def test_from_16_or_8_rows_each_format_is_the_product_with_8_bit_activations(parts, k):
-    """From 16 rows (Q4_K, Q6_K) or 8 (Q8_0), the weights meet x quantized to 8 bits per block of 32
-    (llama.cpp's scheme): y is the dequantized weights' product with those activations, within float32
-    sums and the one bf16 rounding of y; below, the product with x itself."""
+def test_q4_k_and_q6_k_from_16_rows_are_the_product_with_8_bit_activations(parts, k):
+    """From 16 rows, Q4_K and Q6_K meet x quantized to 8 bits per block of 32 (llama.cpp's scheme): y is
+    the dequantized weights' product with those activations, within float32 sums and the one bf16
+    rounding of y; below 16 rows, and Q8_0 always (its float32 tiles below 8 rows, 16-bit activations
+    from there), the product with x itself."""
     gen = torch.Generator().manual_seed(k)
     raw = [random_rows(name, n, k, gen) for name, n in parts]
     w = torch.cat([dequantized(name, r) for (name, _), r in zip(parts, raw)]).double()
@@ -199,8 +201,8 @@ def test_linear_gguf_runs_each_segment_on_its_columns():
 @pytest.mark.parametrize("name", FORMATS)
 def test_linear_gguf_is_the_product_of_the_dequantized_weights(name):
     """Within float32 sums and the bf16 rounding of y of the exact product; where 8-bit activations run
-    (Q4_K and Q6_K from 16 rows, Q8_0 from 8), also within what they move: each x by at most half its
-    block's step max|x| / 127, so y[c] by at most sum_k |w[c, k]| step_k / 2."""
+    (Q4_K and Q6_K from 16 rows), also within what they move: each x by at most half its block's step
+    max|x| / 127, so y[c] by at most sum_k |w[c, k]| step_k / 2."""
     gen = torch.Generator().manual_seed(7)
     raw = random_rows(name, 256, 1024, gen)
     w = dequantized(name, raw).double()
@@ -303,10 +305,11 @@ def test_engine_keeps_the_files_blocks_and_gives_the_dequantized_tokens(pow2_q8_
                                                                          engine_check):
     """Mixed prompt lengths, chunked prefill (a budget of 64 tokens), a prefix-cache hit and batched
     decode. Decode steps of fewer than 8 requests run Q8_0's float32 tiles, bit for bit linear_bf16's on
-    the dequantized weights; prefill chunks and larger steps run the byte tiles on 8-bit activations,
-    and the dequantized weights take the AVX512-BF16 or AMX kernels where there are some: the greedy
-    tokens agree up to DESIGN.md's top-5 rule, their logprobs until then within 0.3
-    (0.1-0.2 measured: 8-bit activations move a logit of this model by ~0.5%)."""
+    the dequantized weights; prefill chunks and larger steps sum 16-bit activations in integers, in
+    another order, and the dequantized weights take the AVX512-BF16 or AMX kernels where there are
+    some. Each layer's output rounds to bf16, so the runs part at near-ties of these nonsense prompts
+    (on Zen 3: 3 of 7 sequences, the first at its first token, logprobs until then within 0.15): DESIGN.md's
+    top-5 rule, and half of them the same to the end."""
     prompts = [[100 + (7 * i + 3 * j) % 4000 for j in range(n)] for i, n in enumerate([5, 40, 130, 17, 77, 1])]
     prompts.append(prompts[2] + [11, 12, 13])
     kw = dict(model=str(pow2_q8_0_default), dtype="bfloat16", max_model_len=512, kv_cache_memory=16 << 20,
@@ -327,7 +330,7 @@ def test_engine_keeps_the_files_blocks_and_gives_the_dequantized_tokens(pow2_q8_
     assert all(type(p) is Linear for p in _projections(llm))
     assert type(worker_of(llm).model.lm_head) is not Q.GGUFLinear
     dequantized = kestrel_greedy(llm, prompts, 24)
-    assert assert_greedy_close(dequantized, native, exact=False, logprob_atol=0.3) >= 4
+    assert assert_greedy_close(dequantized, native, exact=False, logprob_atol=0.3) >= len(prompts) // 2
 
 
 @needs_kernel

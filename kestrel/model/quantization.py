@@ -5,9 +5,9 @@ GGUF blocks (as vLLM runs a GGUF file's quantized weights, and llama.cpp does): 
 embedding and output head) whose tensors the file stores as Q8_0, Q6_K or Q4_K keeps them (1.06, 0.82
 and 0.56 bytes a weight in the file, 1.125, 1.25 and 0.59 as the kernel packs them, against 2 for
 bf16), where the model is bf16 on a CPU with the kernels (cpu_kernels.cpp's linear_gguf, on
-llama.cpp's float32 values of the weights). Q4_K below 16 rows sums each block of 32 in integers
-against the activations held as 16-bit integers (exact for bf16 activations within 2^7 of their
-block's largest); from 16 rows (prefill chunks, decode steps of 16 requests or more), Q4_K and Q6_K
+llama.cpp's float32 values of the weights). Q4_K below 16 rows, and Q8_0 from 8 rows, sum each block
+of 32 in integers against the activations held as 16-bit integers (exact for bf16 activations within
+2^7 of their block's largest); from 16 rows (prefill chunks, decode steps of 16 requests or more), Q4_K and Q6_K
 run, as llama.cpp runs them, against the activations quantized to 8 bits (per block of 32, where
 llama.cpp's Q8_K has one scale per 256). Elsewhere, under --quantization int8, and
 for every other GGUF type (Q4_0, Q4_1, Q5_K, ...), the weights are dequantized at load.

@@ -1420,18 +1420,18 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 //     6-bit scales and mins as 8 x 16 bytes each, then 64 groups of 4 k-rows, 32 bytes each
 //     (q4k_group_words): 0.59 bytes a weight, against 0.5625 in the file.
 //
-// Few rows (decode steps of a few requests: below kQ8_0ByteMinRows for Q8_0, kByteMinRows for the
-// K-quants) take x as it is. Q8_0 and Q6_K's weights are dequantized in registers as they are read,
-// with llama.cpp's (and gguf.quants') float32 arithmetic, q * scale, and summed in linear_bf16's
-// packed order (packed_stream's tiles): one sum down k per piece of K (panel_k_piece), the pieces
-// added in order. Where those values are bf16 numbers, y is bit for bit linear_bf16's on them
-// (tests/test_gguf_quant.py holds it to that). Q4_K's streamed tiles sum each sub-block of 32 as
+// Few rows (decode steps of a few requests: below kQ8_0WordMinRows for Q8_0, kByteMinRows for the
+// K-quants) stream the packed panels through registers. Q8_0 and Q6_K's weights are dequantized as
+// they are read, with llama.cpp's (and gguf.quants') float32 arithmetic, q * scale, and summed in
+// linear_bf16's packed order (packed_stream's tiles): one sum down k per piece of K (panel_k_piece),
+// the pieces added in order. Where those values are bf16 numbers, y is bit for bit linear_bf16's on
+// them (tests/test_gguf_quant.py holds it to that). Q4_K's streamed tiles sum each sub-block of 32 as
 // scale (sum x q) - min (sum x), the inner sums in 32-bit integers on x held as 16-bit integers per
-// sub-block (Q4KActivations: exact for every bf16 x within 2^7 of the sub-block's largest, the rest
-// within 2^-15 of it): on 2 Zen 3 cores, at 1 row, 0.85 ms against 1.40 with float sums and 1.8 with
-// each weight dequantized (the 1B model's four layer shapes). From those row counts every format
-// runs against x quantized to 8 bits, as llama.cpp runs its quants (see "against 8-bit activations"
-// below).
+// block (WordActivations: exact for every bf16 x within 2^7 of the block's largest, the rest within
+// 2^-15 of it): on 2 Zen 3 cores, at 1 row, 0.85 ms against 1.40 with float sums and 1.8 with each
+// weight dequantized (the 1B model's four layer shapes). From those row counts each thread unpacks
+// its panels once a call: Q8_0's q against the same 16-bit activations, Q4_K and Q6_K against x
+// quantized to 8 bits, as llama.cpp runs its K-quants (see "against 8-bit activations" below).
 
 namespace {
 
@@ -1511,18 +1511,18 @@ void int8_stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0
   emit_rows<MR, V>(total, n0, out);
 }
 
-// Q4_K's activations for its streamed tiles: each row's sub-blocks of 32 as 16-bit integers X =
-// round(x 2^-e) with 2^e = unit, the power of two that puts the sub-block's largest |x| in [2^14, 2^15),
-// and each sub-block's sum of x. A bf16 x at most 2^7 below that largest is exact in X; a smaller one
-// is off by at most unit / 2 (2^-15 of the largest), far below the bf16 rounding of y.
-struct Q4KActivations {
+// 16-bit activations, for Q4_K's streamed tiles and Q8_0's word tiles: each row's blocks of 32 as
+// 16-bit integers X = round(x 2^-e) with 2^e = unit, the power of two that puts the block's largest
+// |x| in [2^14, 2^15), and each block's sum of x. A bf16 x at most 2^7 below that largest is exact in
+// X; a smaller one is off by at most unit / 2 (2^-15 of the largest), far below the bf16 rounding of y.
+struct WordActivations {
   const float* x = nullptr;      // the widened rows [M, K], whose row m the streamed tiles are given as x + m K
   const int16_t* X = nullptr;    // [M, K]
   const float* unit = nullptr;   // [M, K / 32]
   const float* sum = nullptr;    // [M, K / 32]
   int64_t K = 0;
 
-  static Q4KActivations of(const float* x, int64_t M, int64_t K) {
+  static WordActivations of(const float* x, int64_t M, int64_t K) {
     thread_local std::vector<int16_t> X_buffer;
     thread_local std::vector<float> unit_buffer, sum_buffer;
     const int64_t subs = K / kQ4KSub;
@@ -1548,9 +1548,11 @@ struct Q4KActivations {
     sum = hsum(sum_lanes);
     int e = 0;
     std::frexp(largest, &e);   // largest < 2^e
-    // Zeros give X = 0; a NaN or infinity reaches y through the sum (X = 0, not an undefined cast).
-    const bool scaled = largest > 0.f && std::isfinite(largest);
-    unit = scaled ? std::ldexp(1.f, e - 15) : 0.f;
+    // Zeros give X = 0. A NaN or infinity gives X = 0 (not an undefined cast) and a NaN unit, which
+    // reaches every output of its row.
+    const bool finite = std::isfinite(largest) && std::isfinite(sum);
+    const bool scaled = largest > 0.f && finite;
+    unit = scaled ? std::ldexp(1.f, e - 15) : finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
     if (scaled && e - 15 >= -100) {   // 2^(15 - e) a float: one exact multiply a lane
       const VecF to_units = splat(std::ldexp(1.f, 15 - e));
       for (int64_t t = 0; t < kQ4KSub; t += kLanes) store_int16_rounded(X + t, mul(load_f32(xs + t), to_units));
@@ -1566,7 +1568,7 @@ struct Q4KActivations {
 // (sum_k x_k), the inner sums exact in 32-bit integers (16-bit multiply-adds of each column's pair of
 // q against a pair of X: 7 vector operations per 32 weights, where widening q to float32 takes 14).
 template <int MR, int P, typename Out>
-void q4k_stream_panels(const Q4KActivations& a, const float* xm, const uint8_t* wq, int64_t n0, const Out& out) {
+void q4k_stream_panels(const WordActivations& a, const float* xm, const uint8_t* wq, int64_t n0, const Out& out) {
   constexpr int V = P * kPanelVecs;
   const int64_t K = a.K, row0 = (xm - a.x) / K, subs = K / kQ4KSub;
   VecF total[MR][V];
@@ -1631,7 +1633,7 @@ struct Q4KFormat {
   // sums and the super-block's for every row (2 Zen 3 cores, the 1B model's layer shapes, 8 rows:
   // 6.3-6.6 ms against 7.5-7.9 with the int8 tiles' count; 1 row better with the int8 tiles' count).
   static constexpr int kPanels = MR == 1 ? kStreamPanels<1> : std::max(1, 4 / (MR * kPanelVecs));
-  const Q4KActivations* activations;
+  const WordActivations* activations;
   template <int MR, int P, typename Out>
   void stream_panels(const float* x, const uint8_t* wq, int64_t, int64_t n0, const Out& out) const {
     q4k_stream_panels<MR, P>(*activations, x, wq, n0, out);
@@ -1698,29 +1700,37 @@ struct GgufLayout {
   }
 };
 
-// ---- Q4_K, Q6_K and Q8_0 against 8-bit activations (from kByteMinRows / kQ8_0ByteMinRows rows) ----
+// ---- Q4_K and Q6_K against 8-bit activations (from kByteMinRows rows); Q8_0 on 16-bit ones ----
 //
-// llama.cpp's way with its quants (their q against activations quantized to 8 bits), with a scale
-// per block of 32 activations (as its Q8_0; its Q8_K for the K-quants has one per 256). Each row's
-// blocks of 32 become int8, x ~ s q with s = max|x| / 127 and q = round_half_even(x (127 / max|x|))
-// (ByteActivations). A panel's q (Q4_K's 4-bit as they are, Q6_K's 6-bit + 32: unsigned bytes;
-// Q8_0's signed; BytePanel, made once a call) meet four activations at once in vpmaddubsw, whose
-// 16-bit sums cannot saturate: Q4_K adds 8 of them (a sub-block of 32; at most 8 x 2 x 15 x 127 =
-// 30480), Q6_K 2 (at most 2 x 2 x 63 x 127 = 32004), Q8_0 one (|q| against the activations with q's
-// signs: at most 2 x 128 x 127 = 32512). vpmaddwd then sums each column's pair into 32 bits, times
-// Q4_K's integer sub-block scale, and the rest is float32: per block of 32 times s (Q6_K: times d sc
-// per 16; Q8_0: times d), per Q4_K super-block times d, and last the offsets, minus sum_j
-// offset[c][j] (s sum_j q), offset being Q4_K's dmin m per 32 and Q6_K's 32 d sc per 16 (its q are
-// stored + 32). So y is the product of the dequantized weights and the dequantized activations,
-// summed in float32 in another order (tests hold it to that product in float64). Each vpmaddubsw does
-// 32 multiply-adds where an FMA does 8 (Q8_0 pays a vpsignb and a vpmaddwd beside each): on 2 Zen 3
-// cores, the 1B model's four layer shapes, against the kernels they replace (Q4_K's 16-bit tiles and
-// float panels, Q6_K's and Q8_0's float32 tiles and panels) Q4_K ran 1.3-1.8x faster from 16 to 512
-// rows, Q6_K 1.1-1.5x, Q8_0 1.1-1.3x from 8 rows; below those counts the bytes lost, their per-call
-// unpacking of the whole weight not paid back.
+// llama.cpp's way with its K-quants (their q against activations quantized to 8 bits), with a scale
+// per block of 32 activations where its Q8_K has one per 256. Each row's blocks of 32 become int8,
+// x ~ s q with s = max|x| / 127 and q = round_half_even(x (127 / max|x|)) (ByteActivations). A
+// panel's q (Q4_K's 4-bit as they are, Q6_K's 6-bit + 32: unsigned bytes; BytePanel, made once a
+// call) meet four activations at once in vpmaddubsw, whose 16-bit sums cannot saturate: Q4_K adds 8
+// of them (a sub-block of 32; at most 8 x 2 x 15 x 127 = 30480), Q6_K 2 (at most 2 x 2 x 63 x 127 =
+// 32004). vpmaddwd then sums each column's pair into 32 bits, times Q4_K's integer sub-block scale,
+// and the rest is float32: per block of 32 times s (Q6_K: times d sc per 16), per Q4_K super-block
+// times d, and last the offsets, minus sum_j offset[c][j] (s sum_j q), offset being Q4_K's dmin m per
+// 32 and Q6_K's 32 d sc per 16 (its q are stored + 32). So y is the product of the dequantized
+// weights and the dequantized activations, summed in float32 in another order (tests hold it to that
+// product in float64). Each vpmaddubsw does 32 multiply-adds where an FMA does 8: on 2 Zen 3 cores,
+// the 1B model's four layer shapes, against the kernels they replace (Q4_K's 16-bit tiles and float
+// panels, Q6_K's float32 tiles and panels) Q4_K ran 1.3-1.8x faster from 16 to 512 rows and Q6_K
+// 1.1-1.5x; at 8 rows, no faster than Q4_K's 16-bit tiles and slower than Q6_K's float ones, whence
+// kByteMinRows.
+//
+// Q8_0's signed q would need vpsignb beside each vpmaddubsw (|q| against x with q's signs) and a
+// vpmaddwd (two of its sums may overflow 16 bits): 4 instructions per 32 multiply-adds, as many as
+// vpmaddwd on 16-bit activations takes (two, each 16). So Q8_0 takes those, WordActivations, exact to
+// 2^-15 of each block's largest |x| where 8 bits would be to 2^-8: on 2 Zen 3 cores as fast as the
+// 8-bit form (within 3% from 8 to 512 rows, 6% slower at 2048; interleaved A/B) and 1.1-1.3x the
+// float32 tiles and panels it replaces from 8 rows. Teacher-forced over 1,559 tokens of text, the
+// default model requantized to Q8_0 against its float32 run: the 8-bit form's logprobs were off by
+// 0.062 (median) and its top token differed at 5.6% of positions, the 16-bit form's 0.030 and 2.9%,
+// the dequantized weights' in bf16 0.030 and 3.8%.
 
 constexpr int64_t kByteMinRows = 16;
-constexpr int64_t kQ8_0ByteMinRows = 8;           // Q8_0 from here (its float32 tiles are slower than Q4_K's 16-bit ones)
+constexpr int64_t kQ8_0WordMinRows = 8;           // Q8_0's word tiles from here
 constexpr int64_t kByteBlock = 32;                 // activations per int8 scale
 constexpr int kByteRows = 6 / kPanelVecs;          // a tile's rows: 6 int16 accumulators (AVX2: 3 rows x 2)
 constexpr int64_t kByteRowBlockBytes = 128 << 10;  // a thread's rows of int8 x at a time (in L2)
@@ -1783,9 +1793,10 @@ struct ByteActivations {
 };
 
 // A panel of kPanelCols columns as the byte tiles read it. q: each group of 4 k-rows 64 bytes, column
-// c's four q at 4c (vector v of kLanes columns at 4 kLanes v), unsigned. The rest per format (above).
+// c's four q at 4c (vector v of kLanes columns at 4 kLanes v), unsigned; for Q8_0's word tiles each
+// pair of k-rows 32 bytes, column c's two int8 q at 2c. The rest per format (above).
 struct BytePanel {
-  uint8_t* q;             // [K / 4][16][4]
+  uint8_t* q;             // [K / 4][16][4] (Q8_0: [K / 2][16][2])
   int16_t* scale_words;   // Q4_K: [K / 32][16][2], each sub-block's scale twice (vpmaddwd's pairs)
   float* scale;           // Q4_K: d [K / 256][16]; Q6_K: d sc [K / 16][16]; Q8_0: d [K / 32][16]
   float* offset;          // Q4_K: dmin m [K / 32][16]; Q6_K: 32 d sc [K / 16][16]
@@ -1875,12 +1886,20 @@ void q6k_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p)
   }
 }
 
-void q8_0_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
+// Q8_0: each pair of k-rows as 16 columns' pairs of int8 q (bytes 2c, 2c + 1: column c's k-rows).
+void q8_0_word_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* block = int8_block<32>(wq, K, n, b);
     std::memcpy(p.scale + b * kPanelCols, block_scales(block), kQuantScaleBytes);
-    for (int64_t g = 0; g < 8; ++g)
-      int8_group_bytes(block_int8(block) + 4 * g * kPanelCols, _mm_setzero_si128(), p.q + (b * 32 + 4 * g) * kPanelCols);
+    for (int64_t k = 0; k < 32; k += 2) {
+      const int8_t* rows = block_int8(block) + k * kPanelCols;
+      const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows));
+      const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + kPanelCols));
+      const __m128i pairs[2] = {_mm_unpacklo_epi8(r0, r1), _mm_unpackhi_epi8(r0, r1)};
+      __m128i* dst = reinterpret_cast<__m128i*>(p.q + (b * 32 + k) * kPanelCols);
+      _mm_storeu_si128(dst, pairs[0]);
+      _mm_storeu_si128(dst + 1, pairs[1]);
+    }
   }
 }
 
@@ -1990,15 +2009,16 @@ __attribute__((noinline)) void q6k_byte_tile(const ByteActivations& a, int64_t m
   store_tile<MR, V>(total, out);
 }
 
-// Q8_0's q are signed: each vpmaddubsw takes |q| and the activations with q's signs (at most 2 x 128
-// x 127 = 32512 a pair), and vpmaddwd sums its pairs into 32 bits at once.
+// Q8_0 against the 16-bit activations (WordActivations): each column's pair of q, widened to 16 bits,
+// against a pair of X in vpmaddwd, summed exactly in 32 bits over a block (at most 32 x 128 x 2^15 =
+// 2^27), then times d unit in float32.
 template <int MR>
-__attribute__((noinline)) void q8_0_byte_tile(const ByteActivations& a, int64_t m0, const BytePanel& p, float (*out)[kPanelCols]) {
+__attribute__((noinline)) void q8_0_word_tile(const WordActivations& a, int64_t m0, const BytePanel& p, float (*out)[kPanelCols]) {
   constexpr int V = kPanelVecs;
   const int64_t K = a.K, blocks = K / kByteBlock;
-  const int8_t* x = a.q + m0 * K;
-  const float* s = a.scale + m0 * blocks;
-  const VecI ones = splat_i(0x00010001);
+  const int16_t* x = a.X + m0 * K;
+  const float* unit = a.unit + m0 * blocks;
+  const int8_t* q = reinterpret_cast<const int8_t*>(p.q);
   VecF total[MR][V];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < V; ++v) total[m][v] = zero();
@@ -2006,24 +2026,22 @@ __attribute__((noinline)) void q8_0_byte_tile(const ByteActivations& a, int64_t 
     VecI acc[MR][V];
     for (int m = 0; m < MR; ++m)
       for (int v = 0; v < V; ++v) acc[m][v] = zero_i();
-#pragma GCC unroll 8
-    for (int64_t k = j * kByteBlock; k < (j + 1) * kByteBlock; k += 4) {
-      VecI w[V], magnitude[V];
-      for (int v = 0; v < V; ++v) {
-        w[v] = in_register_i(load_bytes(p.q + k * kPanelCols + v * 4 * kLanes));
-        magnitude[v] = abs_bytes(w[v]);
-      }
+#pragma GCC unroll 16
+    for (int64_t k = j * kByteBlock; k < (j + 1) * kByteBlock; k += 2) {
+      VecI w[V];
+      for (int v = 0; v < V; ++v) w[v] = in_register_i(load_i8_words(q + k * kPanelCols + v * 2 * kLanes));
       for (int m = 0; m < MR; ++m) {
-        const VecI x4 = four_activations(x + m * K + k);
-        for (int v = 0; v < V; ++v)
-          acc[m][v] = add_lanes(acc[m][v], madd_words(madd_bytes(magnitude[v], with_signs_of(x4, w[v])), ones));
+        int32_t pair;
+        std::memcpy(&pair, x + m * K + k, sizeof pair);
+        const VecI x2 = splat_i(pair);
+        for (int v = 0; v < V; ++v) acc[m][v] = add_lanes(acc[m][v], madd_words(w[v], x2));
       }
       for (int m = 0; m < MR; ++m)
         for (int v = 0; v < V; ++v) keep_in_register(acc[m][v]);
     }
     for (int v = 0; v < V; ++v) {
       const VecF d = load_f32(p.scale + j * kPanelCols + v * kLanes);
-      for (int m = 0; m < MR; ++m) total[m][v] = fma(to_float_lanes(acc[m][v]), mul(d, splat(s[m * blocks + j])), total[m][v]);
+      for (int m = 0; m < MR; ++m) total[m][v] = fma(to_float_lanes(acc[m][v]), mul(d, splat(unit[m * blocks + j])), total[m][v]);
     }
   }
   store_tile<MR, V>(total, out);
@@ -2031,31 +2049,32 @@ __attribute__((noinline)) void q8_0_byte_tile(const ByteActivations& a, int64_t 
 
 // rows (1 .. kByteRows) rows from m0 on the format's tile of that many rows.
 template <int MR = kByteRows>
-void byte_tile_rows(int64_t format, int rows, const ByteActivations& a, int64_t m0, const BytePanel& p,
-                    float (*out)[kPanelCols]) {
+void byte_tile_rows(int64_t format, int rows, const ByteActivations& a, const WordActivations& words, int64_t m0,
+                    const BytePanel& p, float (*out)[kPanelCols]) {
   if constexpr (MR > 1) {
-    if (rows < MR) return byte_tile_rows<MR - 1>(format, rows, a, m0, p, out);
+    if (rows < MR) return byte_tile_rows<MR - 1>(format, rows, a, words, m0, p, out);
   }
   if (format == kGgufQ4_K) q4k_byte_tile<MR>(a, m0, p, out);
   else if (format == kGgufQ6_K) q6k_byte_tile<MR>(a, m0, p, out);
-  else q8_0_byte_tile<MR>(a, m0, p, out);
+  else q8_0_word_tile<MR>(words, m0, p, out);
 }
 
-// The columns [n0, n1) of a Q4_K or Q6_K segment on the byte tiles: its panels made once, then the
-// rows a block at a time (whose int8 x stays in L2) down every panel.
+// The columns [n0, n1) of a segment on the byte tiles (Q8_0: the word tiles): its panels made once,
+// then the rows a block at a time (whose x stays in L2) down every panel.
 template <typename Out>
-void byte_columns(const ByteActivations& a, const GgufSegment& s, int64_t M, int64_t n0, int64_t n1, const Out& out) {
-  const int64_t K = a.K, panels = (n1 - n0) / kPanelCols;
+void byte_columns(const ByteActivations& a, const WordActivations& words, const GgufSegment& s, int64_t M, int64_t n0,
+                  int64_t n1, const Out& out) {
+  const int64_t K = s.format == kGgufQ8_0 ? words.K : a.K, panels = (n1 - n0) / kPanelCols;
   const auto make = [&](int64_t p, const BytePanel& panel) {
     if (s.format == kGgufQ4_K) q4k_byte_panel(s.data, K, n0 + p * kPanelCols, panel);
     else if (s.format == kGgufQ6_K) q6k_byte_panel(s.data, K, n0 + p * kPanelCols, panel);
-    else q8_0_byte_panel(s.data, K, n0 + p * kPanelCols, panel);
+    else q8_0_word_panel(s.data, K, n0 + p * kPanelCols, panel);
   };
   alignas(64) float tile[kByteRows][kPanelCols];
   const auto rows_of = [&](int64_t p, const BytePanel& panel, int64_t m_begin, int64_t m_end) {
     for (int64_t m = m_begin; m < m_end; m += kByteRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kByteRows, m_end - m));
-      byte_tile_rows(s.format, rows, a, m, panel, tile);
+      byte_tile_rows(s.format, rows, a, words, m, panel, tile);
       for (int r = 0; r < rows; ++r) out.row(m + r, n0 + p * kPanelCols, tile[r], kPanelCols);
     }
   };
@@ -2077,13 +2096,14 @@ void byte_columns(const ByteActivations& a, const GgufSegment& s, int64_t M, int
     for (int64_t p = 0; p < panels; ++p) rows_of(p, made.at(p), m1, std::min(M, m1 + row_block));
 }
 
-bool on_bytes(int64_t format, int64_t M) { return M >= (format == kGgufQ8_0 ? kQ8_0ByteMinRows : kByteMinRows); }
+// Whether the format's M rows run on panels unpacked once a call (the byte and word tiles).
+bool on_unpacked_panels(int64_t format, int64_t M) { return M >= (format == kGgufQ8_0 ? kQ8_0WordMinRows : kByteMinRows); }
 
 template <typename Out>
-void gguf_columns(const float* x, const Q4KActivations* activations, const ByteActivations* bytes, const GgufSegment& s,
+void gguf_columns(const float* x, const WordActivations* activations, const ByteActivations* bytes, const GgufSegment& s,
                   int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
   const ColumnsFrom<Out> shifted{out, s.panel0 * kPanelCols};
-  if (on_bytes(s.format, M)) byte_columns(*bytes, s, M, n0, n1, shifted);
+  if (on_unpacked_panels(s.format, M)) byte_columns(*bytes, *activations, s, M, n0, n1, shifted);
   else if (s.format == kGgufQ8_0) quant_row_groups(Int8Format<32>{}, x, s.data, M, K, n0, n1, shifted);
   else if (s.format == kGgufQ6_K) quant_row_groups(Int8Format<16>{}, x, s.data, M, K, n0, n1, shifted);
   else quant_row_groups(Q4KFormat{activations}, x, s.data, M, K, n0, n1, shifted);
@@ -2102,9 +2122,11 @@ torch::Tensor linear_gguf(torch::Tensor x, torch::Tensor w, bool float_out) {
   if (M == 0) return y;
   const float* xf = widened_x(x);
   const auto any_segment = [&](const auto& pred) { return std::any_of(layout.segments.begin(), layout.segments.end(), pred); };
-  const bool q4k_streams = any_segment([&](const GgufSegment& s) { return s.format == kGgufQ4_K && !on_bytes(s.format, M); });
-  const Q4KActivations activations = q4k_streams ? Q4KActivations::of(xf, M, K) : Q4KActivations{};
-  const bool bytes_used = any_segment([&](const GgufSegment& s) { return on_bytes(s.format, M); });
+  const bool words_used = any_segment([&](const GgufSegment& s) {
+    return s.format == kGgufQ4_K ? !on_unpacked_panels(s.format, M) : s.format == kGgufQ8_0 && on_unpacked_panels(s.format, M);
+  });
+  const WordActivations activations = words_used ? WordActivations::of(xf, M, K) : WordActivations{};
+  const bool bytes_used = any_segment([&](const GgufSegment& s) { return s.format != kGgufQ8_0 && on_unpacked_panels(s.format, M); });
   const ByteActivations bytes = bytes_used ? ByteActivations::of(xf, M, K) : ByteActivations{};
   const Bf16Out out{y.data_ptr(), N, float_out};
   at::parallel_for(0, N / kPanelCols, 1, [&](int64_t begin, int64_t end) {

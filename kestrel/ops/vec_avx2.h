@@ -46,6 +46,7 @@ inline void store_bf16(uint16_t* p, VecF v) {
 // 2 x kLanes bytes widened into as many 16-bit lanes; 16-bit lane operations; pairs of 16-bit products
 // summed into 32-bit lanes (vpmaddwd).
 inline VecI load_u8_words(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VecI load_i8_words(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline VecI low_nibble_words(VecI w) { return _mm256_and_si256(w, _mm256_set1_epi16(15)); }
 inline VecI high_nibble_words(VecI w) { return _mm256_srli_epi16(w, 4); }
 inline VecI madd_words(VecI a, VecI b) { return _mm256_madd_epi16(a, b); }
@@ -65,11 +66,6 @@ inline void store_int16_rounded(int16_t* p, VecF v) {
 inline VecI load_bytes(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline VecI madd_bytes(VecI u8, VecI s8) { return _mm256_maddubs_epi16(u8, s8); }
 inline VecI add_words(VecI a, VecI b) { return _mm256_add_epi16(a, b); }
-// Signed bytes against vpmaddubsw's unsigned operand: |b| (as unsigned: -128 gives 128), and a with
-// each byte negated where b's is negative, so that madd_bytes(abs_bytes(b), with_signs_of(a, b)) is
-// the pairs' sums of a b (vpsignb also zeroes a where b is 0, which |b| = 0 makes moot).
-inline VecI abs_bytes(VecI b) { return _mm256_abs_epi8(b); }
-inline VecI with_signs_of(VecI a, VecI b) { return _mm256_sign_epi8(a, b); }
 // Each lane rounded to an integer (to nearest even) and stored as int8 (|v| <= 127): kLanes bytes.
 inline void store_int8_rounded(int8_t* p, VecF v) {
   const __m256i i = _mm256_cvtps_epi32(v);

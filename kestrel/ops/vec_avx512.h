@@ -51,6 +51,7 @@ inline void load_panel_row(const uint16_t* p, VecF b[1]) {
 // 2 x kLanes bytes widened into as many 16-bit lanes; 16-bit lane operations; pairs of 16-bit products
 // summed into 32-bit lanes (vpmaddwd).
 inline VecI load_u8_words(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline VecI load_i8_words(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline VecI low_nibble_words(VecI w) { return _mm512_and_si512(w, _mm512_set1_epi16(15)); }
 inline VecI high_nibble_words(VecI w) { return _mm512_srli_epi16(w, 4); }
 inline VecI madd_words(VecI a, VecI b) { return _mm512_madd_epi16(a, b); }
@@ -66,11 +67,6 @@ inline void store_int16_rounded(int16_t* p, VecF v) {
 inline VecI load_bytes(const void* p) { return _mm512_loadu_si512(p); }
 inline VecI madd_bytes(VecI u8, VecI s8) { return _mm512_maddubs_epi16(u8, s8); }
 inline VecI add_words(VecI a, VecI b) { return _mm512_add_epi16(a, b); }
-// As vec_avx2.h's (AVX-512 has no vpsignb: a negated under the mask of b's negative bytes).
-inline VecI abs_bytes(VecI b) { return _mm512_abs_epi8(b); }
-inline VecI with_signs_of(VecI a, VecI b) {
-  return _mm512_mask_sub_epi8(a, _mm512_movepi8_mask(b), _mm512_setzero_si512(), a);
-}
 inline void store_int8_rounded(int8_t* p, VecF v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
 }
