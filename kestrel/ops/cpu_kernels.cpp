@@ -1723,11 +1723,11 @@ struct GgufLayout {
 // vpmaddwd (two of its sums may overflow 16 bits): 4 instructions per 32 multiply-adds, as many as
 // vpmaddwd on 16-bit activations takes (two, each 16). So Q8_0 takes those, WordActivations, exact to
 // 2^-15 of each block's largest |x| where 8 bits would be to 2^-8: on 2 Zen 3 cores as fast as the
-// 8-bit form (within 3% from 8 to 512 rows, 6% slower at 2048; interleaved A/B) and 1.1-1.3x the
-// float32 tiles and panels it replaces from 8 rows. Teacher-forced over 1,559 tokens of text, the
-// default model requantized to Q8_0 against its float32 run: the 8-bit form's logprobs were off by
-// 0.062 (median) and its top token differed at 5.6% of positions, the 16-bit form's 0.030 and 2.9%,
-// the dequantized weights' in bf16 0.030 and 3.8%.
+// 8-bit form (interleaved A/B, 8 to 2048 rows) and 1.1-1.3x the float32 tiles and panels it replaces
+// from 8 rows. Against the float32 run of the default model requantized to Q8_0
+// (benchmarks/gguf_teacher_forced.py), the 8-bit form's logprobs were off by 0.051 (median) and its
+// top token differed at 5.2% of positions; the 16-bit form's 0.026 and 3.1%, the dequantized
+// weights' in bf16 0.028 and 2.7%.
 
 constexpr int64_t kByteMinRows = 16;
 constexpr int64_t kQ8_0WordMinRows = 8;           // Q8_0's word tiles from here
