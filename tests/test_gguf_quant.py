@@ -419,8 +419,8 @@ def _assert_close_logits(kept: torch.Tensor, plain: torch.Tensor) -> None:
 def test_an_untied_output_head_keeps_its_blocks_too(tmp_path):
     """The head's logits come from linear_gguf (float_out), the layers' from their blocks. A 7-token
     prefill (Q8_0's float32 tiles) gives the dequantized model's logits where its bf16 products run
-    linear_bf16 (AVX2), within the bf16 roundings elsewhere; a 20-token one (the byte tiles, on 8-bit
-    activations) within a bf16 rounding or two."""
+    linear_bf16 (AVX2), within the bf16 roundings elsewhere; a 20-token one (the word tiles: 16-bit
+    activations summed in integers, in another order) within a bf16 rounding or two."""
     path = tmp_path / "tiny.gguf"
     _write_q8_0_tiny_gguf(path)
     kept = _prefill_logits(path, True, 4 * 2 + 2, n=7)   # the projections, embedding and head

@@ -1479,6 +1479,8 @@ inline VecI q4k_group_words(const uint8_t* block, int64_t g, int v) {
   return load_u8_words(block + kQ4KQuants + g * 2 * kPanelCols + v * 2 * kLanes);
 }
 
+// out.row() of MR rows of x (widened, [MR, K]) and the P panels of [n0, n0 + P x kPanelCols) of an
+// int8 weight: the packed bf16 tile's loop, each weight row dequantized in registers.
 template <int64_t B, int MR, int P, typename Out>
 void int8_stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, const Out& out) {
   constexpr int V = P * kPanelVecs;
@@ -1733,7 +1735,7 @@ constexpr int64_t kByteMinRows = 16;
 constexpr int64_t kQ8_0WordMinRows = 8;           // Q8_0's word tiles from here
 constexpr int64_t kByteBlock = 32;                 // activations per int8 scale
 constexpr int kByteRows = 6 / kPanelVecs;          // a tile's rows: 6 int16 accumulators (AVX2: 3 rows x 2)
-constexpr int64_t kByteRowBlockBytes = 128 << 10;  // a thread's rows of int8 x at a time (in L2)
+constexpr int64_t kByteRowBlockBytes = 128 << 10;  // a thread's rows of int8 x at a time (in L2; as many 16-bit rows)
 constexpr int64_t kByteRowsPanelByPanel = 64;      // up to here (or one row block) every row under each panel
 
 // Each row's int8 activations, with what the tiles' float32 steps need.
@@ -1859,8 +1861,8 @@ void q4k_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p)
   }
 }
 
-// The int8 formats' 4 k-rows of 16 columns (rows[i * 16 + c]), each byte plus bias, as 64 bytes
-// (bytes 4c .. 4c + 3: column c's k-rows 0 .. 3).
+// Q6_K's 4 k-rows of 16 int8 q - 32 (rows[i * 16 + c]), each plus bias, as 64 bytes (bytes 4c .. 4c + 3:
+// column c's k-rows 0 .. 3).
 inline void int8_group_bytes(const int8_t* rows, __m128i bias, uint8_t* dst) {
   __m128i r[4];
   for (int i = 0; i < 4; ++i)
