@@ -12,6 +12,7 @@ import os
 import shutil
 import threading
 import time
+from decimal import ROUND_HALF_UP, Decimal
 
 import httpx2 as httpx
 import pytest
@@ -78,7 +79,10 @@ def metric_value(families: dict, name: str, **labels: str) -> float:
 
 def quantile_ms(families: dict, name: str, q: float) -> str:
     buckets = [(float(s.labels["le"]), s.value) for s in families[name].samples if s.name == name + "_bucket"]
-    return f"{histogram_quantile(q, buckets) * 1000:.1f}"
+    # As the page's `toFixed(1)`: the exact binary value rounded, a tie (14.25) upward, where Python's
+    # format would round it to even (14.2).
+    ms = Decimal(histogram_quantile(q, buckets) * 1000)
+    return str(ms.quantize(Decimal("0.1"), rounding=ROUND_HALF_UP))
 
 
 class Load:
