@@ -112,15 +112,24 @@ def test_paged_decode_attention_batch_of_one(threads, q_dtype, num_threads, leng
 def test_paged_decode_attention_gives_each_sequence_what_it_gets_alone(threads, dtype, head_dim, group,
                                                                       kv_heads, num_threads):
     """A thread walks its items in order, fetching the next one's rows while it computes: empty
-    sequences, segment and thread edges in between change no sequence's output by a bit."""
+    sequences, segment and thread edges in between change no sequence's output by a bit.
+
+    Except on the AVX-512 build's own kernel for a bf16 cache (decode_bf16_avx512.h), which gives the
+    threads equal shares of blocks: a sequence a share boundary cuts is merged from partial results,
+    so there its output moves by a float32 rounding or so with the batch around it (measured: 1 ulp,
+    on that build compiled onto SIMDe, tools/simde_avx512)."""
     threads(num_threads)
+    exact = not (cpu_kernels_isa() == "avx512" and dtype == torch.bfloat16 and num_threads > 1)
     lens = [300, 0, 17, 0, 0, 513, 1, 256, 0]
     q, k, v, table, seq_lens = _paged_case(dtype, head_dim, group, kv_heads, [max(L, 1) for L in lens], seed=3)
     seq_lens = torch.tensor(lens)
     batch = kernels.paged_decode_attention(q, k, v, table, seq_lens, 16, 0.125)
     for i, length in enumerate(lens):
         alone = kernels.paged_decode_attention(q[i:i + 1], k, v, table[i:i + 1], seq_lens[i:i + 1], 16, 0.125)
-        assert torch.equal(batch[i:i + 1], alone), i
+        if exact:
+            assert torch.equal(batch[i:i + 1], alone), i
+        else:
+            torch.testing.assert_close(batch[i:i + 1], alone, rtol=1e-6, atol=1e-6, msg=f"sequence {i}")
         if length == 0:
             assert not batch[i].any()
 

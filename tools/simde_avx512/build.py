@@ -1,0 +1,51 @@
+"""Builds kestrel/ops/cpu_kernels.cpp's AVX-512 build (KESTREL_VEC_AVX512, with AVX512-BF16 and
+-VNNI, no AMX) onto SIMDe, for an AVX2 machine to run, and prints the module's path.
+
+SIMDe's functions are kept out of line (SIMDE_NO_INLINE): inlined, GCC took over 30 minutes on this
+file; out of line, about 3. Two edits to the staged copy only: the inline-asm register pins ("+v",
+a zmm register) become memory operands, and the int8 kernel's `vpdpbusd` asm its intrinsic.
+"""
+
+import sys
+from pathlib import Path
+
+from torch.utils.cpp_extension import load
+
+HERE = Path(__file__).parent
+OPS = HERE.parent.parent / "kestrel" / "ops"
+EDITS = (('asm("" : "+v"(', 'asm("" : "+m"('),
+         ('asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w.biased), "v"(x));',
+          "acc = _mm512_dpbusd_epi32(acc, w.biased, x);"))
+FLAGS = ["-O2", "-march=x86-64-v3", "-mtune=native", "-fopenmp", "-w", "-DKESTREL_VEC_AVX512",
+         "-DSIMDE_NO_INLINE", "-include", "kestrel_simde_avx512.h"]
+
+
+def stage(build_dir: Path) -> None:
+    """The sources, edited, written only where they changed (a new mtime would make ninja rebuild)."""
+    sys.path.insert(0, str(HERE))
+    from aliases import header
+
+    files = {p.name: p.read_text() for p in (OPS / "cpu_kernels.cpp", *OPS.glob("*.h"), HERE / "own_intrinsics.h")}
+    for name in files:
+        for old, new in EDITS:
+            files[name] = files[name].replace(old, new)
+    files["kestrel_simde_avx512.h"] = header()
+    for name, text in files.items():
+        path = build_dir / name
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+
+
+def main() -> None:
+    build_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path.home() / ".cache/kestrel/simde_avx512"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    (build_dir / "lock").unlink(missing_ok=True)  # torch's lock file, left behind by a killed build
+    stage(build_dir)
+    flags = [f if f != "kestrel_simde_avx512.h" else str(build_dir / f) for f in FLAGS]
+    module = load(name="kestrel_cpu_kernels_simde", sources=[str(build_dir / "cpu_kernels.cpp")],
+                  build_directory=str(build_dir), extra_cflags=flags, extra_ldflags=["-fopenmp"])
+    print(module.__file__)
+
+
+if __name__ == "__main__":
+    main()

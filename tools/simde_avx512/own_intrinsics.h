@@ -1,0 +1,94 @@
+// The AVX-512 intrinsics cpu_kernels.cpp uses that SIMDe 0.7.4 lacks, written lane by lane as Intel's
+// manual defines them (kshim_ names; aliases.py maps the _mm512_ names onto them).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <simde/x86/avx512.h>
+
+#define KSHIM_UNPACK(T, n, name, v) T name[n]; std::memcpy(name, &(v), sizeof(name))
+#define KSHIM_PACK(R, name) R r_; std::memcpy(&r_, name, sizeof(r_)); return r_
+
+// Not inlined: a product or sum that must round on its own, never fused into an FMA by the compiler.
+__attribute__((noinline)) static simde__m512 kshim_mm512_mul_round_ps(simde__m512 a, simde__m512 b, int) {
+  KSHIM_UNPACK(float, 16, x, a); KSHIM_UNPACK(float, 16, y, b);
+  for (int i = 0; i < 16; ++i) x[i] = x[i] * y[i];
+  KSHIM_PACK(simde__m512, x);
+}
+__attribute__((noinline)) static simde__m512 kshim_mm512_add_round_ps(simde__m512 a, simde__m512 b, int) {
+  KSHIM_UNPACK(float, 16, x, a); KSHIM_UNPACK(float, 16, y, b);
+  for (int i = 0; i < 16; ++i) x[i] = x[i] + y[i];
+  KSHIM_PACK(simde__m512, x);
+}
+static inline __m256i kshim_mm512_cvtepi32_epi16(simde__m512i a) {
+  KSHIM_UNPACK(int32_t, 16, x, a); int16_t y[16];
+  for (int i = 0; i < 16; ++i) y[i] = (int16_t)(uint16_t)(uint32_t)x[i];
+  KSHIM_PACK(__m256i, y);
+}
+static inline simde__m512 kshim_mm512_cvtepi32_ps(simde__m512i a) {
+  KSHIM_UNPACK(int32_t, 16, x, a); float y[16];
+  for (int i = 0; i < 16; ++i) y[i] = (float)x[i];
+  KSHIM_PACK(simde__m512, y);
+}
+static inline simde__m512i kshim_mm512_cvtepu8_epi16(__m256i a) {
+  KSHIM_UNPACK(uint8_t, 32, x, a); uint16_t y[32];
+  for (int i = 0; i < 32; ++i) y[i] = x[i];
+  KSHIM_PACK(simde__m512i, y);
+}
+static inline simde__m512i kshim_mm512_cvtps_epi32(simde__m512 a) {
+  KSHIM_UNPACK(float, 16, x, a); int32_t y[16];
+  for (int i = 0; i < 16; ++i) {
+    const float r = std::nearbyint(x[i]);  // the current rounding mode: to nearest even
+    y[i] = (std::isnan(r) || r >= 2147483648.0f || r < -2147483648.0f) ? INT32_MIN : (int32_t)r;
+  }
+  KSHIM_PACK(simde__m512i, y);
+}
+static inline simde__m512 kshim_mm512_i32gather_ps(simde__m512i index, const void* base, int scale) {
+  KSHIM_UNPACK(int32_t, 16, x, index); float y[16];
+  for (int i = 0; i < 16; ++i) std::memcpy(&y[i], (const char*)base + (int64_t)x[i] * scale, 4);
+  KSHIM_PACK(simde__m512, y);
+}
+static inline simde__m512 kshim_mm512_maskz_loadu_ps(simde__mmask16 k, const void* p) {
+  float y[16];
+  for (int i = 0; i < 16; ++i) {
+    y[i] = 0.0f;
+    if (k >> i & 1) std::memcpy(&y[i], (const char*)p + 4 * i, 4);
+  }
+  KSHIM_PACK(simde__m512, y);
+}
+static inline simde__m512 kshim_mm512_permute_ps(simde__m512 a, int imm) {
+  KSHIM_UNPACK(float, 16, x, a); float y[16];
+  for (int i = 0; i < 16; ++i) y[i] = x[(i & ~3) + ((imm >> (2 * (i & 3))) & 3)];
+  KSHIM_PACK(simde__m512, y);
+}
+// GCC's sequence (avx512fintrin.h): halves, then quarters, then pairs.
+template <typename Op>
+static inline float kshim_reduce(simde__m512 a, Op op) {
+  KSHIM_UNPACK(float, 16, x, a); float t3[8], t6[4];
+  for (int i = 0; i < 8; ++i) t3[i] = op(x[8 + i], x[i]);
+  for (int i = 0; i < 4; ++i) t6[i] = op(t3[4 + i], t3[i]);
+  const float t80 = op(t6[0], t6[2]), t81 = op(t6[1], t6[3]);
+  return op(t80, t81);
+}
+static inline float kshim_mm512_reduce_add_ps(simde__m512 a) {
+  return kshim_reduce(a, [](float p, float q) { return p + q; });
+}
+static inline float kshim_mm512_reduce_max_ps(simde__m512 a) {
+  // maxps: the second operand when either is NaN or both are zero.
+  return kshim_reduce(a, [](float p, float q) { return p > q ? p : q; });
+}
+static inline simde__m512i kshim_mm512_cvtepu16_epi32(__m256i a) {
+  KSHIM_UNPACK(uint16_t, 16, x, a); uint32_t y[16];
+  for (int i = 0; i < 16; ++i) y[i] = x[i];
+  KSHIM_PACK(simde__m512i, y);
+}
+static inline simde__m512i kshim_mm512_cvtepi8_epi32(__m128i a) {
+  KSHIM_UNPACK(int8_t, 16, x, a); int32_t y[16];
+  for (int i = 0; i < 16; ++i) y[i] = x[i];
+  KSHIM_PACK(simde__m512i, y);
+}
+static inline simde__m512i kshim_mm512_cvtepu8_epi32(__m128i a) {
+  KSHIM_UNPACK(uint8_t, 16, x, a); int32_t y[16];
+  for (int i = 0; i < 16; ++i) y[i] = x[i];
+  KSHIM_PACK(simde__m512i, y);
+}

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Runs tests against cpu_kernels.cpp's AVX-512 build emulated on this AVX2 machine (see README.md).
+# Usage: tools/simde_avx512/run.sh [pytest arguments]   (default: the kernel and GGUF test files)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+if [ ! -d /usr/include/simde ]; then
+  [ "$(id -u)" = 0 ] || { echo "needs Debian's libsimde-dev (apt-get install libsimde-dev, as root)"; exit 1; }
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsimde-dev >/dev/null
+fi
+so=$(.venv/bin/python tools/simde_avx512/build.py | tail -1)
+[ $# -gt 0 ] || set -- tests/test_cpu_kernels.py tests/test_gguf_quant.py tests/test_decode_plan.py \
+  tests/test_linear_bf16.py tests/test_quantization.py tests/test_kv_int8.py tests/test_output_rows.py
+KESTREL_SIMDE_SO="$so" PYTHONPATH="$PWD/tools/simde_avx512/site" .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
