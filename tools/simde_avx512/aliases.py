@@ -27,7 +27,7 @@ def simde_names() -> set[str]:
 
 
 def own_names() -> set[str]:
-    return set(re.findall(r"kshim_(mm512_[a-z0-9_]+)\(", OWN.read_text()))
+    return set(re.findall(r"kshim_(mm(?:512|256)_[a-z0-9_]+)\(", OWN.read_text()))
 
 
 def header() -> str:

@@ -1,5 +1,6 @@
-"""Builds kestrel/ops/cpu_kernels.cpp's AVX-512 build (KESTREL_VEC_AVX512, with AVX512-BF16 and
--VNNI, no AMX) onto SIMDe, for an AVX2 machine to run, and prints the module's path.
+"""Builds a kernel source of kestrel/ops (cpu_kernels.cpp's AVX-512 build, KESTREL_VEC_AVX512;
+cpu_gemv.cpp; cpu_prefill.cpp) for AVX-512 with BF16 and VNNI, without AMX, onto SIMDe, for an AVX2
+machine to run, and prints the module's path. Usage: build.py SOURCE [BUILD_DIR].
 
 SIMDe's functions are kept out of line (SIMDE_NO_INLINE): inlined, GCC took over 30 minutes on this
 file; out of line, about 3. Two edits to the staged copy only: the inline-asm register pins ("+v",
@@ -20,12 +21,12 @@ FLAGS = ["-O2", "-march=x86-64-v3", "-mtune=native", "-fopenmp", "-w", "-DKESTRE
          "-DSIMDE_NO_INLINE", "-include", "kestrel_simde_avx512.h"]
 
 
-def stage(build_dir: Path) -> None:
+def stage(source: str, build_dir: Path) -> None:
     """The sources, edited, written only where they changed (a new mtime would make ninja rebuild)."""
     sys.path.insert(0, str(HERE))
     from aliases import header
 
-    files = {p.name: p.read_text() for p in (OPS / "cpu_kernels.cpp", *OPS.glob("*.h"), HERE / "own_intrinsics.h")}
+    files = {p.name: p.read_text() for p in (OPS / source, *OPS.glob("*.h"), HERE / "own_intrinsics.h")}
     for name in files:
         for old, new in EDITS:
             files[name] = files[name].replace(old, new)
@@ -37,12 +38,14 @@ def stage(build_dir: Path) -> None:
 
 
 def main() -> None:
-    build_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path.home() / ".cache/kestrel/simde_avx512"
+    source = sys.argv[1]
+    stem = Path(source).stem
+    build_dir = Path(sys.argv[2]) if len(sys.argv) > 2 else Path.home() / ".cache/kestrel/simde_avx512" / stem
     build_dir.mkdir(parents=True, exist_ok=True)
     (build_dir / "lock").unlink(missing_ok=True)  # torch's lock file, left behind by a killed build
-    stage(build_dir)
+    stage(source, build_dir)
     flags = [f if f != "kestrel_simde_avx512.h" else str(build_dir / f) for f in FLAGS]
-    module = load(name="kestrel_cpu_kernels_simde", sources=[str(build_dir / "cpu_kernels.cpp")],
+    module = load(name=f"kestrel_{stem}_simde", sources=[str(build_dir / source)],
                   build_directory=str(build_dir), extra_cflags=flags, extra_ldflags=["-fopenmp"])
     print(module.__file__)
 

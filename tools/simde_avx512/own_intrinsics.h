@@ -92,3 +92,36 @@ static inline simde__m512i kshim_mm512_cvtepu8_epi32(__m128i a) {
   for (int i = 0; i < 16; ++i) y[i] = x[i];
   KSHIM_PACK(simde__m512i, y);
 }
+static inline void kshim_mm512_mask_storeu_epi32(void* p, simde__mmask16 k, simde__m512i a) {
+  KSHIM_UNPACK(int32_t, 16, x, a);
+  for (int i = 0; i < 16; ++i)
+    if (k >> i & 1) std::memcpy((char*)p + 4 * i, &x[i], 4);
+}
+static inline void kshim_mm256_mask_storeu_epi16(void* p, simde__mmask16 k, __m256i a) {
+  KSHIM_UNPACK(int16_t, 16, x, a);
+  for (int i = 0; i < 16; ++i)
+    if (k >> i & 1) std::memcpy((char*)p + 2 * i, &x[i], 2);
+}
+static inline simde__mmask16 kshim_mm512_cmplt_epi32_mask(simde__m512i a, simde__m512i b) {
+  KSHIM_UNPACK(int32_t, 16, x, a); KSHIM_UNPACK(int32_t, 16, y, b);
+  simde__mmask16 k = 0;
+  for (int i = 0; i < 16; ++i) k |= (simde__mmask16)((x[i] < y[i]) << i);
+  return k;
+}
+// vcvtne2ps2bf16: to nearest even, denormals in and out flushed to zero, NaN kept quiet; b's 16 lanes
+// below a's.
+static inline uint16_t kshim_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7F800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+static inline simde__m512bh kshim_mm512_cvtne2ps_pbh(simde__m512 a, simde__m512 b) {
+  KSHIM_UNPACK(float, 16, x, a); KSHIM_UNPACK(float, 16, y, b); uint16_t r[32];
+  for (int i = 0; i < 16; ++i) {
+    r[i] = kshim_to_bf16(y[i]);
+    r[16 + i] = kshim_to_bf16(x[i]);
+  }
+  KSHIM_PACK(simde__m512bh, r);
+}

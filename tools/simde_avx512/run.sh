@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs tests against cpu_kernels.cpp's AVX-512 build emulated on this AVX2 machine (see README.md).
+# Runs tests against the AVX-512 builds of kestrel/ops' kernels emulated on this AVX2 machine (README.md).
 # Usage: tools/simde_avx512/run.sh [pytest arguments]   (default: the kernel and GGUF test files)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -7,7 +7,12 @@ if [ ! -d /usr/include/simde ]; then
   [ "$(id -u)" = 0 ] || { echo "needs Debian's libsimde-dev (apt-get install libsimde-dev, as root)"; exit 1; }
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsimde-dev >/dev/null
 fi
-so=$(.venv/bin/python tools/simde_avx512/build.py | tail -1)
+modules=""
+for source in cpu_kernels.cpp cpu_gemv.cpp cpu_prefill.cpp; do
+  modules="$modules${modules:+:}$source=$(.venv/bin/python tools/simde_avx512/build.py $source | tail -1)"
+done
 [ $# -gt 0 ] || set -- tests/test_cpu_kernels.py tests/test_gguf_quant.py tests/test_decode_plan.py \
-  tests/test_linear_bf16.py tests/test_quantization.py tests/test_kv_int8.py tests/test_output_rows.py
-KESTREL_SIMDE_SO="$so" PYTHONPATH="$PWD/tools/simde_avx512/site" .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+  tests/test_linear_bf16.py tests/test_quantization.py tests/test_kv_int8.py tests/test_output_rows.py \
+  tests/test_cpu_gemv.py tests/test_cpu_prefill.py tests/test_attention_backends.py
+KESTREL_SIMDE_MODULES="$modules" PYTHONPATH="$PWD/tools/simde_avx512/site" \
+  .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -1,10 +1,10 @@
 """tools/simde_avx512 only (run.sh puts this folder on PYTHONPATH, so that the engine's own processes
-load it too): where KESTREL_SIMDE_SO names the emulated build, kestrel.ops reads this CPU's flags plus
-AVX-512 (F, BW, VL, DQ, CD, BF16, VNNI; not AMX) and loads that module as cpu_kernels.cpp's AVX-512
-build. The other kernel sources (cpu_gemv.cpp, cpu_prefill.cpp) are not emulated: they load as None."""
+load it too): where KESTREL_SIMDE_MODULES names the emulated builds (`source=module path`, separated
+by `:`), kestrel.ops reads this CPU's flags plus AVX-512 (F, BW, VL, DQ, CD, BF16, VNNI; not AMX) and
+loads those modules in place of its own builds (cpu_kernels.cpp's: its AVX-512 one)."""
 import os
 
-if os.environ.get("KESTREL_SIMDE_SO"):
+if os.environ.get("KESTREL_SIMDE_MODULES"):
     import importlib.machinery
     import importlib.util
 
@@ -14,14 +14,16 @@ if os.environ.get("KESTREL_SIMDE_SO"):
                                  "avx512_vnni"}
     ops._cpu_flags = lambda: _flags
 
+    _modules = dict(item.split("=", 1) for item in os.environ["KESTREL_SIMDE_MODULES"].split(":"))
+
     def _load(source_name, isa=None):
-        if source_name == "cpu_kernels.cpp" and isa == "avx512":
-            path = os.environ["KESTREL_SIMDE_SO"]
-            loader = importlib.machinery.ExtensionFileLoader("kestrel_cpu_kernels_simde", path)
-            module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(
-                "kestrel_cpu_kernels_simde", path, loader=loader))
-            loader.exec_module(module)
-            return module
-        raise RuntimeError(f"{source_name} ({isa}) is not emulated")
+        if source_name not in _modules or isa not in (None, "avx512"):
+            raise RuntimeError(f"{source_name} ({isa}) is not emulated")
+        path = _modules[source_name]
+        name = os.path.basename(path).split(".")[0]
+        loader = importlib.machinery.ExtensionFileLoader(name, path)
+        module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path, loader=loader))
+        loader.exec_module(module)
+        return module
 
     ops.load_cpu_extension = _load
