@@ -20,21 +20,19 @@ __attribute__((noinline)) static simde__m512 kshim_mm512_add_round_ps(simde__m51
   for (int i = 0; i < 16; ++i) x[i] = x[i] + y[i];
   KSHIM_PACK(simde__m512, x);
 }
-static inline __m256i kshim_mm512_cvtepi32_epi16(simde__m512i a) {
-  KSHIM_UNPACK(int32_t, 16, x, a); int16_t y[16];
-  for (int i = 0; i < 16; ++i) y[i] = (int16_t)(uint16_t)(uint32_t)x[i];
-  KSHIM_PACK(__m256i, y);
+// Lane i of `a`, as From, converted to To (C++'s conversion: the low bits of a narrower integer).
+template <typename To, typename From, int N, typename R, typename A>
+static inline R kshim_convert(A a) {
+  KSHIM_UNPACK(From, N, x, a); To y[N];
+  for (int i = 0; i < N; ++i) y[i] = static_cast<To>(x[i]);
+  KSHIM_PACK(R, y);
 }
-static inline simde__m512 kshim_mm512_cvtepi32_ps(simde__m512i a) {
-  KSHIM_UNPACK(int32_t, 16, x, a); float y[16];
-  for (int i = 0; i < 16; ++i) y[i] = (float)x[i];
-  KSHIM_PACK(simde__m512, y);
-}
-static inline simde__m512i kshim_mm512_cvtepu8_epi16(__m256i a) {
-  KSHIM_UNPACK(uint8_t, 32, x, a); uint16_t y[32];
-  for (int i = 0; i < 32; ++i) y[i] = x[i];
-  KSHIM_PACK(simde__m512i, y);
-}
+static inline __m256i kshim_mm512_cvtepi32_epi16(simde__m512i a) { return kshim_convert<int16_t, int32_t, 16, __m256i>(a); }
+static inline simde__m512 kshim_mm512_cvtepi32_ps(simde__m512i a) { return kshim_convert<float, int32_t, 16, simde__m512>(a); }
+static inline simde__m512i kshim_mm512_cvtepu8_epi16(__m256i a) { return kshim_convert<uint16_t, uint8_t, 32, simde__m512i>(a); }
+static inline simde__m512i kshim_mm512_cvtepu16_epi32(__m256i a) { return kshim_convert<uint32_t, uint16_t, 16, simde__m512i>(a); }
+static inline simde__m512i kshim_mm512_cvtepi8_epi32(__m128i a) { return kshim_convert<int32_t, int8_t, 16, simde__m512i>(a); }
+static inline simde__m512i kshim_mm512_cvtepu8_epi32(__m128i a) { return kshim_convert<int32_t, uint8_t, 16, simde__m512i>(a); }
 static inline simde__m512i kshim_mm512_cvtps_epi32(simde__m512 a) {
   KSHIM_UNPACK(float, 16, x, a); int32_t y[16];
   for (int i = 0; i < 16; ++i) {
@@ -76,21 +74,6 @@ static inline float kshim_mm512_reduce_add_ps(simde__m512 a) {
 static inline float kshim_mm512_reduce_max_ps(simde__m512 a) {
   // maxps: the second operand when either is NaN or both are zero.
   return kshim_reduce(a, [](float p, float q) { return p > q ? p : q; });
-}
-static inline simde__m512i kshim_mm512_cvtepu16_epi32(__m256i a) {
-  KSHIM_UNPACK(uint16_t, 16, x, a); uint32_t y[16];
-  for (int i = 0; i < 16; ++i) y[i] = x[i];
-  KSHIM_PACK(simde__m512i, y);
-}
-static inline simde__m512i kshim_mm512_cvtepi8_epi32(__m128i a) {
-  KSHIM_UNPACK(int8_t, 16, x, a); int32_t y[16];
-  for (int i = 0; i < 16; ++i) y[i] = x[i];
-  KSHIM_PACK(simde__m512i, y);
-}
-static inline simde__m512i kshim_mm512_cvtepu8_epi32(__m128i a) {
-  KSHIM_UNPACK(uint8_t, 16, x, a); int32_t y[16];
-  for (int i = 0; i < 16; ++i) y[i] = x[i];
-  KSHIM_PACK(simde__m512i, y);
 }
 static inline void kshim_mm512_mask_storeu_epi32(void* p, simde__mmask16 k, simde__m512i a) {
   KSHIM_UNPACK(int32_t, 16, x, a);
