@@ -1,4 +1,4 @@
-// The AVX-512 intrinsics cpu_kernels.cpp uses that SIMDe 0.7.4 lacks, written lane by lane as Intel's
+// The AVX-512 intrinsics kestrel/ops' kernels use that SIMDe 0.7.4 lacks, written lane by lane as Intel's
 // manual defines them (kshim_ names; aliases.py maps the _mm512_ names onto them).
 #pragma once
 #include <cmath>

@@ -10,6 +10,7 @@ if os.environ.get("KESTREL_SIMDE_MODULES"):
 
     import kestrel.ops as ops
 
+    # /proc/cpuinfo's names for what aliases.py's FEATURES compile in.
     _flags = ops._cpu_flags() | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16",
                                  "avx512_vnni"}
     ops._cpu_flags = lambda: _flags
