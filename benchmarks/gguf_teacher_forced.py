@@ -8,7 +8,7 @@ and 99th percentile of |logprob difference|, how often the top token differs, an
     python benchmarks/gguf_teacher_forced.py [--model default|q8_0|PATH.gguf] [--text FILE]
 
 `q8_0` is the default model requantized to Q8_0 (kestrel.bench.peers.gguf_in_precision); the default
-model as shipped keeps only its Q8_0 embedding and tied head. Each run is a process of its own, one
+model as shipped keeps its Q4_1 layers and its Q8_0 embedding and tied head. Each run is a process of its own, one
 after the other.
 """
 

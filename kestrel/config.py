@@ -46,7 +46,9 @@ class ModelConfig:
     bos_token_id: int | None
     dtype: torch.dtype
     max_model_len: int
-    quantization: str | None = None  # None, or "int8": the decoder projections in int8 (W8A8)
+    # None: the checkpoint's own (a GGUF file's blocks kept); "int8": the decoder projections in int8
+    # (W8A8); "none": a GGUF file's blocks dequantized to dtype at load
+    quantization: str | None = None
     tokenizer: str | None = None     # the tokenizer's path when it is not the model's
 
     def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
@@ -211,7 +213,7 @@ class EngineArgs:
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"                     # auto | bfloat16 | float16 | float32
-    quantization: str | None = None         # None | int8
+    quantization: str | None = None         # None | int8 | none
     device: str = "auto"                    # auto | cpu | cuda | cuda:N
     max_model_len: int | None = None
     max_num_seqs: int = 256

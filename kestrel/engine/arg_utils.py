@@ -77,7 +77,9 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("--model", "model", str, "a .gguf file or a model folder (default: the embedded SmolLM2-135M-Instruct)"),
     EngineFlag("--dtype", "dtype", str, "auto, bfloat16, float16 or float32"),
     EngineFlag("--quantization", "quantization", str,
-               "int8: the decoder layers' matrices in int8, activations quantized per token (W8A8)"),
+               "int8: the decoder layers' matrices in int8, activations quantized per token (W8A8); none: a "
+               "GGUF file's quantized matrices dequantized to --dtype at load (default: run Q8_0, Q6_K, Q4_K, "
+               "Q4_1 and Q4_0 blocks as the file stores them)"),
     EngineFlag("--device", "device", str, "auto, cpu, cuda or cuda:N"),
     EngineFlag("--max-model-len", "max_model_len", int, "context length (default: the model's)"),
     EngineFlag("--max-num-seqs", "max_num_seqs", int, "most sequences in one step"),

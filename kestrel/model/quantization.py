@@ -1,16 +1,17 @@
-"""Quantized decoder projections: --quantization int8, and a GGUF file's Q8_0, Q6_K and Q4_K weights
-as the file stores them.
+"""Quantized decoder projections: --quantization int8, and a GGUF file's Q8_0, Q6_K, Q4_K, Q4_1 and Q4_0
+weights as the file stores them.
 
 GGUF blocks (as vLLM runs a GGUF file's quantized weights, and llama.cpp does): a projection (and the
-embedding and output head) whose tensors the file stores as Q8_0, Q6_K or Q4_K keeps them (1.06, 0.82
-and 0.56 bytes a weight in the file, 1.125, 1.25 and 0.59 as the kernel packs them, against 2 for
-bf16), where the model is bf16 on a CPU with the kernels (cpu_kernels.cpp's linear_gguf, on
-llama.cpp's float32 values of the weights). Q4_K below 16 rows, and Q8_0 from 8 rows, sum each block
-of 32 in integers against the activations held as 16-bit integers (exact for bf16 activations within
-2^7 of their block's largest); from 16 rows (prefill chunks, decode steps of 16 requests or more), Q4_K and Q6_K
+embedding and output head) whose tensors the file stores as Q8_0, Q6_K, Q4_K, Q4_1 or Q4_0 keeps them
+(1.06, 0.82, 0.56, 0.63 and 0.56 bytes a weight in the file; 1.125, 1.25, 0.59, 0.75 and 0.75 as the
+kernel packs them, against 2 for bf16), where the model is bf16 on a CPU with the kernels
+(cpu_kernels.cpp's linear_gguf, on llama.cpp's float32 values of the weights). The default model's
+layers are Q4_1. The 4-bit types below 16 rows, and Q8_0 from 8 rows, sum each block of 32 in integers
+against the activations held as 16-bit integers (exact for bf16 activations within 2^7 of their
+block's largest); from 16 rows (prefill chunks, decode steps of 16 requests or more), all but Q8_0
 run, as llama.cpp runs them, against the activations quantized to 8 bits (per block of 32, where
-llama.cpp's Q8_K has one scale per 256). Elsewhere, under --quantization int8, and
-for every other GGUF type (Q4_0, Q4_1, Q5_K, ...), the weights are dequantized at load.
+llama.cpp's Q8_K has one scale per 256). Elsewhere, under --quantization int8 or none, and for every
+other GGUF type (Q5_K, Q5_0, ...), the weights are dequantized at load.
 `keep_gguf_blocks_` decides, once, before the weights are read.
 
 --quantization int8: the decoder layers' projections in int8, quantized at load time from the
@@ -50,7 +51,9 @@ from kestrel.ops.gguf_blocks import GGUF_FORMATS, GGUFFormat, gguf_packable, ggu
 # (x [M, K], qweight [N, K], scale [N]) -> y [M, N] in x's dtype
 Int8Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-QUANTIZATION_METHODS = ("int8",)
+# "none": no quantized weights at all, a GGUF file's blocks dequantized to the model dtype at load (as
+# transformers runs a GGUF file); unset (None): the checkpoint's own (a GGUF file's kept blocks).
+QUANTIZATION_METHODS = ("int8", "none")
 
 # Up to this K, |sum of K products of two int8 in [-127, 127]| < 2^24, so float32 sums them exactly.
 _FLOAT32_EXACT_K = (1 << 24) // (127 * 127)
@@ -173,7 +176,7 @@ class Int8Linear(nn.Module):
 def quantize_model_(model: nn.Module, method: str | None) -> int:
     """Replace every decoder projection (`Linear`) of a loaded model by its quantized form, in place;
     the number replaced. The full-precision weights are dropped."""
-    if check_quantization(method) is None:
+    if check_quantization(method) in (None, "none"):
         return 0
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Linear)]
     if not targets:
@@ -191,7 +194,7 @@ def quantize_model_(model: nn.Module, method: str | None) -> int:
 
 class GGUFLinear(nn.Module):
     """A projection (or the embedding, or the output head, or both where tied) holding a GGUF file's
-    blocks (Q8_0, Q6_K, Q4_K: kestrel/ops/gguf_blocks.py), `parts` saying which: (format, rows) down
+    blocks (Q8_0, Q6_K, Q4_K, Q4_1, Q4_0: kestrel/ops/gguf_blocks.py), `parts` saying which: (format, rows) down
     its N rows, in order (a fused projection may hold parts of several types). Until `pack_`, `weight`
     is uint8 [N, the widest part's row bytes], each part's file rows from column 0, which load_weights
     fills; then linear_gguf's packed weight. `plan_matmul`: its kernel (linear_gguf), which a decode

@@ -16,7 +16,7 @@
 // size where there is no AVX512-BF16 (see "bf16 linear layers" below). DecodeLayers: the decode plan's
 // layer loop, over the matmul the plan binds. linear_int8: --quantization int8's products where there is no AMX
 // (AVX512-VNNI or AVX2; see "int8 linear layers" below). linear_gguf: products with a GGUF file's Q8_0,
-// Q6_K and Q4_K weights as the file stores them (see "GGUF quantized weights" below).
+// Q6_K, Q4_K and Q4_1 (Q4_0) weights as the file stores them (see "GGUF quantized weights" below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -1408,7 +1408,7 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 // ---- GGUF quantized weights ----
 //
 // linear_gguf(x [M, K] bf16, w) -> y [M, N] = x w^T, bf16 (or its float32 values), for a weight kept
-// as a GGUF file stores it: llama.cpp's Q8_0, Q6_K or Q4_K blocks, packed at load
+// as a GGUF file stores it: llama.cpp's Q8_0, Q6_K, Q4_K or Q4_1 (Q4_0) blocks, packed at load
 // (kestrel/ops/gguf_blocks.py: pack_gguf_weight) into panels of 16 columns (w's rows). w is one uint8
 // tensor: a header of int64 (K, N, the number of segments, then for each segment its format, rows and
 // byte offset), then the segments, each a run of whole panels in one format. A fused projection whose
@@ -1418,24 +1418,26 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 //     16 float32 scales, then the block's k-rows of 16 int8 (1.125 / 1.25 bytes a weight);
 //   Q4_K (super-blocks of 256 in 8 sub-blocks of 32): 16 float32 d, 16 float32 dmin, the sub-blocks'
 //     6-bit scales and mins as 8 x 16 bytes each, then 64 groups of 4 k-rows, 32 bytes each
-//     (q4k_group_words): 0.59 bytes a weight, against 0.5625 in the file.
+//     (q4k_group_words): 0.59 bytes a weight, against 0.5625 in the file;
+//   Q4_1 (blocks of 32; Q4_0 packed as Q4_1 with offset 8 d): 16 float32 d, 16 float32 offsets (-m),
+//     then 8 groups of 4 k-rows as Q4_K's: 0.75 bytes a weight, against 0.625 in the file.
 //
 // Few rows (decode steps of a few requests: below kQ8_0WordMinRows for Q8_0, kByteMinRows for the
-// K-quants) stream the packed panels through registers. Q8_0 and Q6_K's weights are dequantized as
+// others) stream the packed panels through registers. Q8_0 and Q6_K's weights are dequantized as
 // they are read, with llama.cpp's (and gguf.quants') float32 arithmetic, q * scale, and summed in
 // linear_bf16's packed order (packed_stream's tiles): one sum down k per piece of K (panel_k_piece),
 // the pieces added in order. Where those values are bf16 numbers, y is bit for bit linear_bf16's on
-// them (tests/test_gguf_quant.py holds it to that). Q4_K's streamed tiles sum each sub-block of 32 as
+// them (tests/test_gguf_quant.py holds it to that). Q4_K's and Q4_1's streamed tiles sum each block of 32 as
 // scale (sum x q) - min (sum x), the inner sums in 32-bit integers on x held as 16-bit integers per
 // block (WordActivations: exact for every bf16 x within 2^7 of the block's largest, the rest within
 // 2^-15 of it): on 2 Zen 3 cores, at 1 row, 0.85 ms against 1.40 with float sums and 1.8 with each
 // weight dequantized (the 1B model's four layer shapes). From those row counts each thread unpacks
-// its panels once a call: Q8_0's q against the same 16-bit activations, Q4_K and Q6_K against x
+// its panels once a call: Q8_0's q against the same 16-bit activations, the others against x
 // quantized to 8 bits, as llama.cpp runs its K-quants (see "against 8-bit activations" below).
 
 namespace {
 
-enum GgufFormat : int64_t { kGgufQ8_0 = 0, kGgufQ6_K = 1, kGgufQ4_K = 2 };  // gguf_blocks.py's GGUF_FORMATS codes
+enum GgufFormat : int64_t { kGgufQ8_0 = 0, kGgufQ6_K = 1, kGgufQ4_K = 2, kGgufQ4_1 = 3 };  // gguf_blocks.py's GGUF_FORMATS codes
 
 constexpr int64_t kQuantScaleBytes = kPanelCols * sizeof(float);
 
@@ -1461,6 +1463,15 @@ static_assert(kPanelK == kQ4KBlock, "a Q4_K super-block is one panel piece (K % 
 
 inline const uint8_t* q4k_block(const uint8_t* wq, int64_t K, int64_t n, int64_t b) {
   return wq + ((n / kPanelCols) * (K / kQ4KBlock) + b) * kQ4KBlockBytes;
+}
+
+// Q4_1 (and Q4_0, packed as Q4_1): blocks of 32 along K, each 16 float32 d, 16 float32 offsets, then 8
+// groups of 4 k-rows as Q4_K's (q4k_group_words); values d q - offset.
+constexpr int64_t kQ4_1Quants = 2 * kQuantScaleBytes;
+constexpr int64_t kQ4_1BlockBytes = kQ4_1Quants + kQ4KSub / 2 * kPanelCols;
+
+inline const uint8_t* q4_1_block(const uint8_t* wq, int64_t K, int64_t n, int64_t b) {
+  return wq + ((n / kPanelCols) * (K / kQ4KSub) + b) * kQ4_1BlockBytes;
 }
 
 // Sub-block j's scale d * sc and min dmin * m of a panel's vector v: both products exact in float32.
@@ -1565,34 +1576,68 @@ struct WordActivations {
   }
 };
 
-// out.row() of MR rows of a Q4_K weight's P panels, rows given as their widened x (whose offset from
-// a.x names them): sum_k x_k (scale q_k - min) over each sub-block as scale unit (sum_k X_k q_k) - min
-// (sum_k x_k), the inner sums exact in 32-bit integers (16-bit multiply-adds of each column's pair of
-// q against a pair of X: 7 vector operations per 32 weights, where widening q to float32 takes 14).
-template <int MR, int P, typename Out>
-void q4k_stream_panels(const WordActivations& a, const float* xm, const uint8_t* wq, int64_t n0, const Out& out) {
+// The two 4-bit formats as the streamed tiles read them: pieces of up to 8 sub-blocks of 32 (Q4_K's
+// super-block; Q4_1's blocks, 8 at a time), sub-block j's scale and min (its values scale q - min) and
+// its 8 groups of 4 k-rows, each as q4k_group_words.
+struct Q4KBlocks {
+  static constexpr int64_t kPieceSubs = kQ4KSubs;
+  static int64_t piece_subs(int64_t, int64_t) { return kQ4KSubs; }
+  static const uint8_t* piece(const uint8_t* wq, int64_t K, int64_t n, int64_t b) { return q4k_block(wq, K, n, b); }
+  static void scale_min(const uint8_t* piece, int64_t j, int v, VecF& scale, VecF& min) {
+    q4k_scale_min(piece, j, v, scale, min);
+  }
+  static VecI group_words(const uint8_t* piece, int64_t j, int64_t g, int v) {
+    return q4k_group_words(piece, j * kQ4KSub / 4 + g, v);
+  }
+};
+
+struct Q4_1Blocks {
+  static constexpr int64_t kPieceSubs = kQ4KSubs;
+  static int64_t piece_subs(int64_t subs, int64_t b) { return std::min(kPieceSubs, subs - b * kPieceSubs); }
+  static const uint8_t* piece(const uint8_t* wq, int64_t K, int64_t n, int64_t b) {
+    return q4_1_block(wq, K, n, b * kPieceSubs);
+  }
+  static void scale_min(const uint8_t* piece, int64_t j, int v, VecF& scale, VecF& min) {
+    const float* d = block_scales(piece + j * kQ4_1BlockBytes);
+    scale = load_f32(d + v * kLanes);
+    min = load_f32(d + kPanelCols + v * kLanes);
+  }
+  static VecI group_words(const uint8_t* piece, int64_t j, int64_t g, int v) {
+    return load_u8_words(piece + j * kQ4_1BlockBytes + kQ4_1Quants + g * 2 * kPanelCols + v * 2 * kLanes);
+  }
+};
+
+// out.row() of MR rows of a 4-bit weight's P panels, rows given as their widened x (whose offset from
+// a.x names them): sum_k x_k (scale q_k - min) over each sub-block of 32 as scale unit (sum_k X_k q_k)
+// - min (sum_k x_k), the inner sums exact in 32-bit integers (16-bit multiply-adds of each column's
+// pair of q against a pair of X: 7 vector operations per 32 weights, where widening q to float32 takes
+// 14); the pieces' sums added in order.
+template <typename Q4, int MR, int P, typename Out>
+void q4_stream_panels(const WordActivations& a, const float* xm, const uint8_t* wq, int64_t n0, const Out& out) {
   constexpr int V = P * kPanelVecs;
   const int64_t K = a.K, row0 = (xm - a.x) / K, subs = K / kQ4KSub;
   VecF total[MR][V];
-  for (int64_t b = 0; b < K / kQ4KBlock; ++b) {
+  for (int64_t b = 0; b * Q4::kPieceSubs < subs; ++b) {
     VecF c[MR][V];
     for (int m = 0; m < MR; ++m)
       for (int v = 0; v < V; ++v) c[m][v] = zero();
-    const uint8_t* block[P];
-    for (int p = 0; p < P; ++p) block[p] = q4k_block(wq, K, n0 + p * kPanelCols, b);
-    for (int64_t j = 0; j < kQ4KSubs; ++j) {
+    const uint8_t* piece[P];
+    for (int p = 0; p < P; ++p) piece[p] = Q4::piece(wq, K, n0 + p * kPanelCols, b);
+    const int64_t piece_subs = Q4::piece_subs(subs, b);
+    for (int64_t j = 0; j < piece_subs; ++j) {
+      const int64_t sub = b * Q4::kPieceSubs + j;
       VecI acc[MR][V];
       for (int m = 0; m < MR; ++m)
         for (int v = 0; v < V; ++v) acc[m][v] = zero_i();
-      for (int64_t g = j * kQ4KSub / 4; g < (j + 1) * kQ4KSub / 4; ++g) {
+      for (int64_t g = 0; g < kQ4KSub / 4; ++g) {
         VecI low[V], high[V];
         for (int p = 0; p < P; ++p)
           for (int v = 0; v < kPanelVecs; ++v) {
-            const VecI w = q4k_group_words(block[p], g, v);
+            const VecI w = Q4::group_words(piece[p], j, g, v);
             low[p * kPanelVecs + v] = low_nibble_words(w);
             high[p * kPanelVecs + v] = high_nibble_words(w);
           }
-        const int64_t k = b * kQ4KBlock + 4 * g;
+        const int64_t k = sub * kQ4KSub + 4 * g;
         for (int m = 0; m < MR; ++m) {
           int32_t pairs[2];
           std::memcpy(pairs, a.X + (row0 + m) * K + k, sizeof pairs);
@@ -1601,11 +1646,10 @@ void q4k_stream_panels(const WordActivations& a, const float* xm, const uint8_t*
             acc[m][v] = add_lanes(acc[m][v], add_lanes(madd_words(low[v], x01), madd_words(high[v], x23)));
         }
       }
-      const int64_t sub = b * kQ4KSubs + j;
       for (int p = 0; p < P; ++p)
         for (int v = 0; v < kPanelVecs; ++v) {
           VecF scale, min;
-          q4k_scale_min(block[p], j, v, scale, min);
+          Q4::scale_min(piece[p], j, v, scale, min);
           for (int m = 0; m < MR; ++m) {
             VecF& cv = c[m][p * kPanelVecs + v];
             const VecF dot = mul(to_float_lanes(acc[m][p * kPanelVecs + v]), splat(a.unit[(row0 + m) * subs + sub]));
@@ -1629,16 +1673,17 @@ struct Int8Format {
   }
 };
 
-struct Q4KFormat {
+template <typename Q4>
+struct Q4Format {
   template <int MR>
   // Fewer panels side by side than the int8 tiles from 2 rows, each panel vector holding a sub-block's
-  // sums and the super-block's for every row (2 Zen 3 cores, the 1B model's layer shapes, 8 rows:
+  // sums and the piece's for every row (2 Zen 3 cores, the 1B model's layer shapes in Q4_K, 8 rows:
   // 6.3-6.6 ms against 7.5-7.9 with the int8 tiles' count; 1 row better with the int8 tiles' count).
   static constexpr int kPanels = MR == 1 ? kStreamPanels<1> : std::max(1, 4 / (MR * kPanelVecs));
   const WordActivations* activations;
   template <int MR, int P, typename Out>
   void stream_panels(const float* x, const uint8_t* wq, int64_t, int64_t n0, const Out& out) const {
-    q4k_stream_panels<MR, P>(*activations, x, wq, n0, out);
+    q4_stream_panels<Q4, MR, P>(*activations, x, wq, n0, out);
   }
 };
 
@@ -1691,8 +1736,9 @@ struct GgufLayout {
       TORCH_CHECK(rows > 0 && rows % kPanelCols == 0, "linear_gguf: a segment of whole panels");
       const int64_t bytes = format == kGgufQ8_0 ? K / 32 * kInt8BlockBytes<32>
                             : format == kGgufQ6_K ? K / 16 * kInt8BlockBytes<16>
-                            : format == kGgufQ4_K ? K / kQ4KBlock * kQ4KBlockBytes : -1;
-      const int64_t block = format == kGgufQ8_0 ? 32 : format == kGgufQ6_K ? 16 : kQ4KBlock;
+                            : format == kGgufQ4_K ? K / kQ4KBlock * kQ4KBlockBytes
+                            : format == kGgufQ4_1 ? K / kQ4KSub * kQ4_1BlockBytes : -1;
+      const int64_t block = format == kGgufQ8_0 || format == kGgufQ4_1 ? 32 : format == kGgufQ6_K ? 16 : kQ4KBlock;
       TORCH_CHECK(bytes > 0 && K % block == 0, "linear_gguf: format ", format, " with K = ", K);
       TORCH_CHECK(offset >= 0 && offset + rows / kPanelCols * bytes <= w.numel(), "linear_gguf: a segment past the end");
       segments.push_back({format, panel, rows / kPanelCols, base + offset});
@@ -1702,18 +1748,19 @@ struct GgufLayout {
   }
 };
 
-// ---- Q4_K and Q6_K against 8-bit activations (from kByteMinRows rows); Q8_0 on 16-bit ones ----
+// ---- Q4_K, Q6_K and Q4_1 against 8-bit activations (from kByteMinRows rows); Q8_0 on 16-bit ones ----
 //
 // llama.cpp's way with its K-quants (their q against activations quantized to 8 bits), with a scale
 // per block of 32 activations where its Q8_K has one per 256. Each row's blocks of 32 become int8,
 // x ~ s q with s = max|x| / 127 and q = round_half_even(x (127 / max|x|)) (ByteActivations). A
-// panel's q (Q4_K's 4-bit as they are, Q6_K's 6-bit + 32: unsigned bytes; BytePanel, made once a
-// call) meet four activations at once in vpmaddubsw, whose 16-bit sums cannot saturate: Q4_K adds 8
-// of them (a sub-block of 32; at most 8 x 2 x 15 x 127 = 30480), Q6_K 2 (at most 2 x 2 x 63 x 127 =
-// 32004). vpmaddwd then sums each column's pair into 32 bits, times Q4_K's integer sub-block scale,
-// and the rest is float32: per block of 32 times s (Q6_K: times d sc per 16), per Q4_K super-block
-// times d, and last the offsets, minus sum_j offset[c][j] (s sum_j q), offset being Q4_K's dmin m per
-// 32 and Q6_K's 32 d sc per 16 (its q are stored + 32). So y is the product of the dequantized
+// panel's q (Q4_K's and Q4_1's 4-bit as they are, Q6_K's 6-bit + 32: unsigned bytes; BytePanel, made
+// once a call) meet four activations at once in vpmaddubsw, whose 16-bit sums cannot saturate: Q4_K
+// and Q4_1 add 8 of them (a block of 32; at most 8 x 2 x 15 x 127 = 30480), Q6_K 2 (at most 2 x 2 x
+// 63 x 127 = 32004). vpmaddwd then sums each column's pair into 32 bits, times Q4_K's integer
+// sub-block scale (Q4_1's: 1), and the rest is float32: per block of 32 times s (Q6_K: times d sc per
+// 16), per Q4_K super-block (Q4_1 block) times d, and last the offsets, minus sum_j offset[c][j] (s
+// sum_j q), offset being Q4_K's dmin m per 32, Q4_1's -m per 32 and Q6_K's 32 d sc per 16 (its q are
+// stored + 32). So y is the product of the dequantized
 // weights and the dequantized activations, summed in float32 in another order (tests hold it to that
 // product in float64). Each vpmaddubsw does 32 multiply-adds where an FMA does 8: on 2 Zen 3 cores,
 // the 1B model's four layer shapes, against the kernels they replace (Q4_K's 16-bit tiles and float
@@ -1800,8 +1847,8 @@ struct ByteActivations {
 struct BytePanel {
   uint8_t* q;             // [K / 4][16][4] (Q8_0: [K / 2][16][2])
   int16_t* scale_words;   // Q4_K: [K / 32][16][2], each sub-block's scale twice (vpmaddwd's pairs)
-  float* scale;           // Q4_K: d [K / 256][16]; Q6_K: d sc [K / 16][16]; Q8_0: d [K / 32][16]
-  float* offset;          // Q4_K: dmin m [K / 32][16]; Q6_K: 32 d sc [K / 16][16]
+  float* scale;           // Q4_K: d [K / 256][16]; Q6_K: d sc [K / 16][16]; Q8_0, Q4_1: d [K / 32][16]
+  float* offset;          // Q4_K: dmin m [K / 32][16]; Q6_K: 32 d sc [K / 16][16]; Q4_1: its offset [K / 32][16]
 };
 
 // The byte panels of a thread's columns, made once a call.
@@ -1858,6 +1905,16 @@ void q4k_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p)
     }
     for (int64_t g = 0; g < kQ4KBlock / 4; ++g)
       q4k_group_bytes(block + kQ4KQuants + g * 2 * kPanelCols, p.q + (b * kQ4KBlock + 4 * g) * kPanelCols);
+  }
+}
+
+void q4_1_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
+  for (int64_t b = 0; b < K / kQ4KSub; ++b) {
+    const uint8_t* block = q4_1_block(wq, K, n, b);
+    std::memcpy(p.scale + b * kPanelCols, block, kQuantScaleBytes);
+    std::memcpy(p.offset + b * kPanelCols, block + kQuantScaleBytes, kQuantScaleBytes);
+    for (int64_t g = 0; g < kQ4KSub / 4; ++g)
+      q4k_group_bytes(block + kQ4_1Quants + g * 2 * kPanelCols, p.q + (b * kQ4KSub + 4 * g) * kPanelCols);
   }
 }
 
@@ -1927,22 +1984,25 @@ void store_tile(const VecF (&total)[MR][V], float (*out)[kPanelCols]) {
     for (int v = 0; v < V; ++v) store(out[m] + v * kLanes, total[m][v]);
 }
 
-// out[m][c] for the MR rows from m0 and the panel's 16 columns. Not inlined (nor Q6_K's): inside
-// byte_columns the register allocator spilled an accumulator of the inner loop.
-template <int MR>
-__attribute__((noinline)) void q4k_byte_tile(const ByteActivations& a, int64_t m0, const BytePanel& p, float (*out)[kPanelCols]) {
+// out[m][c] for the MR rows from m0 and the panel's 16 columns, Q4_K's or Q4_1's (whose d is per
+// sub-block, and its sub-block scale 1). Not inlined (nor Q6_K's): inside byte_columns the register
+// allocator spilled an accumulator of the inner loop.
+template <int64_t Format, int MR>
+__attribute__((noinline)) void q4_byte_tile(const ByteActivations& a, int64_t m0, const BytePanel& p, float (*out)[kPanelCols]) {
   constexpr int V = kPanelVecs;
+  constexpr int64_t kSubsPerD = Format == kGgufQ4_K ? kQ4KSubs : 1;
   const int64_t K = a.K, blocks = K / kByteBlock;
+  const VecI ones = splat_i(0x00010001);
   const int8_t* x = a.q + m0 * K;
   const float* s = a.scale + m0 * blocks;
   VecF total[MR][V];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < V; ++v) total[m][v] = zero();
-  for (int64_t b = 0; b < K / kQ4KBlock; ++b) {
-    VecF in_d[MR][V];   // the super-block's sum in units of d
+  for (int64_t b = 0; b < blocks / kSubsPerD; ++b) {
+    VecF in_d[MR][V];   // the sum in units of d
     for (int m = 0; m < MR; ++m)
       for (int v = 0; v < V; ++v) in_d[m][v] = zero();
-    for (int64_t j = b * kQ4KSubs; j < (b + 1) * kQ4KSubs; ++j) {
+    for (int64_t j = b * kSubsPerD; j < (b + 1) * kSubsPerD; ++j) {
       VecI acc[MR][V];
       for (int m = 0; m < MR; ++m)
         for (int v = 0; v < V; ++v) acc[m][v] = zero_i();
@@ -1959,7 +2019,7 @@ __attribute__((noinline)) void q4k_byte_tile(const ByteActivations& a, int64_t m
           for (int v = 0; v < V; ++v) keep_in_register(acc[m][v]);
       }
       for (int v = 0; v < V; ++v) {
-        const VecI sc = load_bytes(p.scale_words + j * 2 * kPanelCols + v * 2 * kLanes);
+        const VecI sc = Format == kGgufQ4_K ? load_bytes(p.scale_words + j * 2 * kPanelCols + v * 2 * kLanes) : ones;
         for (int m = 0; m < MR; ++m)
           in_d[m][v] = fma(to_float_lanes(madd_words(acc[m][v], sc)), splat(s[m * blocks + j]), in_d[m][v]);
       }
@@ -2056,7 +2116,8 @@ void byte_tile_rows(int64_t format, int rows, const ByteActivations& a, const Wo
   if constexpr (MR > 1) {
     if (rows < MR) return byte_tile_rows<MR - 1>(format, rows, a, words, m0, p, out);
   }
-  if (format == kGgufQ4_K) q4k_byte_tile<MR>(a, m0, p, out);
+  if (format == kGgufQ4_K) q4_byte_tile<kGgufQ4_K, MR>(a, m0, p, out);
+  else if (format == kGgufQ4_1) q4_byte_tile<kGgufQ4_1, MR>(a, m0, p, out);
   else if (format == kGgufQ6_K) q6k_byte_tile<MR>(a, m0, p, out);
   else q8_0_word_tile<MR>(words, m0, p, out);
 }
@@ -2069,6 +2130,7 @@ void byte_columns(const ByteActivations& a, const WordActivations& words, const 
   const int64_t K = s.format == kGgufQ8_0 ? words.K : a.K, panels = (n1 - n0) / kPanelCols;
   const auto make = [&](int64_t p, const BytePanel& panel) {
     if (s.format == kGgufQ4_K) q4k_byte_panel(s.data, K, n0 + p * kPanelCols, panel);
+    else if (s.format == kGgufQ4_1) q4_1_byte_panel(s.data, K, n0 + p * kPanelCols, panel);
     else if (s.format == kGgufQ6_K) q6k_byte_panel(s.data, K, n0 + p * kPanelCols, panel);
     else q8_0_word_panel(s.data, K, n0 + p * kPanelCols, panel);
   };
@@ -2108,7 +2170,8 @@ void gguf_columns(const float* x, const WordActivations* activations, const Byte
   if (on_unpacked_panels(s.format, M)) byte_columns(*bytes, *activations, s, M, n0, n1, shifted);
   else if (s.format == kGgufQ8_0) quant_row_groups(Int8Format<32>{}, x, s.data, M, K, n0, n1, shifted);
   else if (s.format == kGgufQ6_K) quant_row_groups(Int8Format<16>{}, x, s.data, M, K, n0, n1, shifted);
-  else quant_row_groups(Q4KFormat{activations}, x, s.data, M, K, n0, n1, shifted);
+  else if (s.format == kGgufQ4_K) quant_row_groups(Q4Format<Q4KBlocks>{activations}, x, s.data, M, K, n0, n1, shifted);
+  else quant_row_groups(Q4Format<Q4_1Blocks>{activations}, x, s.data, M, K, n0, n1, shifted);
 }
 
 }  // namespace
@@ -2125,7 +2188,8 @@ torch::Tensor linear_gguf(torch::Tensor x, torch::Tensor w, bool float_out) {
   const float* xf = widened_x(x);
   const auto any_segment = [&](const auto& pred) { return std::any_of(layout.segments.begin(), layout.segments.end(), pred); };
   const bool words_used = any_segment([&](const GgufSegment& s) {
-    return s.format == kGgufQ4_K ? !on_unpacked_panels(s.format, M) : s.format == kGgufQ8_0 && on_unpacked_panels(s.format, M);
+    const bool four_bit = s.format == kGgufQ4_K || s.format == kGgufQ4_1;
+    return four_bit ? !on_unpacked_panels(s.format, M) : s.format == kGgufQ8_0 && on_unpacked_panels(s.format, M);
   });
   const WordActivations activations = words_used ? WordActivations::of(xf, M, K) : WordActivations{};
   const bool bytes_used = any_segment([&](const GgufSegment& s) { return s.format != kGgufQ8_0 && on_unpacked_panels(s.format, M); });

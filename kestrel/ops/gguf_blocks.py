@@ -1,8 +1,11 @@
 """GGUF quantized weights as linear_gguf runs them (cpu_kernels.cpp, "GGUF quantized weights").
 
-A GGUF file stores a matrix [N, K] as rows of blocks along K. Three of llama.cpp's block types are kept
+A GGUF file stores a matrix [N, K] as rows of blocks along K. Five of llama.cpp's block types are kept
 as the file stores them, in `GGUF_FORMATS`:
 - Q8_0: 32 int8 q and a float16 scale d; values q * d.
+- Q4_1: 32 4-bit q, a float16 scale d and min m; values d * q + m. Q4_0: the same without m, values
+  d * (q - 8). Both pack as one kernel format, d and an offset per block (-m, or 8 d: exact in float32),
+  values d * q - offset.
 - Q6_K: super-blocks of 256 in 16 blocks of 16: 6-bit q, an int8 scale per block and a float16 d;
   values (d * scale) * (q - 32).
 - Q4_K: super-blocks of 256 in 8 blocks of 32: 4-bit q, 6-bit scales and mins, float16 d and dmin;
@@ -149,10 +152,11 @@ def _pack_q4_k(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _column_pairs(packed: torch.Tensor, column: torch.Tensor, at: int) -> torch.Tensor:
-    """The Q4_K quants of each panel's column: its 2 bytes in each of the 64 groups of 32 from `at`."""
+    """The 4-bit quants of each panel's column (Q4_K's, Q4_1's): its 2 bytes in each group of 32 from `at`."""
     n, nb = packed.shape[:2]
-    groups = packed[..., at:].reshape(n, nb, 64, GGUF_PANEL, 2)
-    return groups.gather(3, column.view(n, 1, 1, 1, 1).expand(n, nb, 64, 1, 2)).squeeze(3)
+    count = (packed.shape[2] - at) // (2 * GGUF_PANEL)
+    groups = packed[..., at:].reshape(n, nb, count, GGUF_PANEL, 2)
+    return groups.gather(3, column.view(n, 1, 1, 1, 1).expand(n, nb, count, 1, 2)).squeeze(3)
 
 
 def _q4_k_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
@@ -166,10 +170,53 @@ def _q4_k_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
     return (scale.unsqueeze(-1) * q - low.unsqueeze(-1)).view(n, -1)
 
 
+# ---- Q4_1: d f16, m f16, 16 bytes of 4-bit q; Q4_0: d f16, 16 bytes (q - 8) ----
+
+# Per panel and block of 32: d and the offset (float32, 64 bytes each), then 8 groups of 4 k-rows as
+# Q4_K's (byte 2c + t: column c's q of k-row 4g + t in the low nibble, of 4g + 2 + t in the high one).
+_Q4_1_QUANTS = 2 * _SCALES
+
+
+def _pack_q4(d: torch.Tensor, offset: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """float32 d and offset [n, nb] and the file's 16 bytes of q per block [n, nb, 16] (value i in byte
+    i's low nibble, value 16 + i in its high one) as the Q4_1 layout."""
+    n, nb = d.shape
+    q = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(n, nb, 8, 2, 2)   # [.., group g, half h, t]
+    nibbles = q[..., 0, :] | (q[..., 1, :] << 4)                            # [n, nb, 8, 2 (t)]
+    packed = torch.empty(n // GGUF_PANEL, nb, _Q4_1_QUANTS + 16 * GGUF_PANEL, dtype=torch.uint8)
+    packed[..., :_SCALES] = _panels(d.unsqueeze(-1)).reshape(-1, nb, GGUF_PANEL).view(torch.uint8)
+    packed[..., _SCALES:_Q4_1_QUANTS] = _panels(offset.unsqueeze(-1)).reshape(-1, nb, GGUF_PANEL).view(torch.uint8)
+    by_group = _panels(nibbles).view(-1, nb, 8, 2, GGUF_PANEL).transpose(-1, -2)   # [.., g, c, t]
+    packed[..., _Q4_1_QUANTS:] = by_group.reshape(-1, nb, 16 * GGUF_PANEL)
+    return packed
+
+
+def _pack_q4_1(rows: torch.Tensor) -> torch.Tensor:
+    b = rows.reshape(rows.shape[0], -1, 20)
+    return _pack_q4(_f16(b, 0), -_f16(b, 2), b[..., 4:])
+
+
+def _pack_q4_0(rows: torch.Tensor) -> torch.Tensor:
+    b = rows.reshape(rows.shape[0], -1, 18)
+    d = _f16(b, 0)
+    return _pack_q4(d, 8 * d, b[..., 2:])
+
+
+def _q4_1_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    n, nb = packed.shape[:2]
+    d = _column(packed, column, 0, 1, torch.float32)
+    offset = _column(packed, column, _SCALES, 1, torch.float32)
+    pairs = _column_pairs(packed, column, _Q4_1_QUANTS)                 # [n, nb, 8, 2 (t)]
+    q = torch.stack([pairs & 0x0F, pairs >> 4], dim=-2).reshape(n, nb, 32).float()
+    return (d * q - offset).view(n, -1)
+
+
 GGUF_FORMATS: dict[str, GGUFFormat] = {f.name: f for f in (
     GGUFFormat("Q8_0", 0, 32, 34, 32, _SCALES + 32 * GGUF_PANEL, _pack_q8_0, _int8_values),
     GGUFFormat("Q6_K", 1, 256, 210, 16, _SCALES + 16 * GGUF_PANEL, _pack_q6_k, _int8_values),
     GGUFFormat("Q4_K", 2, 256, 144, 256, _Q4_K_QUANTS + 128 * GGUF_PANEL, _pack_q4_k, _q4_k_values),
+    GGUFFormat("Q4_1", 3, 32, 20, 32, _Q4_1_QUANTS + 16 * GGUF_PANEL, _pack_q4_1, _q4_1_values),
+    GGUFFormat("Q4_0", 3, 32, 18, 32, _Q4_1_QUANTS + 16 * GGUF_PANEL, _pack_q4_0, _q4_1_values),   # packed as Q4_1
 )}
 
 
@@ -207,7 +254,9 @@ def gguf_segments(blob: torch.Tensor) -> tuple[int, list[tuple[GGUFFormat, int, 
     """(K, each segment's (format, first row, its panels [rows / 16, K / block, packed_bytes])) of a blob."""
     k, _, count = blob[:24].view(torch.int64).tolist()
     fields = blob[24:24 + 24 * count].view(torch.int64).view(count, 3).tolist()
-    by_code = {f.code: f for f in GGUF_FORMATS.values()}
+    by_code: dict[int, GGUFFormat] = {}
+    for f in GGUF_FORMATS.values():
+        by_code.setdefault(f.code, f)   # Q4_0's packed blocks are Q4_1's
     segments, row = [], 0
     for code, rows, offset in fields:
         fmt = by_code[code]
