@@ -68,9 +68,11 @@ soak: kernels
 # Every workload against its peers (llama.cpp's server is built on first use, 10-15 minutes); run it
 # on an otherwise idle machine. About 40 minutes on 2 cores.
 bench: install
-	$(VENV)/bin/kestrel bench throughput --peer transformers --peer llama-server --peer llama-server:q4_1 --append-md benchmarks/history/runs.md
+	$(VENV)/bin/kestrel bench throughput --peer transformers --peer llama-server --append-md benchmarks/history/runs.md
+	$(VENV)/bin/kestrel bench throughput --kestrel-weights native --peer llama-server --append-md benchmarks/history/runs.md
 	$(VENV)/bin/kestrel bench throughput --workload W4 --no-roofline --peer llama-server --append-md benchmarks/history/runs.md
-	$(VENV)/bin/kestrel bench latency --peer llama-server --peer llama-server:q4_1 --append-md benchmarks/history/runs.md
+	$(VENV)/bin/kestrel bench latency --peer llama-server --append-md benchmarks/history/runs.md
+	$(VENV)/bin/kestrel bench latency --kestrel-weights native --peer llama-server --append-md benchmarks/history/runs.md
 	$(VENV)/bin/kestrel bench serve --launch kestrel --launch llama-server --runs 3 --append-md benchmarks/history/runs.md
 
 clean:

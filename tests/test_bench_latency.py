@@ -21,9 +21,11 @@ def test_rounds_run_every_concurrency_in_turn():
 
 def test_latency_rounds_interleave_engines(monkeypatch):
     launched: list[str] = []
+    flags: list[list[str]] = []
 
-    def launch(spec, **_):
+    def launch(spec, kestrel_flags=(), **_):
         launched.append(spec)
+        flags.append(list(kestrel_flags))
         return KestrelServer(SERVER_FLAGS)
 
     calls: list[tuple[str, int, tuple]] = []
@@ -36,10 +38,11 @@ def test_latency_rounds_interleave_engines(monkeypatch):
     monkeypatch.setattr(latency, "launch_server", launch)
     monkeypatch.setattr(latency, "run_round", recording_round)
     args = argparse.Namespace(input_len=12, output_len=4, concurrency=[1, 2], runs=2, kestrel_flags="",
-                              model=None, peer=["llama-server:q8_0"])
+                              kestrel_weights="bf16", model=None, peer=["llama-server:q8_0"])
     engines = latency.measure_engines(["kestrel", "peer"], args)
 
     assert launched == ["kestrel", "peer"]
+    assert flags[0] == ["--quantization", "none"]   # the workload's bf16 weights
     # Each round goes to every engine in turn, with the same prompts, before the next round starts.
     assert [(spec, n) for spec, n, _ in calls] == [("kestrel", 1), ("peer", 1)] * 2 + [("kestrel", 2), ("peer", 2)] * 2
     for i in range(0, len(calls), 2):

@@ -254,6 +254,10 @@ def test_w6_options_are_checked():
     args, kwargs = _throughput_args("--kestrel-weights", "q8_0")  # W1
     with pytest.raises(ValueError, match="--kestrel-weights .* --workload W6"):
         check_options(args, kwargs)
+    check_options(*_throughput_args("--kestrel-weights", "native", "--peer", "llama-server"))  # W1 on its file
+    args, kwargs = _throughput_args("--workload", "W6", "--kestrel-weights", "native")
+    with pytest.raises(ValueError, match="W6's are q8_0 or q4_k_m"):
+        check_options(args, kwargs)
 
 
 def test_w6_requests_are_w1s_inside_the_vocabulary():

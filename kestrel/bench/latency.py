@@ -37,7 +37,17 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kestrel.bench.common import log, machine_info, warn_if_busy
-from kestrel.bench.launch import PEER_SPECS, check_spec, dtype_in_flags, is_llama, launch_server, peer_label
+from kestrel.bench.launch import (
+    KESTREL_WEIGHTS,
+    PEER_SPECS,
+    bare_peer,
+    check_spec,
+    dtype_in_flags,
+    is_llama,
+    kestrel_weights_flags,
+    launch_server,
+    peer_label,
+)
 from kestrel.bench.neighbours import BusyNeighbours
 from kestrel.bench.peers import RssSampler
 from kestrel.bench.report import load_averages, markdown_table, text_table, write_report
@@ -65,6 +75,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "(Kestrel with FLAGS added, e.g. 'kestrel:--async-scheduling')")
     parser.add_argument("--model", help="model for every engine (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--kestrel-flags", default="", help="extra flags for `kestrel serve`, as one string")
+    parser.add_argument("--kestrel-weights", choices=KESTREL_WEIGHTS, default="bf16",
+                        help="bf16: a GGUF model's weights dequantized to bf16 at load, as the workload is "
+                             "defined (--quantization none; a bare llama-server peer on the weights in bf16); "
+                             "native: the file's quantized blocks as Kestrel serves them by default (a bare "
+                             "llama-server peer on the same file) (default: bf16)")
     parser.add_argument("--neighbour-threads", type=int, default=0, metavar="N",
                         help="also run every round beside N busy-spinning processes, and report the TPOT with "
                              "them over the TPOT alone (default: 0, no neighbours)")
@@ -160,9 +175,9 @@ def rounds_to_run(concurrency: list[int], runs: int) -> list[tuple[int, int]]:
 
 
 def start_engine(stack: ExitStack, spec: str, args: argparse.Namespace) -> LiveEngine:
-    kestrel_flags = shlex.split(args.kestrel_flags)
-    if is_llama(spec):  # a bare llama-server runs in the precision of Kestrel's --dtype
-        spec = peer_label(spec, dtype_in_flags(kestrel_flags))
+    kestrel_flags = kestrel_weights_flags(args.kestrel_weights, shlex.split(args.kestrel_flags))
+    if is_llama(spec):  # a bare llama-server runs Kestrel's weights: its --dtype's precision, or the file
+        spec = bare_peer(spec, dtype_in_flags(kestrel_flags), args.kestrel_weights)
     server = launch_server(spec, parallel=max(args.concurrency), ctx_per_slot=args.input_len + args.output_len + 16,
                            kestrel_flags=kestrel_flags, model=args.model)
     log(f"{spec}: starting")

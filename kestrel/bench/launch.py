@@ -5,9 +5,10 @@
                             two settings of Kestrel side by side
     llama-server[:bf16]     llama.cpp's server on the model's weights written as bf16 (the pair to
                             Kestrel's default bf16), also :f32, :q8_0 (the pair to --quantization
-                            int8), or :q4_1 for the native file. Bare `llama-server` takes Kestrel's
-                            default dtype on this machine: bf16, or f32 on a CPU without bf16
-                            instructions (where Kestrel runs float32)
+                            int8), or :q4_1 / :native for the file as it is (the pair to Kestrel on
+                            its blocks, `--kestrel-weights native`). Bare `llama-server` takes
+                            Kestrel's default dtype on this machine: bf16, or f32 on a CPU without
+                            bf16 instructions (where Kestrel runs float32); with `native`, the file
     llama-server:q4_k       a llama-quantize Q4_K_M file as it is: the caller's (`gguf=`, workload W6:
                             kestrel/bench/w6_model.py), or `model` (the file Kestrel reads too)
 
@@ -29,7 +30,7 @@ from kestrel.bench.peers import KestrelServer, LlamaServer, gguf_in_precision
 from kestrel.ops import cpu_has_amx_tile
 
 SERVER_SPECS = ("kestrel", "llama-server", "llama-server:bf16", "llama-server:f32", "llama-server:q8_0",
-                "llama-server:q4_1", "llama-server:q4_k")
+                "llama-server:q4_1", "llama-server:native", "llama-server:q4_k")
 PEER_SPECS = SERVER_SPECS[1:]
 # Precisions that have no conversion from a model's GGUF: the caller gives the file.
 GIVEN_FILE_PRECISIONS = ("q4_k",)
@@ -37,6 +38,26 @@ GIVEN_FILE_PRECISIONS = ("q4_k",)
 # kind seen (BENCHMARKS.md): more slots make its batches wider than its CPU kernels run well.
 LLAMA_BEST_NP = 16
 LLAMA_NP_ENV = "KESTREL_LLAMA_NP"
+# The weights Kestrel runs a GGUF model on in a benchmark: "bf16", the workloads' definition
+# (WORKLOADS.md: the model in bf16; a GGUF file's blocks dequantized to the model dtype at load,
+# --quantization none), the pair of llama-server:bf16; or "native", the file's blocks as it stores them
+# (what `kestrel serve` runs; the default model's Q4_1), the pair of llama-server on the same file.
+KESTREL_WEIGHTS = ("bf16", "native")
+
+
+def kestrel_weights_flags(weights: str, flags: Sequence[str]) -> list[str]:
+    """Kestrel's command-line flags for `weights`: --quantization none added for "bf16", unless the
+    flags name a quantization themselves."""
+    named = any(f == "--quantization" or f.startswith("--quantization=") for f in flags)
+    return [*flags, "--quantization", "none"] if weights == "bf16" and not named else list(flags)
+
+
+def bare_peer(spec: str, dtype: str | None, weights: str) -> str:
+    """A peer spec with its precision spelled out: a bare llama-server runs Kestrel's weights, the same
+    file where Kestrel runs its blocks ("native"), else the precision of Kestrel's dtype (peer_label)."""
+    if weights == "native" and is_llama(spec) and ":" not in spec:
+        return f"{spec}:native"
+    return peer_label(spec, dtype)
 
 
 def check_spec(spec: str) -> str:

@@ -87,6 +87,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "report): kestrel, llama-server[:bf16|:f32|:q4_1]")
     parser.add_argument("--runs", type=int, default=1, help="runs per --launch server; medians are reported")
     parser.add_argument("--kestrel-flags", default="", help="extra flags for a launched `kestrel serve`, as one string")
+    parser.add_argument("--kestrel-weights", choices=("bf16", "native"), default="bf16",
+                        help="a launched Kestrel's weights, and a bare launched llama-server's: bf16 (a GGUF "
+                             "model dequantized at load, --quantization none, as the workload is defined) or "
+                             "native (the file's quantized blocks; llama-server on the same file) (default: bf16)")
     parser.add_argument("--label", help="a name for the server under test in the report (e.g. 'llama.cpp')")
     parser.add_argument("--output-json", metavar="PATH", help="write the full report as JSON")
     parser.add_argument("--append-md", metavar="PATH", help="append a section to this Markdown file "
@@ -132,16 +136,26 @@ def run_launched(args: argparse.Namespace) -> dict[str, Any]:
     import shlex
     from contextlib import ExitStack
 
-    from kestrel.bench.launch import check_spec, is_llama, launch_server
+    from kestrel.bench.launch import (
+        bare_peer,
+        check_spec,
+        dtype_in_flags,
+        is_llama,
+        kestrel_weights_flags,
+        launch_server,
+    )
     from kestrel.bench.peers import RssSampler
     for spec in args.launch:
         check_spec(spec)
+    kestrel_flags = kestrel_weights_flags(args.kestrel_weights, shlex.split(args.kestrel_flags))
     with ExitStack() as stack:
         live = []
         for spec in args.launch:
+            if is_llama(spec):
+                spec = bare_peer(spec, dtype_in_flags(kestrel_flags), args.kestrel_weights)
             server = launch_server(spec, parallel=min(args.max_concurrency or args.num_prompts, 128),
                                    ctx_per_slot=args.input_len_range[1] + args.output_len_range[1] + 16,
-                                   kestrel_flags=shlex.split(args.kestrel_flags))
+                                   kestrel_flags=kestrel_flags)
             log(f"{spec}: starting")
             stack.enter_context(server)
             live.append((spec, server, stack.enter_context(RssSampler(server.pid)), []))

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kestrel.bench.common import log, set_torch_threads, warn_if_busy
-from kestrel.bench.launch import PEER_SPECS, peer_label
+from kestrel.bench.launch import PEER_SPECS, bare_peer, peer_label
 from kestrel.bench.report import write_report
 from kestrel.bench.throughput_report import build_report, format_markdown, format_summary
 from kestrel.bench.throughput_runs import run_kestrel, run_server_peer
@@ -79,6 +79,7 @@ TRANSFORMERS_PEERS = ("transformers", "transformers:float32", "transformers:bflo
 PEERS = (*TRANSFORMERS_PEERS, *PEER_SPECS)
 WORKLOADS = ("W1", "W4", "W6")
 W6_KESTREL_WEIGHTS = ("bf16", "q8_0", "q4_k_m")
+KESTREL_WEIGHTS = (*W6_KESTREL_WEIGHTS, "native")   # native: W1 and W4, the default model's own Q4_1 blocks
 # The llama-quantize file each of those reads (None: the safetensors folder).
 W6_KESTREL_FILES: dict[str, str | None] = {"bf16": None, "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
 # W6's llama-server peers and the file each reads: its bf16 GGUF (None) or a llama-quantize type.
@@ -111,10 +112,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "llama-server on the weights written as bf16 or f32 (default: Kestrel's dtype here), "
                              "or its native q4_1 file; W6: llama-server:bf16 on its bf16 GGUF, :q8_0 and :q4_k "
                              "on llama-quantize's Q8_0 and Q4_K_M files")
-    parser.add_argument("--kestrel-weights", choices=W6_KESTREL_WEIGHTS, default="bf16",
-                        help="W6 only: the file Kestrel reads: bf16, the safetensors folder; q8_0 or q4_k_m, "
-                             "llama-quantize's Q8_0 or Q4_K_M GGUF (the file llama-server:q8_0 or :q4_k reads), "
-                             "its weights kept in the file's blocks (default: bf16)")
+    parser.add_argument("--kestrel-weights", choices=KESTREL_WEIGHTS, default="bf16",
+                        help="the weights Kestrel runs. W1 and W4: bf16, a GGUF model's dequantized to bf16 at "
+                             "load as the workloads are defined (--quantization none), or native, its file's "
+                             "blocks as `kestrel serve` runs them (a bare llama-server peer then reads the same "
+                             "file). W6: bf16, the safetensors folder; q8_0 or q4_k_m, llama-quantize's Q8_0 "
+                             "or Q4_K_M GGUF (the file llama-server:q8_0 or :q4_k reads), its weights kept in "
+                             "the file's blocks (default: bf16)")
     parser.add_argument("--no-roofline", dest="roofline", action="store_false",
                         help="skip measuring the machine's matmul and copy rates (W1 and W6 only: W4 never does)")
     parser.add_argument("--peer-batch-size", type=int, default=DEFAULT_PEER_BATCH_SIZE,
@@ -135,6 +139,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         from kestrel.bench.w6_model import w6_model
         w6 = w6_model()
         engine_kwargs = {**engine_kwargs, "model": str(w6_kestrel_model(args.kestrel_weights, w6))}
+    if args.kestrel_weights == "bf16" and not engine_kwargs.get("quantization"):
+        engine_kwargs = {**engine_kwargs, "quantization": "none"}   # the workload's bf16 weights
     log(f"workload {args.workload}: {len(requests)} requests, {sum(r.input_len for r in requests)} prompt tokens, "
         f"{sum(r.output_len for r in requests)} output tokens")
     started = datetime.now(UTC)
@@ -157,9 +163,9 @@ def main(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
                 batch_size=args.peer_batch_size, runs=args.runs, num_threads=args.num_threads)))
         else:
             gguf = w6_peer_gguf(peer, w6) if w6 is not None else None
-            # A bare llama-server runs in the precision of the dtype Kestrel ran in.
-            results.append(run_server_peer(peer_label(peer, engine_info["dtype"]), requests, args.runs, args.workload,
-                                           engine_kwargs.get("model"), gguf))
+            # A bare llama-server runs Kestrel's weights: the precision of the dtype Kestrel ran in, or the file.
+            results.append(run_server_peer(bare_peer(peer, engine_info["dtype"], args.kestrel_weights), requests,
+                                           args.runs, args.workload, engine_kwargs.get("model"), gguf))
     report = build_report(args, requests, results, engine_info, started, load_average, limits)
     write_report(report, format_summary(report), format_markdown(report), args.output_json, args.append_md)
     return 0
@@ -225,7 +231,8 @@ def measure_machine_limits(engine_kwargs: dict[str, Any], gguf_blocks: bool = Fa
     layer_bytes = 1 if engine_kwargs.get("quantization") == "int8" else dtype_bytes
     weight_bytes = params.non_embedding * layer_bytes + params.output_head * dtype_bytes
     if gguf_blocks:
-        weight_bytes = gguf_read_bytes(engine_kwargs["model"])
+        from kestrel.model.loader import default_model_path
+        weight_bytes = gguf_read_bytes(engine_kwargs.get("model") or str(default_model_path()))
     limits.update(non_embedding_params=params.non_embedding, output_head_params=params.output_head,
                   roofline_dtype=roofline_dtype(str(dtype).removeprefix("torch.")),
                   weight_bytes=weight_bytes,
@@ -250,7 +257,9 @@ def check_options(args: argparse.Namespace, engine_kwargs: dict[str, Any] | None
         unknown = [p for p in servers if peer_label(p) not in W6_PEER_FILES]
         if unknown:
             raise ValueError(f"W6's llama-server peers are {', '.join(W6_PEER_FILES)}; got {', '.join(unknown)}")
-    elif args.kestrel_weights != "bf16":
-        raise ValueError("--kestrel-weights picks a file of W6's model: use it with --workload W6")
+    elif args.kestrel_weights not in ("bf16", "native"):
+        raise ValueError("--kestrel-weights q8_0 and q4_k_m pick a file of W6's model: use them with --workload W6")
+    if args.workload == "W6" and args.kestrel_weights == "native":
+        raise ValueError("--kestrel-weights native runs a GGUF file's own blocks: W6's are q8_0 or q4_k_m")
     if "llama-server:q4_k" in servers and args.workload != "W6":
         raise ValueError("llama-server:q4_k reads llama-quantize's file of W6's model: use it with --workload W6")

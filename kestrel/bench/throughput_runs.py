@@ -20,6 +20,7 @@ from kestrel.bench.common import (
 )
 from kestrel.bench.launch import peer_label
 from kestrel.bench.workloads import BenchRequest, warm_up_requests
+from kestrel.ops.gguf_blocks import GGUF_FORMATS
 
 # Every request of an offline workload is sent at once, so the last one waits for nearly the whole
 # run: its timeout bounds the run, not one request (W6 on llama-server bf16 takes over 10 minutes
@@ -150,8 +151,9 @@ def describe_engine(llm: Any) -> dict[str, Any]:
     config, source = engine.config, engine.source
     return {
         "model": source.name, "model_path": source.path, "gguf_file": source.gguf_file,
-        "format": (f"GGUF ({source.gguf_file}; Q8_0, Q6_K and Q4_K matrices kept where the kernels run them, "
-                   "other types dequantized on load)") if source.gguf_file else "Hugging Face folder",
+        "format": (f"GGUF ({source.gguf_file}; {', '.join(GGUF_FORMATS)} matrices kept where the kernels run "
+                   "them and no --quantization is given, other types dequantized on load)")
+                  if source.gguf_file else "Hugging Face folder",
         "dtype": str(config.model.dtype).removeprefix("torch."), "device": str(config.device.device),
         "quantization": config.model.quantization, "kv_cache_dtype": config.cache.kv_cache_dtype,
         "max_num_seqs": config.scheduler.max_num_seqs,
