@@ -9,7 +9,7 @@
 - SIGTERM with that many streams open: each ends with its finish_reason or an error event, every
   process is gone within 15 s, exit code 0.
 
-`make test` runs them with KESTREL_SOAK_CLIENTS=32 clients (the load for KESTREL_SOAK_SECONDS=20);
+`make test` runs them with KESTREL_SOAK_CLIENTS=32 clients (the load for KESTREL_SOAK_SECONDS=12);
 `make soak` with 256 (for 120 s), adding each test's figures to the JSON file KESTREL_SOAK_REPORT
 names, which RELIABILITY.md quotes.
 
@@ -38,7 +38,7 @@ from streaming_load import Stream, figures, run_clients, stream_completion, unli
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 CLIENTS = int(os.environ.get("KESTREL_SOAK_CLIENTS", "32"))
-LOAD_SECONDS = float(os.environ.get("KESTREL_SOAK_SECONDS", "20"))
+LOAD_SECONDS = float(os.environ.get("KESTREL_SOAK_SECONDS", "12"))
 SOAK_REPORT = os.environ.get("KESTREL_SOAK_REPORT")
 IDLE_TIMEOUT_S = 15
 
