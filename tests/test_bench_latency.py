@@ -62,4 +62,5 @@ def test_latency_rounds_interleave_engines(monkeypatch):
               "load_average_at_start": [0, 0, 0], "load_average_at_end": [0, 0, 0]}
     md = latency.format_markdown(report)
     assert "round by round" in md and "ran interleaved" in md
+    assert "Kestrel's weights: bf16, a GGUF file's blocks dequantized at load (--quantization none)" in md
     assert f"{ratios[0][0]:.2f}, {ratios[0][1]:.2f}" in latency.format_summary(report)

@@ -101,7 +101,7 @@ def main(args: argparse.Namespace) -> int:
             "id": "W3" if (args.input_len, args.output_len) == (W3_INPUT_LEN, W3_OUTPUT_LEN) else "W3 (modified)",
             "input_len": args.input_len, "output_len": args.output_len, "concurrency": args.concurrency,
             "runs": args.runs, "sampling": "greedy, ignore_eos, streamed",
-            "neighbour_threads": neighbour_threads(args)},
+            "neighbour_threads": neighbour_threads(args), "kestrel_weights": args.kestrel_weights},
         "command": getattr(args, "command_line", "kestrel bench latency"),
         "date": started.isoformat(timespec="seconds"),
         "load_average_at_start": list(load_average), "load_average_at_end": list(os.getloadavg()),
@@ -289,6 +289,10 @@ def format_summary(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+WEIGHTS_NAMES = {"bf16": "bf16, a GGUF file's blocks dequantized at load (--quantization none)",
+                 "native": "the GGUF file's blocks, as it stores them (a bare llama-server reads the same file)"}
+
+
 def format_markdown(report: dict[str, Any]) -> str:
     w, m = report["workload"], report["machine"]
     table = markdown_table(HEADER, _rows(report))
@@ -301,6 +305,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"- Workload: {w['input_len']} random prompt tokens, {w['output_len']} output tokens, {w['sampling']}; "
         f"concurrency {', '.join(map(str, w['concurrency']))}; every engine is a server driven by the same "
         f"client; medians of {w['runs']} rounds of per-round means",
+        f"- Kestrel's weights: {WEIGHTS_NAMES[w.get('kestrel_weights', 'bf16')]}",
         "", *table, "",
         "Ratio rows: Kestrel's figure over the peer's (TTFT and TPOT: below 1 is faster; decode tok/s: above 1).",
         "The engines' rounds ran interleaved (each round: every engine in turn, same prompts).",

@@ -84,7 +84,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="fields added to every request body, e.g. '{\"cache_prompt\": false}' for llama.cpp")
     parser.add_argument("--launch", action="append", default=[], metavar="SERVER",
                         help="start this server here instead of using --base-url (repeatable, compared in one "
-                             "report): kestrel, llama-server[:bf16|:f32|:q4_1]")
+                             "report): kestrel, llama-server[:bf16|:f32|:q4_1|:native]")
     parser.add_argument("--runs", type=int, default=1, help="runs per --launch server; medians are reported")
     parser.add_argument("--kestrel-flags", default="", help="extra flags for a launched `kestrel serve`, as one string")
     parser.add_argument("--kestrel-weights", choices=("bf16", "native"), default="bf16",
