@@ -4,8 +4,8 @@ the packed values against gguf.quants' dequantization bit for bit, the kernel ag
 for bit where the dequantized weights are bf16 numbers, the reader's blocks, a tensor-parallel rank's
 share, and the engine on the default model (its own Q4_1 file, and requantized to Q8_0) and on a small
 Llama in Q4_K_M's mix of Q4_K and Q6_K giving the same tokens with the file's blocks as with the
-weights dequantized; from 16 rows, the K-quants and Q4_1/Q4_0 against the product with 8-bit
-activations. tests/test_cpu_kernels_avx2_build.py runs the gguf
+weights dequantized; from 16 rows, the K-quants against the product with 8-bit activations (Q4_1 and
+Q4_0 against x itself: 16-bit activations at every row count). tests/test_cpu_kernels_avx2_build.py runs the gguf
 tests again on the AVX2 build."""
 
 from __future__ import annotations
@@ -127,12 +127,12 @@ def test_a_weight_of_several_types_is_one_blob_of_segments():
     assert torch.equal(gguf_rows(blob, ids), whole[ids])
 
 
-BYTE_MIN_ROWS = 16        # cpu_kernels.cpp's kByteMinRows: from here all but Q8_0 run against 8-bit activations
+BYTE_MIN_ROWS = 16        # cpu_kernels.cpp's kByteMinRows: from here Q4_K and Q6_K run against 8-bit activations
 Q8_0_WORD_MIN_ROWS = 8    # kQ8_0WordMinRows: from here Q8_0 runs against 16-bit activations, in another order
 
 
 def on_bytes(name: str, m: int) -> bool:
-    return name != "Q8_0" and m >= BYTE_MIN_ROWS
+    return name in ("Q4_K", "Q6_K") and m >= BYTE_MIN_ROWS
 
 
 @needs_kernel
@@ -172,10 +172,11 @@ def activations_in_8_bits(x: torch.Tensor) -> torch.Tensor:
                                      ([("Q4_K", 32), ("Q6_K", 16), ("Q8_0", 16), ("Q4_K", 16)], 512),
                                      ([("Q4_1", 48), ("Q4_0", 32), ("Q8_0", 16), ("Q4_1", 16)], 576)])
 def test_q4_k_and_q6_k_from_16_rows_are_the_product_with_8_bit_activations(parts, k):
-    """From 16 rows, Q4_K, Q6_K and Q4_1 (Q4_0's blocks too) meet x quantized to 8 bits per block of 32
-    (llama.cpp's scheme): y is the dequantized weights' product with those activations, within float32
-    sums and the one bf16 rounding of y; below 16 rows, and Q8_0 always (its float32 tiles below 8 rows,
-    16-bit activations from there), the product with x itself."""
+    """From 16 rows, Q4_K and Q6_K meet x quantized to 8 bits per block of 32 (llama.cpp's scheme): y is
+    the dequantized weights' product with those activations, within float32 sums and the one bf16
+    rounding of y; below 16 rows, and Q8_0, Q4_1 and Q4_0 always (Q8_0's float32 tiles below 8 rows,
+    16-bit activations from there; Q4_1's 16-bit activations streamed, and unpacked from 16 rows), the
+    product with x itself."""
     gen = torch.Generator().manual_seed(k)
     raw = [random_rows(name, n, k, gen) for name, n in parts]
     w = torch.cat([dequantized(name, r) for (name, _), r in zip(parts, raw)]).double()
@@ -345,13 +346,14 @@ def test_engine_keeps_the_files_blocks_and_gives_the_dequantized_tokens(pow2_q8_
 def test_engine_runs_the_default_models_own_q4_1_blocks(engine_check):
     """The default model as it ships (`kestrel serve`'s): every projection keeps the file's Q4_1 blocks
     (q, k and v one segment), the tied embedding and head its Q8_0 ones. Text prompts, chunked prefill
-    (a budget of 64 tokens: 8-bit activations from 16 rows), a prefix-cache hit and batched decode on the
-    C++ layer loop (16-bit activations) give the weights-dequantized run's tokens but at near-ties:
-    DESIGN.md's top-5 rule, and most of them the same to the end. Both runs are bf16, each off the
-    float32 run in its own way (the dequantized weights rounded to bf16; the kept blocks' 8-bit
-    activations): teacher-forced on README.md (benchmarks/gguf_teacher_forced.py, Zen 3, 2026-12-05)
-    their logprobs' p99 distance to it was 0.18 and 0.32, so up to 0.5 apart here (as the bf16 parity
-    test allows against transformers in bf16); on "Hi" the second token's was 0.31."""
+    (a budget of 64 tokens), a prefix-cache hit and batched decode on the C++ layer loop give the
+    weights-dequantized run's tokens but at near-ties: DESIGN.md's top-5 rule, and most of them the same
+    to the end. Both runs are bf16, each off the float32 run in its own way (the dequantized weights
+    rounded to bf16; the kept blocks' activations held as 16-bit integers and their sums in another
+    order): teacher-forced on README.md (benchmarks/gguf_teacher_forced.py, Zen 3, 2026-12-05) their
+    logprobs' p99 distance to it was 0.18 and 0.17, so up to 0.5 apart here, as the bf16 parity test
+    allows against transformers in bf16 (with prefill on 8-bit activations "Hi"'s second token was 0.31
+    apart)."""
     texts = ["The capital of France is", "Hi", "def add(a, b):\n    return",
              "Once upon a time, in a small village at the edge of a great forest, there lived a",
              "List of the planets of the solar system, in order from the sun: Mercury, Venus,"]

@@ -6,12 +6,12 @@ embedding and output head) whose tensors the file stores as Q8_0, Q6_K, Q4_K, Q4
 (1.06, 0.82, 0.56, 0.63 and 0.56 bytes a weight in the file; 1.125, 1.25, 0.59, 0.75 and 0.75 as the
 kernel packs them, against 2 for bf16), where the model is bf16 on a CPU with the kernels
 (cpu_kernels.cpp's linear_gguf, on llama.cpp's float32 values of the weights). The default model's
-layers are Q4_1. The 4-bit types below 16 rows, and Q8_0 from 8 rows, sum each block of 32 in integers
-against the activations held as 16-bit integers (exact for bf16 activations within 2^7 of their
-block's largest); from 16 rows (prefill chunks, decode steps of 16 requests or more), all but Q8_0
-run, as llama.cpp runs them, against the activations quantized to 8 bits (per block of 32, where
-llama.cpp's Q8_K has one scale per 256). Elsewhere, under --quantization int8 or none, and for every
-other GGUF type (Q5_K, Q5_0, ...), the weights are dequantized at load.
+layers are Q4_1. Q4_K below 16 rows, Q4_1 (and Q4_0) at every row count, and Q8_0 from 8 rows, sum
+each block of 32 in integers against the activations held as 16-bit integers (exact for bf16
+activations within 2^7 of their block's largest); from 16 rows (prefill chunks, decode steps of 16
+requests or more), Q4_K and Q6_K run, as llama.cpp runs them, against the activations quantized to 8
+bits (per block of 32, where llama.cpp's Q8_K has one scale per 256). Elsewhere, under --quantization
+int8 or none, and for every other GGUF type (Q5_K, Q5_0, ...), the weights are dequantized at load.
 `keep_gguf_blocks_` decides, once, before the weights are read.
 
 --quantization int8: the decoder layers' projections in int8, quantized at load time from the

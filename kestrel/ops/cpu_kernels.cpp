@@ -1432,8 +1432,8 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 // block (WordActivations: exact for every bf16 x within 2^7 of the block's largest, the rest within
 // 2^-15 of it): on 2 Zen 3 cores, at 1 row, 0.85 ms against 1.40 with float sums and 1.8 with each
 // weight dequantized (the 1B model's four layer shapes). From those row counts each thread unpacks
-// its panels once a call: Q8_0's q against the same 16-bit activations, the others against x
-// quantized to 8 bits, as llama.cpp runs its K-quants (see "against 8-bit activations" below).
+// its panels once a call: Q8_0's and Q4_1's q against the same 16-bit activations, Q4_K's and
+// Q6_K's against x quantized to 8 bits, as llama.cpp runs its K-quants (see "against 8-bit activations" below).
 
 namespace {
 
@@ -1748,19 +1748,18 @@ struct GgufLayout {
   }
 };
 
-// ---- Q4_K, Q6_K and Q4_1 against 8-bit activations (from kByteMinRows rows); Q8_0 on 16-bit ones ----
+// ---- Q4_K and Q6_K against 8-bit activations (from kByteMinRows rows); Q8_0 and Q4_1 on 16-bit ones ----
 //
 // llama.cpp's way with its K-quants (their q against activations quantized to 8 bits), with a scale
 // per block of 32 activations where its Q8_K has one per 256. Each row's blocks of 32 become int8,
 // x ~ s q with s = max|x| / 127 and q = round_half_even(x (127 / max|x|)) (ByteActivations). A
-// panel's q (Q4_K's and Q4_1's 4-bit as they are, Q6_K's 6-bit + 32: unsigned bytes; BytePanel, made
-// once a call) meet four activations at once in vpmaddubsw, whose 16-bit sums cannot saturate: Q4_K
-// and Q4_1 add 8 of them (a block of 32; at most 8 x 2 x 15 x 127 = 30480), Q6_K 2 (at most 2 x 2 x
-// 63 x 127 = 32004). vpmaddwd then sums each column's pair into 32 bits, times Q4_K's integer
-// sub-block scale (Q4_1's: 1), and the rest is float32: per block of 32 times s (Q6_K: times d sc per
-// 16), per Q4_K super-block (Q4_1 block) times d, and last the offsets, minus sum_j offset[c][j] (s
-// sum_j q), offset being Q4_K's dmin m per 32, Q4_1's -m per 32 and Q6_K's 32 d sc per 16 (its q are
-// stored + 32). So y is the product of the dequantized
+// panel's q (Q4_K's 4-bit as they are, Q6_K's 6-bit + 32: unsigned bytes; BytePanel, made once a
+// call) meet four activations at once in vpmaddubsw, whose 16-bit sums cannot saturate: Q4_K adds 8
+// of them (a sub-block of 32; at most 8 x 2 x 15 x 127 = 30480), Q6_K 2 (at most 2 x 2 x 63 x 127 =
+// 32004). vpmaddwd then sums each column's pair into 32 bits, times Q4_K's integer sub-block scale,
+// and the rest is float32: per block of 32 times s (Q6_K: times d sc per 16), per Q4_K super-block
+// times d, and last the offsets, minus sum_j offset[c][j] (s sum_j q), offset being Q4_K's dmin m per
+// 32 and Q6_K's 32 d sc per 16 (its q are stored + 32). So y is the product of the dequantized
 // weights and the dequantized activations, summed in float32 in another order (tests hold it to that
 // product in float64). Each vpmaddubsw does 32 multiply-adds where an FMA does 8: on 2 Zen 3 cores,
 // the 1B model's four layer shapes, against the kernels they replace (Q4_K's 16-bit tiles and float
@@ -1777,6 +1776,12 @@ struct GgufLayout {
 // (benchmarks/gguf_teacher_forced.py), the 8-bit form's logprobs were off by 0.051 (median) and its
 // top token differed at 5.2% of positions; the 16-bit form's 0.026 and 3.1%, the dequantized
 // weights' in bf16 0.028 and 2.7%.
+//
+// Q4_1 (the default model's layers) takes the word tiles too, its q unpacked to Q8_0's pairs of int8,
+// then minus the offsets times each block's sum of x. The 8-bit form ran W1 faster on 2 Zen 3 cores
+// (32.4 s against 49.5 with the weights in bf16) but was farther from the float32 run (median logprob
+// difference 0.040, top token 4.2%, against 0.025 and 3.5% on 16-bit activations) and flipped the
+// near-tie of the default model's first answer to "What is the capital of France?".
 
 constexpr int64_t kByteMinRows = 16;
 constexpr int64_t kQ8_0WordMinRows = 8;           // Q8_0's word tiles from here
@@ -1908,16 +1913,6 @@ void q4k_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p)
   }
 }
 
-void q4_1_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
-  for (int64_t b = 0; b < K / kQ4KSub; ++b) {
-    const uint8_t* block = q4_1_block(wq, K, n, b);
-    std::memcpy(p.scale + b * kPanelCols, block, kQuantScaleBytes);
-    std::memcpy(p.offset + b * kPanelCols, block + kQuantScaleBytes, kQuantScaleBytes);
-    for (int64_t g = 0; g < kQ4KSub / 4; ++g)
-      q4k_group_bytes(block + kQ4_1Quants + g * 2 * kPanelCols, p.q + (b * kQ4KSub + 4 * g) * kPanelCols);
-  }
-}
-
 // Q6_K's 4 k-rows of 16 int8 q - 32 (rows[i * 16 + c]), each plus bias, as 64 bytes (bytes 4c .. 4c + 3:
 // column c's k-rows 0 .. 3).
 inline void int8_group_bytes(const int8_t* rows, __m128i bias, uint8_t* dst) {
@@ -1962,6 +1957,24 @@ void q8_0_word_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p
   }
 }
 
+// Q4_1 as Q8_0's word panel: a group's low nibbles are its columns' pairs of k-rows (4g, 4g + 1), its
+// high ones (4g + 2, 4g + 3), each as an int8 0 .. 15; d and the offsets as they are.
+void q4_1_word_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
+  const __m128i low4 = _mm_set1_epi8(15);
+  for (int64_t b = 0; b < K / kQ4KSub; ++b) {
+    const uint8_t* block = q4_1_block(wq, K, n, b);
+    std::memcpy(p.scale + b * kPanelCols, block, kQuantScaleBytes);
+    std::memcpy(p.offset + b * kPanelCols, block + kQuantScaleBytes, kQuantScaleBytes);
+    for (int64_t g = 0; g < kQ4KSub / 4; ++g)
+      for (int h = 0; h < 2; ++h) {   // columns 8h .. 8h + 7
+        const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kQ4_1Quants + g * 2 * kPanelCols + 16 * h));
+        uint8_t* pairs = p.q + (b * kQ4KSub + 4 * g) * kPanelCols + 16 * h;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs), _mm_and_si128(w, low4));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs + 2 * kPanelCols), _mm_and_si128(_mm_srli_epi16(w, 4), low4));
+      }
+  }
+}
+
 inline VecI four_activations(const int8_t* q) {
   int32_t v;
   std::memcpy(&v, q, sizeof v);
@@ -1984,25 +1997,22 @@ void store_tile(const VecF (&total)[MR][V], float (*out)[kPanelCols]) {
     for (int v = 0; v < V; ++v) store(out[m] + v * kLanes, total[m][v]);
 }
 
-// out[m][c] for the MR rows from m0 and the panel's 16 columns, Q4_K's or Q4_1's (whose d is per
-// sub-block, and its sub-block scale 1). Not inlined (nor Q6_K's): inside byte_columns the register
-// allocator spilled an accumulator of the inner loop.
-template <int64_t Format, int MR>
-__attribute__((noinline)) void q4_byte_tile(const ByteActivations& a, int64_t m0, const BytePanel& p, float (*out)[kPanelCols]) {
+// out[m][c] for the MR rows from m0 and the panel's 16 columns. Not inlined (nor Q6_K's): inside
+// byte_columns the register allocator spilled an accumulator of the inner loop.
+template <int MR>
+__attribute__((noinline)) void q4k_byte_tile(const ByteActivations& a, int64_t m0, const BytePanel& p, float (*out)[kPanelCols]) {
   constexpr int V = kPanelVecs;
-  constexpr int64_t kSubsPerD = Format == kGgufQ4_K ? kQ4KSubs : 1;
   const int64_t K = a.K, blocks = K / kByteBlock;
-  const VecI ones = splat_i(0x00010001);
   const int8_t* x = a.q + m0 * K;
   const float* s = a.scale + m0 * blocks;
   VecF total[MR][V];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < V; ++v) total[m][v] = zero();
-  for (int64_t b = 0; b < blocks / kSubsPerD; ++b) {
-    VecF in_d[MR][V];   // the sum in units of d
+  for (int64_t b = 0; b < K / kQ4KBlock; ++b) {
+    VecF in_d[MR][V];   // the super-block's sum in units of d
     for (int m = 0; m < MR; ++m)
       for (int v = 0; v < V; ++v) in_d[m][v] = zero();
-    for (int64_t j = b * kSubsPerD; j < (b + 1) * kSubsPerD; ++j) {
+    for (int64_t j = b * kQ4KSubs; j < (b + 1) * kQ4KSubs; ++j) {
       VecI acc[MR][V];
       for (int m = 0; m < MR; ++m)
         for (int v = 0; v < V; ++v) acc[m][v] = zero_i();
@@ -2019,7 +2029,7 @@ __attribute__((noinline)) void q4_byte_tile(const ByteActivations& a, int64_t m0
           for (int v = 0; v < V; ++v) keep_in_register(acc[m][v]);
       }
       for (int v = 0; v < V; ++v) {
-        const VecI sc = Format == kGgufQ4_K ? load_bytes(p.scale_words + j * 2 * kPanelCols + v * 2 * kLanes) : ones;
+        const VecI sc = load_bytes(p.scale_words + j * 2 * kPanelCols + v * 2 * kLanes);
         for (int m = 0; m < MR; ++m)
           in_d[m][v] = fma(to_float_lanes(madd_words(acc[m][v], sc)), splat(s[m * blocks + j]), in_d[m][v]);
       }
@@ -2071,11 +2081,11 @@ __attribute__((noinline)) void q6k_byte_tile(const ByteActivations& a, int64_t m
   store_tile<MR, V>(total, out);
 }
 
-// Q8_0 against the 16-bit activations (WordActivations): each column's pair of q, widened to 16 bits,
-// against a pair of X in vpmaddwd, summed exactly in 32 bits over a block (at most 32 x 128 x 2^15 =
-// 2^27), then times d unit in float32.
-template <int MR>
-__attribute__((noinline)) void q8_0_word_tile(const WordActivations& a, int64_t m0, const BytePanel& p, float (*out)[kPanelCols]) {
+// Q8_0 (and Q4_1) against the 16-bit activations (WordActivations): each column's pair of q, widened
+// to 16 bits, against a pair of X in vpmaddwd, summed exactly in 32 bits over a block (at most 32 x 128
+// x 2^15 = 2^27), then times d unit in float32; Q4_1 last minus its offsets times each block's sum of x.
+template <int64_t Format, int MR>
+__attribute__((noinline)) void word_tile(const WordActivations& a, int64_t m0, const BytePanel& p, float (*out)[kPanelCols]) {
   constexpr int V = kPanelVecs;
   const int64_t K = a.K, blocks = K / kByteBlock;
   const int16_t* x = a.X + m0 * K;
@@ -2106,8 +2116,12 @@ __attribute__((noinline)) void q8_0_word_tile(const WordActivations& a, int64_t 
       for (int m = 0; m < MR; ++m) total[m][v] = fma(to_float_lanes(acc[m][v]), mul(d, splat(unit[m * blocks + j])), total[m][v]);
     }
   }
+  if constexpr (Format == kGgufQ4_1) subtract_offsets<MR, V>(total, p.offset, a.sum + m0 * blocks, blocks);
   store_tile<MR, V>(total, out);
 }
+
+// Whether the format's unpacked panels meet the 16-bit activations (the word tiles), not the 8-bit ones.
+inline bool on_words(int64_t format) { return format == kGgufQ8_0 || format == kGgufQ4_1; }
 
 // rows (1 .. kByteRows) rows from m0 on the format's tile of that many rows.
 template <int MR = kByteRows>
@@ -2116,10 +2130,10 @@ void byte_tile_rows(int64_t format, int rows, const ByteActivations& a, const Wo
   if constexpr (MR > 1) {
     if (rows < MR) return byte_tile_rows<MR - 1>(format, rows, a, words, m0, p, out);
   }
-  if (format == kGgufQ4_K) q4_byte_tile<kGgufQ4_K, MR>(a, m0, p, out);
-  else if (format == kGgufQ4_1) q4_byte_tile<kGgufQ4_1, MR>(a, m0, p, out);
+  if (format == kGgufQ4_K) q4k_byte_tile<MR>(a, m0, p, out);
   else if (format == kGgufQ6_K) q6k_byte_tile<MR>(a, m0, p, out);
-  else q8_0_word_tile<MR>(words, m0, p, out);
+  else if (format == kGgufQ4_1) word_tile<kGgufQ4_1, MR>(words, m0, p, out);
+  else word_tile<kGgufQ8_0, MR>(words, m0, p, out);
 }
 
 // The columns [n0, n1) of a segment on the byte tiles (Q8_0: the word tiles): its panels made once,
@@ -2127,10 +2141,10 @@ void byte_tile_rows(int64_t format, int rows, const ByteActivations& a, const Wo
 template <typename Out>
 void byte_columns(const ByteActivations& a, const WordActivations& words, const GgufSegment& s, int64_t M, int64_t n0,
                   int64_t n1, const Out& out) {
-  const int64_t K = s.format == kGgufQ8_0 ? words.K : a.K, panels = (n1 - n0) / kPanelCols;
+  const int64_t K = on_words(s.format) ? words.K : a.K, panels = (n1 - n0) / kPanelCols;
   const auto make = [&](int64_t p, const BytePanel& panel) {
     if (s.format == kGgufQ4_K) q4k_byte_panel(s.data, K, n0 + p * kPanelCols, panel);
-    else if (s.format == kGgufQ4_1) q4_1_byte_panel(s.data, K, n0 + p * kPanelCols, panel);
+    else if (s.format == kGgufQ4_1) q4_1_word_panel(s.data, K, n0 + p * kPanelCols, panel);
     else if (s.format == kGgufQ6_K) q6k_byte_panel(s.data, K, n0 + p * kPanelCols, panel);
     else q8_0_word_panel(s.data, K, n0 + p * kPanelCols, panel);
   };
@@ -2187,12 +2201,13 @@ torch::Tensor linear_gguf(torch::Tensor x, torch::Tensor w, bool float_out) {
   if (M == 0) return y;
   const float* xf = widened_x(x);
   const auto any_segment = [&](const auto& pred) { return std::any_of(layout.segments.begin(), layout.segments.end(), pred); };
+  // 16-bit activations: Q4_1's at every row count, Q4_K's streamed tiles', Q8_0's word tiles'.
   const bool words_used = any_segment([&](const GgufSegment& s) {
-    const bool four_bit = s.format == kGgufQ4_K || s.format == kGgufQ4_1;
-    return four_bit ? !on_unpacked_panels(s.format, M) : s.format == kGgufQ8_0 && on_unpacked_panels(s.format, M);
+    return s.format == kGgufQ4_1 || (s.format == kGgufQ4_K && !on_unpacked_panels(s.format, M)) ||
+           (s.format == kGgufQ8_0 && on_unpacked_panels(s.format, M));
   });
   const WordActivations activations = words_used ? WordActivations::of(xf, M, K) : WordActivations{};
-  const bool bytes_used = any_segment([&](const GgufSegment& s) { return s.format != kGgufQ8_0 && on_unpacked_panels(s.format, M); });
+  const bool bytes_used = any_segment([&](const GgufSegment& s) { return !on_words(s.format) && on_unpacked_panels(s.format, M); });
   const ByteActivations bytes = bytes_used ? ByteActivations::of(xf, M, K) : ByteActivations{};
   const Bf16Out out{y.data_ptr(), N, float_out};
   at::parallel_for(0, N / kPanelCols, 1, [&](int64_t begin, int64_t end) {
