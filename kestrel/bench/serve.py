@@ -87,6 +87,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "report): kestrel, llama-server[:bf16|:f32|:q4_1|:native]")
     parser.add_argument("--runs", type=int, default=1, help="runs per --launch server; medians are reported")
     parser.add_argument("--kestrel-flags", default="", help="extra flags for a launched `kestrel serve`, as one string")
+    # launch.KESTREL_WEIGHTS, spelled out: this parser does not import launch (and torch) for --base-url runs.
     parser.add_argument("--kestrel-weights", choices=("bf16", "native"), default="bf16",
                         help="a launched Kestrel's weights, and a bare launched llama-server's: bf16 (a GGUF "
                              "model dequantized at load, --quantization none, as the workload is defined) or "

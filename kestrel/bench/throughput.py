@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kestrel.bench.common import log, set_torch_threads, warn_if_busy
+from kestrel.bench.launch import KESTREL_WEIGHTS as SERVER_KESTREL_WEIGHTS
 from kestrel.bench.launch import PEER_SPECS, bare_peer, peer_label
 from kestrel.bench.report import write_report
 from kestrel.bench.throughput_report import build_report, format_markdown, format_summary
@@ -79,7 +80,7 @@ TRANSFORMERS_PEERS = ("transformers", "transformers:float32", "transformers:bflo
 PEERS = (*TRANSFORMERS_PEERS, *PEER_SPECS)
 WORKLOADS = ("W1", "W4", "W6")
 W6_KESTREL_WEIGHTS = ("bf16", "q8_0", "q4_k_m")
-KESTREL_WEIGHTS = (*W6_KESTREL_WEIGHTS, "native")   # native: W1 and W4, the default model's own Q4_1 blocks
+KESTREL_WEIGHTS = (*W6_KESTREL_WEIGHTS, "native")   # W1 and W4: SERVER_KESTREL_WEIGHTS; W6: its files
 # The llama-quantize file each of those reads (None: the safetensors folder).
 W6_KESTREL_FILES: dict[str, str | None] = {"bf16": None, "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
 # W6's llama-server peers and the file each reads: its bf16 GGUF (None) or a llama-quantize type.
@@ -257,7 +258,7 @@ def check_options(args: argparse.Namespace, engine_kwargs: dict[str, Any] | None
         unknown = [p for p in servers if peer_label(p) not in W6_PEER_FILES]
         if unknown:
             raise ValueError(f"W6's llama-server peers are {', '.join(W6_PEER_FILES)}; got {', '.join(unknown)}")
-    elif args.kestrel_weights not in ("bf16", "native"):
+    elif args.kestrel_weights not in SERVER_KESTREL_WEIGHTS:
         raise ValueError("--kestrel-weights q8_0 and q4_k_m pick a file of W6's model: use them with --workload W6")
     if args.workload == "W6" and args.kestrel_weights == "native":
         raise ValueError("--kestrel-weights native runs a GGUF file's own blocks: W6's are q8_0 or q4_k_m")
