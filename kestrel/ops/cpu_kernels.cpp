@@ -1643,7 +1643,7 @@ void q4_stream_panels(const WordActivations& a, const float* xm, const uint8_t* 
           std::memcpy(pairs, a.X + (row0 + m) * K + k, sizeof pairs);
           const VecI x01 = splat_i(pairs[0]), x23 = splat_i(pairs[1]);
           for (int v = 0; v < V; ++v)
-            acc[m][v] = add_lanes(acc[m][v], add_lanes(madd_words(low[v], x01), madd_words(high[v], x23)));
+            acc[m][v] = add_word_products(add_word_products(acc[m][v], low[v], x01), high[v], x23);
         }
       }
       for (int p = 0; p < P; ++p)
@@ -2013,6 +2013,8 @@ __attribute__((noinline)) void q4k_byte_tile(const ByteActivations& a, int64_t m
     for (int m = 0; m < MR; ++m)
       for (int v = 0; v < V; ++v) in_d[m][v] = zero();
     for (int64_t j = b * kQ4KSubs; j < (b + 1) * kQ4KSubs; ++j) {
+      // The sub-block's products: in 16-bit halves (16 of at most 15 x 127 each) scaled by vpmaddwd,
+      // or, with vpdpbusd, whole in 32 bits and scaled by a 32-bit multiply; the same integers.
       VecI acc[MR][V];
       for (int m = 0; m < MR; ++m)
         for (int v = 0; v < V; ++v) acc[m][v] = zero_i();
@@ -2022,7 +2024,8 @@ __attribute__((noinline)) void q4k_byte_tile(const ByteActivations& a, int64_t m
         for (int v = 0; v < V; ++v) w[v] = in_register_i(load_bytes(p.q + k * kPanelCols + v * 4 * kLanes));
         for (int m = 0; m < MR; ++m) {
           const VecI x4 = four_activations(x + m * K + k);
-          for (int v = 0; v < V; ++v) acc[m][v] = add_words(acc[m][v], madd_bytes(w[v], x4));
+          for (int v = 0; v < V; ++v)
+            acc[m][v] = kFusedByteProducts ? add_byte_products(acc[m][v], w[v], x4) : add_words(acc[m][v], madd_bytes(w[v], x4));
         }
         // Without this GCC regroups the sums and spills the accumulators.
         for (int m = 0; m < MR; ++m)
@@ -2030,8 +2033,10 @@ __attribute__((noinline)) void q4k_byte_tile(const ByteActivations& a, int64_t m
       }
       for (int v = 0; v < V; ++v) {
         const VecI sc = load_bytes(p.scale_words + j * 2 * kPanelCols + v * 2 * kLanes);
-        for (int m = 0; m < MR; ++m)
-          in_d[m][v] = fma(to_float_lanes(madd_words(acc[m][v], sc)), splat(s[m * blocks + j]), in_d[m][v]);
+        for (int m = 0; m < MR; ++m) {
+          const VecI in_units = kFusedByteProducts ? mul_lanes(acc[m][v], low_words(sc)) : madd_words(acc[m][v], sc);
+          in_d[m][v] = fma(to_float_lanes(in_units), splat(s[m * blocks + j]), in_d[m][v]);
+        }
       }
     }
     for (int v = 0; v < V; ++v) {
@@ -2066,7 +2071,10 @@ __attribute__((noinline)) void q6k_byte_tile(const ByteActivations& a, int64_t m
       for (int m = 0; m < MR; ++m) {
         const VecI x0 = four_activations(x + m * K + k), x1 = four_activations(x + m * K + k + 4);
         for (int v = 0; v < V; ++v)
-          acc[m][v] = add_lanes(acc[m][v], madd_words(add_words(madd_bytes(w0[v], x0), madd_bytes(w1[v], x1)), ones));
+          if constexpr (kFusedByteProducts)
+            acc[m][v] = add_byte_products(add_byte_products(acc[m][v], w0[v], x0), w1[v], x1);
+          else
+            acc[m][v] = add_lanes(acc[m][v], madd_words(add_words(madd_bytes(w0[v], x0), madd_bytes(w1[v], x1)), ones));
       }
       for (int m = 0; m < MR; ++m)
         for (int v = 0; v < V; ++v) acc[m][v] = in_register_i(acc[m][v]);
@@ -2106,7 +2114,7 @@ __attribute__((noinline)) void word_tile(const WordActivations& a, int64_t m0, c
         int32_t pair;
         std::memcpy(&pair, x + m * K + k, sizeof pair);
         const VecI x2 = splat_i(pair);
-        for (int v = 0; v < V; ++v) acc[m][v] = add_lanes(acc[m][v], madd_words(w[v], x2));
+        for (int v = 0; v < V; ++v) acc[m][v] = add_word_products(acc[m][v], w[v], x2);
       }
       for (int m = 0; m < MR; ++m)
         for (int v = 0; v < V; ++v) keep_in_register(acc[m][v]);

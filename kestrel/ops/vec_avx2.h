@@ -50,6 +50,15 @@ inline VecI load_i8_words(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loa
 inline VecI low_nibble_words(VecI w) { return _mm256_and_si256(w, _mm256_set1_epi16(15)); }
 inline VecI high_nibble_words(VecI w) { return _mm256_srli_epi16(w, 4); }
 inline VecI madd_words(VecI a, VecI b) { return _mm256_madd_epi16(a, b); }
+// acc plus the pairs of 16-bit products of a and b summed into 32-bit lanes: one vpdpwssd where the
+// build targets AVX-VNNI, else vpmaddwd and an add. The same integers either way (neither saturates).
+inline VecI add_word_products(VecI acc, VecI a, VecI b) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
 inline VecI add_lanes(VecI a, VecI b) { return _mm256_add_epi32(a, b); }
 inline VecI zero_i() { return _mm256_setzero_si256(); }
 inline VecF to_float_lanes(VecI v) { return _mm256_cvtepi32_ps(v); }
@@ -66,6 +75,17 @@ inline void store_int16_rounded(int16_t* p, VecF v) {
 inline VecI load_bytes(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline VecI madd_bytes(VecI u8, VecI s8) { return _mm256_maddubs_epi16(u8, s8); }
 inline VecI add_words(VecI a, VecI b) { return _mm256_add_epi16(a, b); }
+// Whether add_byte_products is one instruction (vpdpbusd: the four u8 x s8 products of each 32-bit
+// lane summed exactly into it); without it, callers sum pairs in 16 bits first (vpmaddubsw).
+#if defined(__AVXVNNI__)
+constexpr bool kFusedByteProducts = true;
+inline VecI add_byte_products(VecI acc, VecI u8, VecI s8) { return _mm256_dpbusd_avx_epi32(acc, u8, s8); }
+#else
+constexpr bool kFusedByteProducts = false;
+inline VecI add_byte_products(VecI acc, VecI u8, VecI s8) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
+}
+#endif
 // Each lane rounded to an integer (to nearest even) and stored as int8 (|v| <= 127): kLanes bytes.
 inline void store_int8_rounded(int8_t* p, VecF v) {
   const __m256i i = _mm256_cvtps_epi32(v);

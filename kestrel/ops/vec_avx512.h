@@ -55,6 +55,15 @@ inline VecI load_i8_words(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_
 inline VecI low_nibble_words(VecI w) { return _mm512_and_si512(w, _mm512_set1_epi16(15)); }
 inline VecI high_nibble_words(VecI w) { return _mm512_srli_epi16(w, 4); }
 inline VecI madd_words(VecI a, VecI b) { return _mm512_madd_epi16(a, b); }
+// acc plus the pairs of 16-bit products of a and b summed into 32-bit lanes: one vpdpwssd where the
+// CPU has AVX512-VNNI, else vpmaddwd and an add. The same integers either way (neither saturates).
+inline VecI add_word_products(VecI acc, VecI a, VecI b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
 inline VecI add_lanes(VecI a, VecI b) { return _mm512_add_epi32(a, b); }
 inline VecI zero_i() { return _mm512_setzero_si512(); }
 inline VecF to_float_lanes(VecI v) { return _mm512_cvtepi32_ps(v); }
@@ -67,6 +76,17 @@ inline void store_int16_rounded(int16_t* p, VecF v) {
 inline VecI load_bytes(const void* p) { return _mm512_loadu_si512(p); }
 inline VecI madd_bytes(VecI u8, VecI s8) { return _mm512_maddubs_epi16(u8, s8); }
 inline VecI add_words(VecI a, VecI b) { return _mm512_add_epi16(a, b); }
+// Whether add_byte_products is one instruction (vpdpbusd: the four u8 x s8 products of each 32-bit
+// lane summed exactly into it); without it, callers sum pairs in 16 bits first (vpmaddubsw).
+#if defined(__AVX512VNNI__)
+constexpr bool kFusedByteProducts = true;
+inline VecI add_byte_products(VecI acc, VecI u8, VecI s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
+#else
+constexpr bool kFusedByteProducts = false;
+inline VecI add_byte_products(VecI acc, VecI u8, VecI s8) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u8, s8), _mm512_set1_epi16(1)));
+}
+#endif
 inline void store_int8_rounded(int8_t* p, VecF v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
 }

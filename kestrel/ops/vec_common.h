@@ -26,11 +26,12 @@ inline VecI bits(VecF v) { return KESTREL_VEC_SI(castps)(v); }
 inline VecF from_bits(VecI b) { return KESTREL_VEC_TO_PS(b); }
 inline VecI splat_i(int32_t x) { return KESTREL_VEC_EPI32(set1)(x); }
 inline VecI add_i(VecI a, int32_t b) { return KESTREL_VEC_EPI32(add)(a, splat_i(b)); }
+inline VecI mul_lanes(VecI a, VecI b) { return KESTREL_VEC_EPI32(mullo)(a, b); }  // the low 32 bits of each product
 inline void store_i(int32_t* p, VecI v) { KESTREL_VEC_SI(storeu)(reinterpret_cast<VecI*>(p), v); }
 // Each lane rounded to int32 in the current rounding mode (to nearest even by default).
 inline void store_rounded(int32_t* p, VecF v) { store_i(p, KESTREL_VEC_EPI32(cvtps)(v)); }
 // The lane offsets 0, stride, 2 stride, ... (for a gather).
-inline VecI strided(int64_t stride) { return KESTREL_VEC_EPI32(mullo)(iota(), splat_i(static_cast<int32_t>(stride))); }
+inline VecI strided(int64_t stride) { return mul_lanes(iota(), splat_i(static_cast<int32_t>(stride))); }
 
 // float → bf16 with round-to-nearest-even, as torch's .to(torch.bfloat16) does: the bf16 value sits
 // in the upper 16 bits of each lane of the result.
