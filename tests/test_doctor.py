@@ -43,6 +43,15 @@ def test_each_symptom_names_its_box_and_flag(overrides, box, flag):
     assert any(flag in f for f in finding.flags), finding.flags
 
 
+def test_int8_is_suggested_for_unquantized_weights_only():
+    """A GGUF model on its file's blocks (label "gguf") reads fewer bytes a step than int8 would."""
+    plain = diagnose(figures(), traces=[])
+    gguf = diagnose(figures(config={**figures().config, "quantization": "gguf"}), traces=[])
+    assert plain.box == gguf.box == "model_runner"
+    assert any("--quantization int8" in f for f in plain.flags)
+    assert not any("--quantization int8" in f for f in gguf.flags)
+
+
 def test_chunked_prefill_is_read_from_the_traces():
     traces = [{"ttft_ms": 900.0, "prefill_chunks": 7, "boxes_ms": {}}, {"ttft_ms": 850.0, "prefill_chunks": 6}]
     finding = diagnose(figures(batch=8.0, config={"max_num_batched_tokens": "32"}), traces)

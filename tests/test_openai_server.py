@@ -461,6 +461,7 @@ def test_metrics_move(server, client):
     text = httpx.get(f"{server.url}/metrics").text
     for name in METRIC_NAMES:
         assert name in text, name
+    assert 'quantization="gguf"' in text   # the default model is a GGUF file, served without --quantization
     before = scrape(server)
     client.completions.create(model=MODEL, prompt="Counting: one, two,", temperature=0, max_tokens=6)
     after = scrape(server)

@@ -131,6 +131,14 @@ class EngineCollector:
             g.add_metric([self.model_name, str(engine), "free"], float(total - used))
         yield g
 
+    def quantization_label(self, config) -> str:
+        """--quantization as given; unset, "gguf" for a GGUF file (its blocks, as vLLM labels any GGUF
+        model: Kestrel keeps them where its kernels run them) and "none" for a Hugging Face folder."""
+        if config.model.quantization is not None:
+            return config.model.quantization
+        source = getattr(self.engine, "source", None)
+        return "gguf" if source is not None and source.gguf_file is not None else "none"
+
     def collect_config_info(self, config):
         """The settings a diagnosis points at, as labels of gauges of value 1 (as vLLM's cache_config_info)."""
         sched, cache, parallel = config.scheduler, config.cache, config.parallel
@@ -144,7 +152,7 @@ class EngineCollector:
                                       "enable_chunked_prefill": sched.enable_chunked_prefill,
                                       "async_scheduling": sched.async_scheduling},
             "model_config_info": {"dtype": str(config.model.dtype).removeprefix("torch."),
-                                  "quantization": config.model.quantization or "none",
+                                  "quantization": self.quantization_label(config),
                                   "enforce_eager": config.enforce_eager,
                                   "attention_backend": config.attention_backend,
                                   "device": str(config.device.device),
