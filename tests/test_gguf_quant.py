@@ -135,6 +135,10 @@ def on_bytes(name: str, m: int) -> bool:
     return name in ("Q4_K", "Q6_K") and m >= BYTE_MIN_ROWS
 
 
+def on_bf16_panels(name: str, m: int) -> bool:
+    return bool(kernels.gguf_bf16_panels) and m >= BYTE_MIN_ROWS and name in ("Q8_0", "Q4_1", "Q4_0")
+
+
 @needs_kernel
 @pytest.mark.parametrize("name,n,k", [("Q8_0", 16, 32), ("Q8_0", 48, 96), ("Q8_0", 64, 2080), ("Q6_K", 48, 256),
                                       ("Q6_K", 80, 768)])
@@ -154,6 +158,34 @@ def test_linear_gguf_is_linear_bf16_bit_for_bit_on_bf16_weights(name, n, k):
         bits = kernels.linear_bf16(x, bf16).view(torch.int16)
         assert torch.equal(kernels.linear_gguf(x, packed).view(torch.int16), bits)
         assert torch.equal(kernels.linear_gguf(x, packed, float_out=True), kernels.linear_bf16(x, bf16, float_out=True))
+
+
+@needs_kernel
+@pytest.mark.skipif(kernels is None or not kernels.gguf_bf16_panels or cpu_gemv() is None,
+                    reason="the bf16 panels are the AVX512-BF16 build's")
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_0"])
+def test_q8_0_and_q4_1_from_16_rows_are_the_dequantized_bf16_product_on_avx512_bf16(name):
+    """From 16 rows with AVX512-BF16 their panels are the load's bf16 dequantization (gguf.quants' float32
+    values rounded to bf16: any d and offsets) and their rows run as linear_bf16_avx512 runs 16 rows and
+    more, so the same bits as that kernel on the weights dequantized to bf16, alone and beside a Q4_K
+    segment, y rounded to bf16 or not."""
+    gemv = cpu_gemv()
+    gen = torch.Generator().manual_seed(11)
+    for n, k in ((48, 576), (32, 1536)):
+        raw = random_rows(name, n, k, gen)
+        w = dequantized(name, raw).bfloat16()
+        other = random_rows("Q4_K", 32, k, gen) if k % 256 == 0 else None
+        parts = [(GGUF_FORMATS[name], raw)] + ([(GGUF_FORMATS["Q4_K"], other)] if other is not None else [])
+        packed = pack_gguf_weight(parts, k)
+        for m in (16, 17, 40, 64, 100, 128, 300):   # 300: the panels made first, then rows a block at a time
+            x = torch.randn(m, k, generator=gen).bfloat16()
+            # linear_bf16_avx512 takes up to 128 rows, and a row's result does not depend on the others
+            chunks = [x[i:i + 128] for i in range(0, m, 128)]
+            expected = torch.cat([gemv.linear_bf16_avx512(c, w) for c in chunks])
+            expected32 = torch.cat([gemv.linear_bf16_avx512(c, w, float_out=True) for c in chunks])
+            y = kernels.linear_gguf(x, packed)[:, :n]
+            assert torch.equal(y.view(torch.int16), expected.view(torch.int16)), (name, k, m)
+            assert torch.equal(kernels.linear_gguf(x, packed, float_out=True)[:, :n], expected32), (name, k, m)
 
 
 def activations_in_8_bits(x: torch.Tensor) -> torch.Tensor:
@@ -176,7 +208,8 @@ def test_q4_k_and_q6_k_from_16_rows_are_the_product_with_8_bit_activations(parts
     the dequantized weights' product with those activations, within float32 sums and the one bf16
     rounding of y; below 16 rows, and Q8_0, Q4_1 and Q4_0 always (Q8_0's float32 tiles below 8 rows,
     16-bit activations from there; Q4_1's 16-bit activations streamed, and unpacked from 16 rows), the
-    product with x itself."""
+    product with x itself; where the bf16 panels run (AVX512-BF16), x's product with the weights
+    rounded to bf16."""
     gen = torch.Generator().manual_seed(k)
     raw = [random_rows(name, n, k, gen) for name, n in parts]
     w = torch.cat([dequantized(name, r) for (name, _), r in zip(parts, raw)]).double()
@@ -186,9 +219,11 @@ def test_q4_k_and_q6_k_from_16_rows_are_the_product_with_8_bit_activations(parts
         x[m // 2, 5:37] *= 1000   # a block across two of Q4_K's sub-blocks, far above the rest
         y = kernels.linear_gguf(x, blob, float_out=True).double()
         columns_on_bytes = torch.tensor([on_bytes(name, m) for name, n in parts for _ in range(n)])
+        columns_on_bf16 = torch.tensor([on_bf16_panels(name, m) for name, n in parts for _ in range(n)])
         seen = activations_in_8_bits(x)
         assert not torch.equal(seen, x.float())
-        expected = torch.where(columns_on_bytes, seen.double() @ w.T, x.double() @ w.T)
+        expected = torch.where(columns_on_bytes, seen.double() @ w.T,
+                               torch.where(columns_on_bf16, x.double() @ w.bfloat16().double().T, x.double() @ w.T))
         assert ((y - expected).abs() <= expected.abs() * 2 ** -8 + 1e-5 * expected.abs().max()).all(), m
 
 
@@ -211,7 +246,8 @@ def test_linear_gguf_runs_each_segment_on_its_columns():
 def test_linear_gguf_is_the_product_of_the_dequantized_weights(name):
     """Within float32 sums and the bf16 rounding of y of the exact product; where 8-bit activations run
     (Q4_K and Q6_K from 16 rows), also within what they move: each x by at most half its block's step
-    max|x| / 127, so y[c] by at most sum_k |w[c, k]| step_k / 2."""
+    max|x| / 127, so y[c] by at most sum_k |w[c, k]| step_k / 2; where the bf16 panels run (AVX512-BF16:
+    Q8_0 from 8 rows, Q4_1 and Q4_0 from 16), within the weights' rounding to bf16 (2^-9 of each)."""
     gen = torch.Generator().manual_seed(7)
     raw = random_rows(name, 256, 1024, gen)
     w = dequantized(name, raw).double()
@@ -227,6 +263,8 @@ def test_linear_gguf_is_the_product_of_the_dequantized_weights(name):
         if on_bytes(name, m):
             step = x.double().reshape(m, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(m, -1) / 127
             bound = bound + (step / 2) @ w.abs().T
+        if on_bf16_panels(name, m):
+            bound = bound + x.double().abs() @ (w.abs() * 2 ** -9).T
         assert ((y - exact).abs() <= bound).all()
 
 
