@@ -1878,14 +1878,15 @@ struct BytePanels {
   std::vector<uint8_t> q;
   std::vector<int16_t> scale_words;
   std::vector<float> scale, offset;
-  int64_t K = 0;
+  int64_t K = 0, q_bytes = 1;   // q's bytes a weight: 1, or 2 for bf16 panels
   BytePanel at(int64_t p) {
-    return {q.data() + 2 * p * K * kPanelCols, scale_words.data() + p * (K / 16) * kPanelCols,
+    return {q.data() + q_bytes * p * K * kPanelCols, scale_words.data() + p * (K / 16) * kPanelCols,
             scale.data() + p * (K / 16) * kPanelCols, offset.data() + p * (K / 16) * kPanelCols};
   }
-  void hold(int64_t panels, int64_t k) {
+  void hold(int64_t panels, int64_t k, int64_t bytes = 1) {
     K = k;
-    scratch(q, 2 * panels * K * kPanelCols);   // room for a bf16 panel
+    q_bytes = bytes;
+    scratch(q, q_bytes * panels * K * kPanelCols);
     scratch(scale_words, panels * (K / 16) * kPanelCols);
     scratch(scale, panels * (K / 16) * kPanelCols);
     scratch(offset, panels * (K / 16) * kPanelCols);
@@ -2070,7 +2071,7 @@ void bf16_columns(const uint16_t* x, const GgufSegment& s, int64_t M, int64_t K,
   const int64_t panels = (n1 - n0) / kPanelCols;
   const bool made_first = M > kBf16PanelRowBlock;
   thread_local BytePanels made;
-  made.hold(made_first ? panels : kBf16TilePanels, K);
+  made.hold(made_first ? panels : kBf16TilePanels, K, sizeof(uint16_t));
   if (made_first)
     for (int64_t p = 0; p < panels; ++p) bf16_panel(s.format, s.data, K, n0 + p * kPanelCols, made.at(p));
   alignas(64) float tile[kBf16TileRows][kBf16TilePanels * kPanelCols];
