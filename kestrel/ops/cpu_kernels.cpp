@@ -1433,8 +1433,9 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 // block (WordActivations: exact for every bf16 x within 2^7 of the block's largest, the rest within
 // 2^-15 of it): on 2 Zen 3 cores, at 1 row, 0.85 ms against 1.40 with float sums and 1.8 with each
 // weight dequantized (the 1B model's four layer shapes). From those row counts each thread unpacks
-// its panels once a call: Q8_0's and Q4_1's q against the same 16-bit activations, Q4_K's and
-// Q6_K's against x quantized to 8 bits, as llama.cpp runs its K-quants (see "against 8-bit activations" below).
+// its panels once a call: Q8_0's and Q4_1's q against the same 16-bit activations (with AVX512-BF16,
+// from 16 rows, dequantized to bf16 panels instead: see kBf16Panels), Q4_K's and Q6_K's against x
+// quantized to 8 bits, as llama.cpp runs its K-quants (see "against 8-bit activations" below).
 
 namespace {
 
@@ -2090,8 +2091,9 @@ void bf16_columns(const uint16_t* x, const GgufSegment& s, int64_t M, int64_t K,
       for (int r = 0; r < rows; ++r) out.row(m + r, n0 + first * kPanelCols, t[r], P * kPanelCols);
     }
   };
-  for (int64_t m1 = 0; m1 < M; m1 += made_first ? kBf16PanelRowBlock : M) {
-    const int64_t m2 = std::min(M, m1 + (made_first ? kBf16PanelRowBlock : M));
+  const int64_t row_block = made_first ? kBf16PanelRowBlock : M;
+  for (int64_t m1 = 0; m1 < M; m1 += row_block) {
+    const int64_t m2 = std::min(M, m1 + row_block);
     int64_t p = 0;
     for (; p + kBf16TilePanels <= panels; p += kBf16TilePanels) run(std::integral_constant<int, kBf16TilePanels>{}, p, m1, m2);
     for (; p < panels; ++p) run(std::integral_constant<int, 1>{}, p, m1, m2);
