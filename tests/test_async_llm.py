@@ -124,14 +124,30 @@ def test_step_fault_ends_every_stream_with_its_message(monkeypatch):
         engine.shutdown()
 
 
-def test_an_unreadable_model_stops_the_engine_core_started_before_it_was_read(tmp_path):
+def test_an_unreadable_model_stops_the_engine_core_started_before_it_was_read(tmp_path, monkeypatch):
     """The engine core starts while the front end reads the model; when that fails, the loader's error
-    reaches the caller and no process is left behind."""
+    reaches the caller and no process is left behind, nor its sockets' folder."""
+    started = []
+    prestart = async_llm.prestart_engine_cores
+    monkeypatch.setattr(async_llm, "prestart_engine_cores", lambda size: started.extend(prestart(size)) or started)
     before = {c.pid for c in psutil.Process().children()}
     with pytest.raises(ValueError, match="does-not-exist"):
         AsyncLLM.from_engine_args(EngineArgs(model=str(tmp_path / "does-not-exist")))
     assert [c for c in psutil.Process().children() if c.pid not in before and c.is_running()
-            and c.status() != psutil.STATUS_ZOMBIE] == []
+            and c.status() != psutil.STATUS_ZOMBIE and not is_resource_tracker(c)] == []
+    assert len(started) == 1 and not os.path.exists(started[0].sock_dir)
+
+
+def is_resource_tracker(process: psutil.Process) -> bool:
+    """multiprocessing's resource tracker: started by the first spawned process, it outlives them all."""
+    return any("resource_tracker" in part for part in process.cmdline())
+
+
+def test_shutdown_removes_the_sockets_folder(llm):
+    folders = [core.sock_dir for core in llm.engine_cores.cores]
+    assert all(os.path.isdir(folder) for folder in folders)
+    llm.shutdown()
+    assert not any(os.path.exists(folder) for folder in folders)
 
 
 def test_a_bad_flag_fails_before_any_engine_core_starts(monkeypatch):

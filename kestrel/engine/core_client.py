@@ -49,9 +49,9 @@ class EngineCoreProcess:
 
     def __init__(self, rank: int, label: str) -> None:
         self.label = label  # "the engine core", or "engine core N" among several
-        sock_dir = tempfile.mkdtemp(prefix="kestrel-")
-        self.input_addr = f"ipc://{sock_dir}/input"
-        self.output_addr = f"ipc://{sock_dir}/output"
+        self.sock_dir = tempfile.mkdtemp(prefix="kestrel-")  # removed, with its sockets, at shutdown
+        self.input_addr = f"ipc://{self.sock_dir}/input"
+        self.output_addr = f"ipc://{self.sock_dir}/output"
         # Plain sockets, so the engine can be built outside an event loop; AsyncLLM gives the output
         # socket an asyncio view once a loop drains it.
         self._ctx = zmq.Context()
@@ -133,6 +133,10 @@ class EngineCoreProcess:
                 os.unlink(addr.removeprefix("ipc://"))
             except OSError:
                 pass
+        try:
+            os.rmdir(self.sock_dir)
+        except OSError:
+            pass
 
 
 def engine_core_label(data_parallel_size: int, rank: int) -> str:
