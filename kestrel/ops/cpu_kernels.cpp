@@ -2858,6 +2858,11 @@ inline void int8_tile(const Int8Operands& op, const TileLanes& lanes, const Weig
       const int8_t* const* w = w_rows.row;
       int64_t wk = k;
       if (k + kQBytes > K) w = w_rows.tail, wk = 0;
+      // The first block of x rows fetches the same piece of the next NR weight rows (they follow these
+      // in memory; past the last, a prefetch is dropped harmlessly).
+      if (m0 == 0 && wk == k)
+        for (int n = 0; n < NR; ++n)
+          _mm_prefetch(reinterpret_cast<const char*>(w_rows.row[n] + NR * K + k), _MM_HINT_T1);
       QVec xv[MR];
       for (int m = 0; m < MR; ++m) xv[m] = in_register_q(load_q(x_rows[m] + k));
       for (int n = 0; n < NR; ++n) {
