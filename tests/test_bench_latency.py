@@ -63,4 +63,9 @@ def test_latency_rounds_interleave_engines(monkeypatch):
     md = latency.format_markdown(report)
     assert "round by round" in md and "ran interleaved" in md
     assert "Kestrel's weights: bf16, a GGUF file's blocks dequantized at load (--quantization none)" in md
+    # A quantization named in --kestrel-flags is what Kestrel ran, and what the report says.
+    report["workload"].update(kestrel_weights="bf16", kestrel_flags=["--dtype", "bfloat16", "--quantization=int8"])
+    assert "Kestrel's weights: --quantization int8 (from --kestrel-flags)" in latency.format_markdown(report)
+    report["workload"]["kestrel_flags"] = ["--quantization", "none"]
+    assert "Kestrel's weights: bf16, a GGUF file's blocks dequantized" in latency.format_markdown(report)
     assert f"{ratios[0][0]:.2f}, {ratios[0][1]:.2f}" in latency.format_summary(report)

@@ -52,11 +52,14 @@ def test_a_bare_llama_server_peer_runs_kestrels_precision(monkeypatch, has_bf16,
 def test_kestrels_benchmark_weights_and_the_bare_peer_beside_them(monkeypatch):
     """bf16 (the workloads' definition) dequantizes a GGUF model's blocks, --quantization none, unless
     the flags name a quantization; native keeps them, and a bare llama-server then reads the same file."""
-    from kestrel.bench.launch import bare_peer, kestrel_weights_flags
+    from kestrel.bench.launch import bare_peer, kestrel_weights_flags, named_quantization
     monkeypatch.setattr(ops, "cpu_prefers_bf16", lambda: True)
     assert kestrel_weights_flags("bf16", ["--dtype", "bfloat16"]) == ["--dtype", "bfloat16", "--quantization", "none"]
     assert kestrel_weights_flags("bf16", ["--quantization=int8"]) == ["--quantization=int8"]
     assert kestrel_weights_flags("native", []) == []
+    assert named_quantization(["--dtype", "bfloat16"]) is None
+    assert named_quantization(["--quantization", "int8", "--dtype", "bfloat16"]) == "int8"
+    assert named_quantization(["--quantization=none", "--quantization", "int8"]) == "int8"   # the last one counts
     assert bare_peer("llama-server", None, "bf16") == "llama-server:bf16"
     assert bare_peer("llama-server", None, "native") == "llama-server:native"
     assert bare_peer("llama-server:q8_0", None, "native") == "llama-server:q8_0"

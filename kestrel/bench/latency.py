@@ -46,6 +46,7 @@ from kestrel.bench.launch import (
     is_llama,
     kestrel_weights_flags,
     launch_server,
+    named_quantization,
     peer_label,
 )
 from kestrel.bench.neighbours import BusyNeighbours
@@ -101,7 +102,8 @@ def main(args: argparse.Namespace) -> int:
             "id": "W3" if (args.input_len, args.output_len) == (W3_INPUT_LEN, W3_OUTPUT_LEN) else "W3 (modified)",
             "input_len": args.input_len, "output_len": args.output_len, "concurrency": args.concurrency,
             "runs": args.runs, "sampling": "greedy, ignore_eos, streamed",
-            "neighbour_threads": neighbour_threads(args), "kestrel_weights": args.kestrel_weights},
+            "neighbour_threads": neighbour_threads(args), "kestrel_weights": args.kestrel_weights,
+            "kestrel_flags": kestrel_weights_flags(args.kestrel_weights, shlex.split(args.kestrel_flags))},
         "command": getattr(args, "command_line", "kestrel bench latency"),
         "date": started.isoformat(timespec="seconds"),
         "load_average_at_start": list(load_average), "load_average_at_end": list(os.getloadavg()),
@@ -293,6 +295,14 @@ WEIGHTS_NAMES = {"bf16": "bf16, a GGUF file's blocks dequantized at load (--quan
                  "native": "the GGUF file's blocks, as it stores them (a bare llama-server reads the same file)"}
 
 
+def weights_description(workload: dict[str, Any]) -> str:
+    """What Kestrel ran on: the --kestrel-weights choice, unless --kestrel-flags named a quantization."""
+    quantization = named_quantization(workload.get("kestrel_flags", []))
+    if quantization not in (None, "none"):
+        return f"--quantization {quantization} (from --kestrel-flags)"
+    return WEIGHTS_NAMES[workload.get("kestrel_weights", "bf16")]
+
+
 def format_markdown(report: dict[str, Any]) -> str:
     w, m = report["workload"], report["machine"]
     table = markdown_table(HEADER, _rows(report))
@@ -305,7 +315,7 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"- Workload: {w['input_len']} random prompt tokens, {w['output_len']} output tokens, {w['sampling']}; "
         f"concurrency {', '.join(map(str, w['concurrency']))}; every engine is a server driven by the same "
         f"client; medians of {w['runs']} rounds of per-round means",
-        f"- Kestrel's weights: {WEIGHTS_NAMES[w.get('kestrel_weights', 'bf16')]}",
+        f"- Kestrel's weights: {weights_description(w)}",
         "", *table, "",
         "Ratio rows: Kestrel's figure over the peer's (TTFT and TPOT: below 1 is faster; decode tok/s: above 1).",
         "The engines' rounds ran interleaved (each round: every engine in turn, same prompts).",

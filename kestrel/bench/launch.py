@@ -52,6 +52,18 @@ def kestrel_weights_flags(weights: str, flags: Sequence[str]) -> list[str]:
     return [*flags, "--quantization", "none"] if weights == "bf16" and not named else list(flags)
 
 
+def named_quantization(flags: Sequence[str]) -> str | None:
+    """The value of the last --quantization in Kestrel's flags (`--quantization X` or `--quantization=X`),
+    as the argument parser takes it; None if none is named."""
+    value = None
+    for i, flag in enumerate(flags):
+        if flag == "--quantization" and i + 1 < len(flags):
+            value = flags[i + 1]
+        elif flag.startswith("--quantization="):
+            value = flag.partition("=")[2]
+    return value
+
+
 def bare_peer(spec: str, dtype: str | None, weights: str) -> str:
     """A peer spec with its precision spelled out: a bare llama-server runs Kestrel's weights, the same
     file where Kestrel runs its blocks ("native"), else the precision of Kestrel's dtype (peer_label)."""
