@@ -52,16 +52,21 @@ def kestrel_weights_flags(weights: str, flags: Sequence[str]) -> list[str]:
     return [*flags, "--quantization", "none"] if weights == "bf16" and not named else list(flags)
 
 
-def named_quantization(flags: Sequence[str]) -> str | None:
-    """The value of the last --quantization in Kestrel's flags (`--quantization X` or `--quantization=X`),
-    as the argument parser takes it; None if none is named."""
+def flag_value(flags: Sequence[str], name: str) -> str | None:
+    """The value of the last `name` among command-line flags (`name X` or `name=X`), as the argument
+    parser takes it; None if it is not given."""
     value = None
     for i, flag in enumerate(flags):
-        if flag == "--quantization" and i + 1 < len(flags):
+        if flag == name and i + 1 < len(flags):
             value = flags[i + 1]
-        elif flag.startswith("--quantization="):
+        elif flag.startswith(name + "="):
             value = flag.partition("=")[2]
     return value
+
+
+def named_quantization(flags: Sequence[str]) -> str | None:
+    """The --quantization Kestrel's flags name, or None."""
+    return flag_value(flags, "--quantization")
 
 
 def bare_peer(spec: str, dtype: str | None, weights: str) -> str:
@@ -96,13 +101,7 @@ def default_precision(dtype: str | None = None) -> str:
 
 def dtype_in_flags(flags: Sequence[str]) -> str | None:
     """The value of the last --dtype among Kestrel's command-line flags, or None."""
-    value = None
-    for i, flag in enumerate(flags):
-        if flag == "--dtype" and i + 1 < len(flags):
-            value = flags[i + 1]
-        elif flag.startswith("--dtype="):
-            value = flag.partition("=")[2]
-    return value
+    return flag_value(flags, "--dtype")
 
 
 def peer_label(spec: str, dtype: str | None = None) -> str:
