@@ -48,7 +48,7 @@ KESTREL_WEIGHTS = ("bf16", "native")
 def kestrel_weights_flags(weights: str, flags: Sequence[str]) -> list[str]:
     """Kestrel's command-line flags for `weights`: --quantization none added for "bf16", unless the
     flags name a quantization themselves."""
-    named = any(f == "--quantization" or f.startswith("--quantization=") for f in flags)
+    named = named_quantization(flags) is not None
     return [*flags, "--quantization", "none"] if weights == "bf16" and not named else list(flags)
 
 
