@@ -1,12 +1,12 @@
-"""A GGUF file's Q8_0, Q6_K, Q4_K, Q4_1 and Q4_0 weights kept as the file stores them
+"""A GGUF file's Q8_0, Q6_K, Q4_K, Q4_1, Q4_0, Q5_0, Q5_1 and Q5_K weights kept as the file stores them
 (kestrel/model/quantization.py: GGUFLinear; kestrel/ops/gguf_blocks.py; cpu_kernels.cpp: linear_gguf):
 the packed values against gguf.quants' dequantization bit for bit, the kernel against linear_bf16 bit
 for bit where the dequantized weights are bf16 numbers, the reader's blocks, a tensor-parallel rank's
 share, and the engine on the default model (its own Q4_1 file, and requantized to Q8_0) and on a small
-Llama in Q4_K_M's mix of Q4_K and Q6_K giving the same tokens with the file's blocks as with the
-weights dequantized; from 16 rows, the K-quants against the product with 8-bit activations (Q4_1 and
-Q4_0 against x itself: 16-bit activations at every row count). tests/test_cpu_kernels_avx2_build.py runs the gguf
-tests again on the AVX2 build."""
+Llama in Q4_K_M's mix of Q4_K and Q6_K (and Q5_K_M's, and Q5_0 and Q5_1) giving the same tokens
+with the file's blocks as with the weights dequantized; from 16 rows, the K-quants against the product
+with 8-bit activations (Q4_1, Q4_0 and the Q5s against x itself: 16-bit activations at every row count).
+tests/test_cpu_kernels_avx2_build.py runs the gguf tests again on the AVX2 build."""
 
 from __future__ import annotations
 
@@ -64,13 +64,13 @@ def random_rows(name: str, n: int, k: int, gen: torch.Generator, bf16: bool = Fa
         if bf16:   # |(q - 32) x scale| <= 224
             raw[..., 192:208] = torch.randint(-7, 8, (n, nb, 16), generator=gen, dtype=torch.int8).view(torch.uint8)
         raw[..., 208:210] = _f16(d)
-    elif name in ("Q4_1", "Q4_0"):
+    elif name in ("Q4_1", "Q4_0", "Q5_1", "Q5_0"):
         raw[..., 0:2] = _f16(d)
-        if name == "Q4_1":   # bf16: d (q - i) for an integer i
+        if name in ("Q4_1", "Q5_1"):   # bf16: d (q - i) for an integer i
             m = -d * torch.randint(0, 16, (n, nb, 1), generator=gen) if bf16 \
                 else torch.randn(n, nb, 1, generator=gen) / 16
             raw[..., 2:4] = _f16(m)
-    else:
+    else:   # Q4_K, Q5_K
         high = 4 if bf16 else 64   # bf16: scale x q - min within [-15, 45]
         sc = torch.randint(0, high, (n, nb, 8), generator=gen, dtype=torch.uint8)
         m = torch.randint(0, high * 4, (n, nb, 8), generator=gen, dtype=torch.uint8).clamp_max(63) if not bf16 \
@@ -100,7 +100,7 @@ def pow2_q8_0(values: np.ndarray) -> np.ndarray:
 
 # ---- the layout and the kernel --------------------------------------------------------------------
 
-FORMATS = ("Q8_0", "Q6_K", "Q4_K", "Q4_1", "Q4_0")
+FORMATS = ("Q8_0", "Q6_K", "Q4_K", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q5_K")
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -136,16 +136,18 @@ def on_bytes(name: str, m: int) -> bool:
 
 
 def on_bf16_panels(name: str, m: int) -> bool:
-    return bool(kernels.gguf_bf16_panels) and m >= BYTE_MIN_ROWS and name in ("Q8_0", "Q4_1", "Q4_0")
+    return bool(kernels.gguf_bf16_panels) and m >= BYTE_MIN_ROWS and name in ("Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1",
+                                                                             "Q5_K")
 
 
 @needs_kernel
 @pytest.mark.parametrize("name,n,k", [("Q8_0", 16, 32), ("Q8_0", 48, 96), ("Q8_0", 64, 2080), ("Q6_K", 48, 256),
-                                      ("Q6_K", 80, 768)])
+                                      ("Q6_K", 80, 768), ("Q5_0", 48, 96), ("Q5_1", 32, 2080), ("Q5_K", 48, 768)])
 def test_linear_gguf_is_linear_bf16_bit_for_bit_on_bf16_weights(name, n, k):
-    """Q8_0 below 8 rows and Q6_K below 16 (their streamed float32 tiles): the same sums in the same
-    order as linear_bf16's packed path, so the same bits, y rounded to bf16 or not. (From 8 rows Q8_0
-    sums 16-bit activations in integers: within rounding of the exact product, tested below.)"""
+    """Q8_0 (and Q5_0, Q5_1, Q5_K: Q8_0's tiles, with offsets) below 8 rows and Q6_K below 16 (their
+    streamed float32 tiles): the same sums in the same order as linear_bf16's packed path, so the same
+    bits, y rounded to bf16 or not. (From 8 rows Q8_0 sums 16-bit activations in integers: within
+    rounding of the exact product, tested below.)"""
     gen = torch.Generator().manual_seed(n + k)
     raw = random_rows(name, n, k, gen, bf16=True)
     w = dequantized(name, raw)
@@ -153,7 +155,7 @@ def test_linear_gguf_is_linear_bf16_bit_for_bit_on_bf16_weights(name, n, k):
     packed = pack_gguf_weight([(GGUF_FORMATS[name], raw)], k)
     bf16 = pack_bf16_weight(w.bfloat16(), kernels.panel_columns, kernels.lanes)
     rows = (1, 2, 3, 5, 6, 7, 12, 13)
-    for m in [m for m in rows if m < (Q8_0_WORD_MIN_ROWS if name == "Q8_0" else BYTE_MIN_ROWS)]:
+    for m in [m for m in rows if m < (BYTE_MIN_ROWS if name == "Q6_K" else Q8_0_WORD_MIN_ROWS)]:
         x = torch.randn(m, k, generator=gen).bfloat16()
         bits = kernels.linear_bf16(x, bf16).view(torch.int16)
         assert torch.equal(kernels.linear_gguf(x, packed).view(torch.int16), bits)
@@ -163,7 +165,7 @@ def test_linear_gguf_is_linear_bf16_bit_for_bit_on_bf16_weights(name, n, k):
 @needs_kernel
 @pytest.mark.skipif(kernels is None or not kernels.gguf_bf16_panels or cpu_gemv() is None,
                     reason="the bf16 panels are the AVX512-BF16 build's")
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_0"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q5_K"])
 def test_q8_0_and_q4_1_from_16_rows_are_the_dequantized_bf16_product_on_avx512_bf16(name):
     """From 16 rows with AVX512-BF16 their panels are the load's bf16 dequantization (gguf.quants' float32
     values rounded to bf16: any d and offsets) and their rows run as linear_bf16_avx512 runs 16 rows and
@@ -172,6 +174,8 @@ def test_q8_0_and_q4_1_from_16_rows_are_the_dequantized_bf16_product_on_avx512_b
     gemv = cpu_gemv()
     gen = torch.Generator().manual_seed(11)
     for n, k in ((48, 576), (32, 1536)):
+        if k % GGUF_FORMATS[name].file_block:
+            continue
         raw = random_rows(name, n, k, gen)
         w = dequantized(name, raw).bfloat16()
         other = random_rows("Q4_K", 32, k, gen) if k % 256 == 0 else None
@@ -202,7 +206,8 @@ def activations_in_8_bits(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("parts,k", [([("Q4_K", 64)], 1024), ([("Q6_K", 48)], 768),
                                      ([("Q8_0", 64)], 2080),
                                      ([("Q4_K", 32), ("Q6_K", 16), ("Q8_0", 16), ("Q4_K", 16)], 512),
-                                     ([("Q4_1", 48), ("Q4_0", 32), ("Q8_0", 16), ("Q4_1", 16)], 576)])
+                                     ([("Q4_1", 48), ("Q4_0", 32), ("Q8_0", 16), ("Q4_1", 16)], 576),
+                                     ([("Q5_K", 32), ("Q6_K", 16), ("Q5_1", 16), ("Q5_0", 32)], 768)])
 def test_q4_k_and_q6_k_from_16_rows_are_the_product_with_8_bit_activations(parts, k):
     """From 16 rows, Q4_K and Q6_K meet x quantized to 8 bits per block of 32 (llama.cpp's scheme): y is
     the dequantized weights' product with those activations, within float32 sums and the one bf16
@@ -231,7 +236,8 @@ def test_q4_k_and_q6_k_from_16_rows_are_the_product_with_8_bit_activations(parts
 def test_linear_gguf_runs_each_segment_on_its_columns():
     """A weight of several segments gives each segment's columns as that part alone does."""
     gen = torch.Generator().manual_seed(5)
-    parts = [("Q4_K", 48), ("Q6_K", 32), ("Q4_K", 16), ("Q8_0", 32), ("Q4_1", 32), ("Q4_0", 16)]
+    parts = [("Q4_K", 48), ("Q6_K", 32), ("Q4_K", 16), ("Q8_0", 32), ("Q4_1", 32), ("Q4_0", 16), ("Q5_K", 32),
+             ("Q5_0", 16), ("Q5_1", 16)]
     rows = [random_rows(name, n, 512, gen) for name, n in parts]
     blob = pack_gguf_weight([(GGUF_FORMATS[name], r) for (name, _), r in zip(parts, rows)], 512)
     for m in (1, 4, 30):
@@ -529,11 +535,23 @@ def _q4_k_m_type(name: str) -> str:
     return "Q4_K"
 
 
-@pytest.fixture(scope="module")
-def q4_k_m_tiny(tmp_path_factory) -> Path:
-    """A 2-layer random Llama wide enough for Q4_K's super-blocks (hidden 256, intermediate 512), with an
-    untied head, in Q4_K_M's mix of types; every value a bf16 number (the blocks are random, not the
-    model's weights)."""
+def _q5_k_m_type(name: str) -> str:
+    """llama-quantize's Q5_K_M: Q4_K_M's choice with Q5_K for Q4_K."""
+    return "Q5_K" if _q4_k_m_type(name) == "Q4_K" else "Q6_K"
+
+
+def _q5_0_and_q5_1_type(name: str) -> str:
+    """Q5_0 attention, Q5_1 MLP and a Q8_0 head (llama-quantize's Q5_0 and Q5_1 files keep theirs in
+    Q6_K or Q8_0)."""
+    if name == "lm_head.weight":
+        return "Q8_0"
+    return "Q5_1" if ".mlp." in name else "Q5_0"
+
+
+def _write_tiny_mix(path: Path, type_of) -> Path:
+    """A 2-layer random Llama wide enough for the K-quants' super-blocks (hidden 256, intermediate 512),
+    with an untied head, each matrix in the type `type_of(name)` gives it; every value a bf16 number
+    (the blocks are random, not the model's weights)."""
     from test_loader import TINY, write_tiny_gguf
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -543,12 +561,23 @@ def q4_k_m_tiny(tmp_path_factory) -> Path:
     gen = torch.Generator().manual_seed(11)
 
     def matrices(name: str, w: np.ndarray) -> tuple[np.ndarray, QT]:
-        qtype = _q4_k_m_type(name)
+        qtype = type_of(name)
         return random_rows(qtype, w.shape[0], w.shape[1], gen, bf16=True).numpy(), QT[qtype]
 
-    path = tmp_path_factory.mktemp("q4_k_m") / "tiny-q4_k_m.gguf"
     write_tiny_gguf(LlamaForCausalLM(config).eval(), path, "llama", matrices=matrices)
     return path
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_tiny(tmp_path_factory) -> Path:
+    """The tiny Llama in Q4_K_M's mix of types."""
+    return _write_tiny_mix(tmp_path_factory.mktemp("q4_k_m") / "tiny-q4_k_m.gguf", _q4_k_m_type)
+
+
+@pytest.fixture(scope="module")
+def q5_k_m_tiny(tmp_path_factory) -> Path:
+    """The tiny Llama in Q5_K_M's mix of types."""
+    return _write_tiny_mix(tmp_path_factory.mktemp("q5_k_m") / "tiny-q5_k_m.gguf", _q5_k_m_type)
 
 
 @needs_kernel
@@ -599,3 +628,48 @@ def test_w6_memory_roof_counts_the_files_bytes(q4_k_m_tiny):
     head, embed = tensors["output.weight"], tensors["token_embd.weight"]
     assert head.qtype == QT.Q6_K and head.n_bytes == 128 * 256 // 256 * 210 and embed.qtype == QT.Q4_K
     assert gguf_read_bytes(str(q4_k_m_tiny)) == sum(t.n_bytes for t in tensors.values()) - embed.n_bytes
+
+
+# ---- Q5: Q5_K_M's mix (Q5_K, with Q6_K), and Q5_0 and Q5_1 -----------------------------------------
+
+@needs_kernel
+@pytest.mark.parametrize("type_of", [_q5_k_m_type, _q5_0_and_q5_1_type])
+def test_q5_mixes_keep_every_matrix_and_give_the_dequantized_logits(type_of, tmp_path):
+    """Q5_K, Q5_1 and Q5_0 matrices stay in their blocks (Q5_0's as Q8_0's, the others as Q8_0's with
+    offsets): a 20-row prefill (their bf16 panels with AVX512-BF16, else the word tiles on 16-bit
+    activations) gives the dequantized model's logits within a bf16 rounding or two, and a 5-row one
+    (the streamed float32 tiles, on these bf16 values) the same up to the head's summation."""
+    path = _write_tiny_mix(tmp_path / "tiny.gguf", type_of)
+    for n in (20, 5):
+        _assert_close_logits(_prefill_logits(path, True, 4 * 2 + 2, n=n), _prefill_logits(path, False, 0, n=n))
+
+
+@needs_kernel
+def test_engine_on_q5_k_m_gives_the_dequantized_tokens(q5_k_m_tiny, monkeypatch, engine_check):
+    """Chunked prefill, a prefix-cache hit and batched decode on the C++ layer loop over Q5_K_M's blocks
+    (layer 1's qkv and down of two types): the greedy tokens agree with the dequantized weights' but
+    where two logits nearly tie (below 8 rows the tiles are exact on these bf16 values; from 8 the
+    16-bit activations move x by up to 2^-15 of its block's largest)."""
+    prompts = [{"prompt_token_ids": [1 + (7 * i + 3 * j) % 120 for j in range(n)]}
+               for i, n in enumerate([5, 40, 90, 17, 1])]
+    prompts.append({"prompt_token_ids": prompts[2]["prompt_token_ids"] + [11, 12, 13]})
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    kw = dict(model=str(q5_k_m_tiny), tokenizer=str(default_model_path()), dtype="bfloat16", max_model_len=256,
+              kv_cache_memory=8 << 20, max_num_batched_tokens=32)
+    llm = LLM(**kw)
+    model = worker_of(llm).model
+    qkv = model.layers[1].qkv_proj
+    assert type(qkv) is Q.GGUFLinear and [(fmt.name, rows) for fmt, rows in qkv.parts] == [
+        ("Q5_K", 256), ("Q5_K", 128), ("Q6_K", 128)]
+    assert all(type(p) is Q.GGUFLinear for p in _projections(llm)) and type(model.lm_head) is Q.GGUFLinear
+    assert worker_of(llm).runner.decode_plan.native_class is not None
+    native = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine_check(llm)
+    del llm
+    monkeypatch.setattr(Q, "gguf_plan_matmul", lambda: None)
+    llm = LLM(**kw)
+    assert all(type(p) is Linear for p in _projections(llm))
+    dequantized = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert all(len(t) == 16 for t in native)
+    assert all(a[:4] == b[:4] for a, b in zip(native, dequantized))
+    assert sum(a == b for a, b in zip(native, dequantized)) >= len(prompts) - 2

@@ -46,9 +46,9 @@ def tiny(tmp_path_factory) -> W6Model:
     return w6_model(TINY, cache_dir=tmp_path_factory.mktemp("kestrel-cache"))
 
 
-def _llm(model: Path):
+def _llm(model: Path, dtype: str = "float32"):
     from kestrel import LLM
-    return LLM(model=str(model), dtype="float32", max_model_len=128, kv_cache_memory=16 << 20,
+    return LLM(model=str(model), dtype=dtype, max_model_len=128, kv_cache_memory=16 << 20,
                max_num_batched_tokens=128, max_num_seqs=4)
 
 
@@ -204,14 +204,22 @@ def test_quantized_files_load_close_to_the_bf16_weights(tiny):
 @needs_quantize
 @pytest.mark.timeout(600)
 def test_quantized_files_generate_in_kestrel(tiny):
-    from parity import kestrel_greedy
+    from parity import kestrel_greedy, worker_of
+
+    from kestrel.model.quantization import GGUFLinear
+    from kestrel.ops import cpu_kernels
 
     prompts = [list(range(100, 130))]
     llm = _llm(tiny.bf16_gguf)
     [reference] = kestrel_greedy(llm, prompts, 8)
     llm.llm_engine.shutdown()
-    for quant_type in ("Q8_0", "Q4_K_M"):
-        llm = _llm(quantized_gguf(tiny, quant_type, binary=LLAMA_QUANTIZE))
+    for quant_type in ("Q8_0", "Q4_K_M", "Q5_K_M"):
+        # In bf16 where the kernels run: the file's blocks kept, as `kestrel serve` runs them.
+        llm = _llm(quantized_gguf(tiny, quant_type, binary=LLAMA_QUANTIZE), "bfloat16" if cpu_kernels() else "float32")
+        kept = {fmt.name for module in worker_of(llm).model.modules() if isinstance(module, GGUFLinear)
+                for fmt, _ in module.parts}
+        assert not cpu_kernels() or {"Q8_0": {"Q8_0"}, "Q4_K_M": {"Q4_K", "Q6_K"},
+                                     "Q5_K_M": {"Q5_K", "Q6_K"}}[quant_type] <= kept, (quant_type, kept)
         [ours] = kestrel_greedy(llm, prompts, 8)
         llm.llm_engine.shutdown()
         assert all(0 <= t < TINY.vocab_size for t in ours.token_ids)
@@ -237,7 +245,8 @@ def test_w6_options_are_checked():
     from kestrel.bench.throughput import check_options
 
     args, kwargs = _throughput_args("--workload", "W6", "--peer", "llama-server:bf16", "--peer", "llama-server:q8_0",
-                                    "--peer", "llama-server:q4_k", "--peer", "transformers")
+                                    "--peer", "llama-server:q4_k", "--peer", "llama-server:q5_k", "--peer",
+                                    "transformers")
     check_options(args, kwargs)
     args, kwargs = _throughput_args("--workload", "W6", "--model", "x.gguf")
     with pytest.raises(ValueError, match="drop --model"):
@@ -246,17 +255,19 @@ def test_w6_options_are_checked():
         args, kwargs = _throughput_args("--workload", "W6", "--peer", peer)
         with pytest.raises(ValueError, match=f"got {peer}"):
             check_options(args, kwargs)
-    args, kwargs = _throughput_args("--peer", "llama-server:q4_k")  # W1
-    with pytest.raises(ValueError, match="--workload W6"):
-        check_options(args, kwargs)
+    for peer in ("llama-server:q4_k", "llama-server:q5_k"):
+        args, kwargs = _throughput_args("--peer", peer)  # W1
+        with pytest.raises(ValueError, match=f"{peer} reads .* --workload W6"):
+            check_options(args, kwargs)
     args, kwargs = _throughput_args("--workload", "W6", "--kestrel-weights", "q8_0", "--peer", "llama-server:q8_0")
     check_options(args, kwargs)
+    check_options(*_throughput_args("--workload", "W6", "--kestrel-weights", "q5_k_m", "--peer", "llama-server:q5_k"))
     args, kwargs = _throughput_args("--kestrel-weights", "q8_0")  # W1
     with pytest.raises(ValueError, match="--kestrel-weights .* --workload W6"):
         check_options(args, kwargs)
     check_options(*_throughput_args("--kestrel-weights", "native", "--peer", "llama-server"))  # W1 on its file
     args, kwargs = _throughput_args("--workload", "W6", "--kestrel-weights", "native")
-    with pytest.raises(ValueError, match="W6's are q8_0 or q4_k_m"):
+    with pytest.raises(ValueError, match="W6's are q8_0, q4_k_m or q5_k_m"):
         check_options(args, kwargs)
 
 
@@ -279,19 +290,23 @@ def test_w6_peers_read_the_generated_files(tmp_path):
     from kestrel.bench.throughput import w6_kestrel_model, w6_peer_gguf
 
     model = W6Model(tmp_path, TINY)
-    for quant_type in ("Q8_0", "Q4_K_M"):
+    for quant_type in ("Q8_0", "Q4_K_M", "Q5_K_M"):
         model.quantized_path(quant_type).touch()  # made already: nothing is quantized here
     assert w6_peer_gguf("llama-server:bf16", model) == model.bf16_gguf
     assert w6_peer_gguf("llama-server:q8_0", model) == model.quantized_path("Q8_0")
     assert w6_peer_gguf("llama-server:q4_k", model) == model.quantized_path("Q4_K_M")
+    assert w6_peer_gguf("llama-server:q5_k", model) == model.quantized_path("Q5_K_M")
     # Kestrel reads the folder, or with --kestrel-weights q8_0 (q4_k_m) the very file llama-server:q8_0 (:q4_k) reads.
     assert w6_kestrel_model("bf16", model) == model.hf_folder
     assert w6_kestrel_model("q8_0", model) == model.quantized_path("Q8_0")
     assert w6_kestrel_model("q4_k_m", model) == model.quantized_path("Q4_K_M")
-    with pytest.raises(ValueError, match="--workload W6"):
-        launch_server("llama-server:q4_k", parallel=1, ctx_per_slot=64)
+    assert w6_kestrel_model("q5_k_m", model) == model.quantized_path("Q5_K_M")
+    for peer in ("llama-server:q4_k", "llama-server:q5_k"):
+        with pytest.raises(ValueError, match="--workload W6"):
+            launch_server(peer, parallel=1, ctx_per_slot=64)
     # Q4_K keeps llama.cpp's AVX2 repacking except where AMX would trap; Q8_0 never repacks (as for W1).
     assert repack_args("q4_k", has_amx=False) == [] and repack_args("q4_k", has_amx=True) == ["--no-repack"]
+    assert repack_args("q5_k", has_amx=False) == [] and repack_args("q5_k", has_amx=True) == ["--no-repack"]
     assert repack_args("q8_0", has_amx=False) == ["--no-repack"] and repack_args("bf16", has_amx=True) == []
 
 

@@ -11,6 +11,7 @@
                             bf16 instructions (where Kestrel runs float32); with `native`, the file
     llama-server:q4_k       a llama-quantize Q4_K_M file as it is: the caller's (`gguf=`, workload W6:
                             kestrel/bench/w6_model.py), or `model` (the file Kestrel reads too)
+    llama-server:q5_k       the same with a Q5_K_M file
 
 All are driven through the same OpenAI-compatible client (kestrel/bench/serve.py). llama.cpp runs as
 its users would run it: flash attention on, `-np` slots (the best count of the sweep in BENCHMARKS.md,
@@ -30,10 +31,10 @@ from kestrel.bench.peers import KestrelServer, LlamaServer, gguf_in_precision
 from kestrel.ops import cpu_has_amx_tile
 
 SERVER_SPECS = ("kestrel", "llama-server", "llama-server:bf16", "llama-server:f32", "llama-server:q8_0",
-                "llama-server:q4_1", "llama-server:native", "llama-server:q4_k")
+                "llama-server:q4_1", "llama-server:native", "llama-server:q4_k", "llama-server:q5_k")
 PEER_SPECS = SERVER_SPECS[1:]
 # Precisions that have no conversion from a model's GGUF: the caller gives the file.
-GIVEN_FILE_PRECISIONS = ("q4_k",)
+GIVEN_FILE_PRECISIONS = ("q4_k", "q5_k")
 # llama-server's best slot count for W1 (64 requests at once) of {8, 16, 32, 64}, swept on each machine
 # kind seen (BENCHMARKS.md): more slots make its batches wider than its CPU kernels run well.
 LLAMA_BEST_NP = 16
@@ -159,8 +160,8 @@ def launch_server(spec: str, *, parallel: int, ctx_per_slot: int, kestrel_flags:
 def repack_args(precision: str, has_amx: bool) -> list[str]:
     """Repacked Q4_1 / Q8_0 weights run ggml's AMX kernels, which die with SIGILL where the kernel does
     not grant AMX to the process (seen on these machines); the plain kernels need no permission.
-    Q4_K has AMX kernels too, but also an AVX2 repack that its users get on every other x86 machine,
-    so it is turned off only where the CPU has AMX."""
-    if precision in ("q4_1", "q8_0") or (precision == "q4_k" and has_amx):
+    Q4_K and Q5_K have AMX kernels too, but Q4_K also an AVX2 repack that its users get on every other
+    x86 machine (Q5_K has none there), so it is turned off only where the CPU has AMX."""
+    if precision in ("q4_1", "q8_0") or (precision in ("q4_k", "q5_k") and has_amx):
         return ["--no-repack"]
     return []

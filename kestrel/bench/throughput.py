@@ -8,9 +8,10 @@ output tokens. Kestrel runs it twice, prefix caching on and off, and reports wal
 W6 (`--workload W6`): W1's requests (the same seed and lengths; prompt ids inside its 32000-token
 vocabulary) on a Llama of TinyLlama-1.1B's shape with random weights (kestrel/bench/w6_model.py),
 generated into Kestrel's cache folder on first use. Kestrel and `transformers` read its safetensors
-folder (bf16); `llama-server:bf16` its bf16 GGUF file, `llama-server:q8_0` and `llama-server:q4_k`
-llama-quantize's Q8_0 and Q4_K_M files of it. `--kestrel-weights q8_0` (or `q4_k_m`) has Kestrel (and
-transformers) read the Q8_0 (Q4_K_M) file instead, Kestrel keeping its weights in the file's blocks.
+folder (bf16); `llama-server:bf16` its bf16 GGUF file, `llama-server:q8_0`, `llama-server:q4_k` and
+`llama-server:q5_k` llama-quantize's Q8_0, Q4_K_M and Q5_K_M files of it. `--kestrel-weights q8_0` (or
+`q4_k_m`, `q5_k_m`) has Kestrel (and transformers) read that file instead, Kestrel keeping its weights
+in the file's blocks.
 The report names the file each engine read.
 
 Peers `llama-server[:bf16|:f32|:q4_1]` (kestrel/bench/launch.py): llama.cpp's server on the same
@@ -79,13 +80,13 @@ if TYPE_CHECKING:
 TRANSFORMERS_PEERS = ("transformers", "transformers:float32", "transformers:bfloat16")
 PEERS = (*TRANSFORMERS_PEERS, *PEER_SPECS)
 WORKLOADS = ("W1", "W4", "W6")
-W6_KESTREL_WEIGHTS = ("bf16", "q8_0", "q4_k_m")
+W6_KESTREL_WEIGHTS = ("bf16", "q8_0", "q4_k_m", "q5_k_m")
 KESTREL_WEIGHTS = (*W6_KESTREL_WEIGHTS, "native")   # W1 and W4: SERVER_KESTREL_WEIGHTS; W6: its files
 # The llama-quantize file each of those reads (None: the safetensors folder).
-W6_KESTREL_FILES: dict[str, str | None] = {"bf16": None, "q8_0": "Q8_0", "q4_k_m": "Q4_K_M"}
+W6_KESTREL_FILES: dict[str, str | None] = {"bf16": None, "q8_0": "Q8_0", "q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M"}
 # W6's llama-server peers and the file each reads: its bf16 GGUF (None) or a llama-quantize type.
 W6_PEER_FILES: dict[str, str | None] = {"llama-server:bf16": None, "llama-server:q8_0": "Q8_0",
-                                        "llama-server:q4_k": "Q4_K_M"}
+                                        "llama-server:q4_k": "Q4_K_M", "llama-server:q5_k": "Q5_K_M"}
 DEFAULT_RUNS = 3
 DEFAULT_PEER_BATCH_SIZE = 16
 
@@ -111,14 +112,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="also run this peer (repeatable): transformers on the same weights and dtype "
                              "(transformers:float32 or :bfloat16 in that dtype instead); "
                              "llama-server on the weights written as bf16 or f32 (default: Kestrel's dtype here), "
-                             "or its native q4_1 file; W6: llama-server:bf16 on its bf16 GGUF, :q8_0 and :q4_k "
-                             "on llama-quantize's Q8_0 and Q4_K_M files")
+                             "or its native q4_1 file; W6: llama-server:bf16 on its bf16 GGUF, :q8_0, :q4_k "
+                             "and :q5_k on llama-quantize's Q8_0, Q4_K_M and Q5_K_M files")
     parser.add_argument("--kestrel-weights", choices=KESTREL_WEIGHTS, default="bf16",
                         help="the weights Kestrel runs. W1 and W4: bf16, a GGUF model's dequantized to bf16 at "
                              "load as the workloads are defined (--quantization none), or native, its file's "
                              "blocks as `kestrel serve` runs them (a bare llama-server peer then reads the same "
-                             "file). W6: bf16, the safetensors folder; q8_0 or q4_k_m, llama-quantize's Q8_0 "
-                             "or Q4_K_M GGUF (the file llama-server:q8_0 or :q4_k reads), its weights kept in "
+                             "file). W6: bf16, the safetensors folder; q8_0, q4_k_m or q5_k_m, llama-quantize's "
+                             "Q8_0, Q4_K_M or Q5_K_M GGUF (the file llama-server:q8_0, :q4_k or :q5_k reads), its "
+                             "weights kept in "
                              "the file's blocks (default: bf16)")
     parser.add_argument("--no-roofline", dest="roofline", action="store_false",
                         help="skip measuring the machine's matmul and copy rates (W1 and W6 only: W4 never does)")
@@ -194,7 +196,7 @@ def w6_peer_gguf(peer: str, model: W6Model) -> Path:
 
 
 def w6_kestrel_model(weights: str, model: W6Model) -> Path:
-    """What Kestrel reads in W6: the safetensors folder (bf16), or llama-quantize's Q8_0 or Q4_K_M file."""
+    """What Kestrel reads in W6: the safetensors folder (bf16), or llama-quantize's Q8_0, Q4_K_M or Q5_K_M file."""
     from kestrel.bench.w6_model import quantized_gguf
     quant_type = W6_KESTREL_FILES[weights]
     return model.hf_folder if quant_type is None else quantized_gguf(model, quant_type)
@@ -259,8 +261,10 @@ def check_options(args: argparse.Namespace, engine_kwargs: dict[str, Any] | None
         if unknown:
             raise ValueError(f"W6's llama-server peers are {', '.join(W6_PEER_FILES)}; got {', '.join(unknown)}")
     elif args.kestrel_weights not in SERVER_KESTREL_WEIGHTS:
-        raise ValueError("--kestrel-weights q8_0 and q4_k_m pick a file of W6's model: use them with --workload W6")
+        raise ValueError("--kestrel-weights q8_0, q4_k_m and q5_k_m pick a file of W6's model: use them with "
+                         "--workload W6")
     if args.workload == "W6" and args.kestrel_weights == "native":
-        raise ValueError("--kestrel-weights native runs a GGUF file's own blocks: W6's are q8_0 or q4_k_m")
-    if "llama-server:q4_k" in servers and args.workload != "W6":
-        raise ValueError("llama-server:q4_k reads llama-quantize's file of W6's model: use it with --workload W6")
+        raise ValueError("--kestrel-weights native runs a GGUF file's own blocks: W6's are q8_0, q4_k_m or q5_k_m")
+    for given in [p for p in servers if peer_label(p) in ("llama-server:q4_k", "llama-server:q5_k")]:
+        if args.workload != "W6":
+            raise ValueError(f"{given} reads llama-quantize's file of W6's model: use it with --workload W6")

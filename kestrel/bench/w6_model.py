@@ -14,7 +14,7 @@ written into a temp folder and renamed, so a reader sees all of it or none):
                             GGUF loader undoes it), norms in f32 as the converter writes them (bf16
                             values, so nothing is rounded)
 
-`quantized_gguf(model, "Q8_0" | "Q4_K_M")` runs llama.cpp's `llama-quantize` on the bf16 file, once,
+`quantized_gguf(model, "Q8_0" | "Q4_K_M" | "Q5_K_M")` runs llama.cpp's `llama-quantize` on the bf16 file, once,
 into the same folder (temp file + rename).
 
 Weights: one `torch.Generator` seeded with SEED draws every tensor in a fixed order: matrices
@@ -53,7 +53,7 @@ RECIPE_VERSION = 1
 SEED = 0
 WEIGHT_STD = 0.02
 NORM_STD = 0.02
-QUANT_TYPES = ("Q8_0", "Q4_K_M")   # what llama-quantize is asked for
+QUANT_TYPES = ("Q8_0", "Q4_K_M", "Q5_K_M")   # what llama-quantize is asked for
 QUANTIZE_TIMEOUT_S = 3600
 
 

@@ -16,7 +16,8 @@
 // size where there is no AVX512-BF16 (see "bf16 linear layers" below). DecodeLayers: the decode plan's
 // layer loop, over the matmul the plan binds. linear_int8: --quantization int8's products where there is no AMX
 // (AVX512-VNNI or AVX2; see "int8 linear layers" below). linear_gguf: products with a GGUF file's Q8_0,
-// Q6_K, Q4_K and Q4_1 (Q4_0) weights as the file stores them (see "GGUF quantized weights" below).
+// Q6_K, Q4_K, Q4_1 (Q4_0) and Q5_1, Q5_K (Q5_0) weights as the file stores them, or nearly (see "GGUF
+// quantized weights" below).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -1409,7 +1410,7 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 // ---- GGUF quantized weights ----
 //
 // linear_gguf(x [M, K] bf16, w) -> y [M, N] = x w^T, bf16 (or its float32 values), for a weight kept
-// as a GGUF file stores it: llama.cpp's Q8_0, Q6_K, Q4_K or Q4_1 (Q4_0) blocks, packed at load
+// as a GGUF file stores it: llama.cpp's Q8_0 (Q5_0), Q6_K, Q4_K, Q4_1 (Q4_0) or Q5 (Q5_1, Q5_K) blocks, packed at load
 // (kestrel/ops/gguf_blocks.py: pack_gguf_weight) into panels of 16 columns (w's rows). w is one uint8
 // tensor: a header of int64 (K, N, the number of segments, then for each segment its format, rows and
 // byte offset), then the segments, each a run of whole panels in one format. A fused projection whose
@@ -1421,7 +1422,11 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 //     6-bit scales and mins as 8 x 16 bytes each, then 64 groups of 4 k-rows, 32 bytes each
 //     (q4k_group_words): 0.59 bytes a weight, against 0.5625 in the file;
 //   Q4_1 (blocks of 32; Q4_0 packed as Q4_1 with offset 8 d): 16 float32 d, 16 float32 offsets (-m),
-//     then 8 groups of 4 k-rows as Q4_K's: 0.75 bytes a weight, against 0.625 in the file.
+//     then 8 groups of 4 k-rows as Q4_K's: 0.75 bytes a weight, against 0.625 in the file;
+//   Q5 (Q5_1's blocks of 32, and Q5_K's sub-blocks of 32 with d sc and dmin m; Q5_0 is packed as Q8_0,
+//     its q - 16 the int8): 16 float32 d, 16 float32 offsets, then 32 k-rows of 16 int8 q (0 .. 31) as
+//     Q8_0's, which it runs as (with the offsets Q4_1's word tiles take): 1.25 bytes a weight, against
+//     0.75 (Q5_1) and 0.69 (Q5_K) in the file.
 //
 // Few rows (decode steps of a few requests: below kQ8_0WordMinRows for Q8_0, kByteMinRows for the
 // others) stream the packed panels through registers. Q8_0 and Q6_K's weights are dequantized as
@@ -1433,13 +1438,13 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 // block (WordActivations: exact for every bf16 x within 2^7 of the block's largest, the rest within
 // 2^-15 of it): on 2 Zen 3 cores, at 1 row, 0.85 ms against 1.40 with float sums and 1.8 with each
 // weight dequantized (the 1B model's four layer shapes). From those row counts each thread unpacks
-// its panels once a call: Q8_0's and Q4_1's q against the same 16-bit activations (with AVX512-BF16,
+// its panels once a call: Q8_0's, Q4_1's and Q5's q against the same 16-bit activations (with AVX512-BF16,
 // from 16 rows, dequantized to bf16 panels instead: see kBf16Panels), Q4_K's and Q6_K's against x
 // quantized to 8 bits, as llama.cpp runs its K-quants (see "against 8-bit activations" below).
 
 namespace {
 
-enum GgufFormat : int64_t { kGgufQ8_0 = 0, kGgufQ6_K = 1, kGgufQ4_K = 2, kGgufQ4_1 = 3 };  // gguf_blocks.py's GGUF_FORMATS codes
+enum GgufFormat : int64_t { kGgufQ8_0 = 0, kGgufQ6_K = 1, kGgufQ4_K = 2, kGgufQ4_1 = 3, kGgufQ5 = 4 };  // gguf_blocks.py's GGUF_FORMATS codes
 
 constexpr int64_t kQuantScaleBytes = kPanelCols * sizeof(float);
 
@@ -1476,6 +1481,15 @@ inline const uint8_t* q4_1_block(const uint8_t* wq, int64_t K, int64_t n, int64_
   return wq + ((n / kPanelCols) * (K / kQ4KSub) + b) * kQ4_1BlockBytes;
 }
 
+// Q5_1 and Q5_K (packed as one format, Q5): blocks of 32 along K, each 16 float32 d, 16 float32
+// offsets, then 32 k-rows of 16 int8 q (0 .. 31) as Q8_0's; values d q - offset.
+constexpr int64_t kQ5Quants = 2 * kQuantScaleBytes;
+constexpr int64_t kQ5BlockBytes = kQ5Quants + 32 * kPanelCols;
+
+inline const uint8_t* q5_block(const uint8_t* wq, int64_t K, int64_t n, int64_t b) {
+  return wq + ((n / kPanelCols) * (K / 32) + b) * kQ5BlockBytes;
+}
+
 // Sub-block j's scale d * sc and min dmin * m of a panel's vector v: both products exact in float32.
 inline void q4k_scale_min(const uint8_t* block, int64_t j, int v, VecF& scale, VecF& min) {
   const float* d = block_scales(block);
@@ -1493,9 +1507,11 @@ inline VecI q4k_group_words(const uint8_t* block, int64_t g, int v) {
 }
 
 // out.row() of MR rows of x (widened, [MR, K]) and the P panels of [n0, n0 + P x kPanelCols) of an
-// int8 weight: the packed bf16 tile's loop, each weight row dequantized in registers.
-template <int64_t B, int MR, int P, typename Out>
+// int8 weight: the packed bf16 tile's loop, each weight row dequantized in registers (Offsets: Q5's
+// d q - offset, one rounding as gguf.quants' float32 d * q - offset, d q being exact).
+template <int64_t B, bool Offsets, int MR, int P, typename Out>
 void int8_stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, const Out& out) {
+  static_assert(!Offsets || B == 32, "Q5's blocks are of 32");
   constexpr int V = P * kPanelVecs;
   const int64_t piece = panel_k_piece(K);
   VecF total[MR][V];
@@ -1507,14 +1523,19 @@ void int8_stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0
     for (int64_t k = k0; k < end;) {
       const int64_t b = k / B, stop = std::min(end, (b + 1) * B);
       const uint8_t* block[P];
-      for (int p = 0; p < P; ++p) block[p] = int8_block<B>(wq, K, n0 + p * kPanelCols, b);
+      for (int p = 0; p < P; ++p)
+        block[p] = Offsets ? q5_block(wq, K, n0 + p * kPanelCols, b) : int8_block<B>(wq, K, n0 + p * kPanelCols, b);
       for (; k < stop; ++k) {
         const int64_t row = (k - b * B) * kPanelCols;
         VecF w[V];
         for (int p = 0; p < P; ++p)
-          for (int v = 0; v < kPanelVecs; ++v)
-            w[p * kPanelVecs + v] = mul(load_int8(block_int8(block[p]) + row + v * kLanes),
-                                        load_f32(block_scales(block[p]) + v * kLanes));
+          for (int v = 0; v < kPanelVecs; ++v) {
+            const VecF q = load_int8(reinterpret_cast<const int8_t*>(block[p] + (Offsets ? kQ5Quants : kQuantScaleBytes)) +
+                                     row + v * kLanes);
+            const VecF d = load_f32(block_scales(block[p]) + v * kLanes);
+            w[p * kPanelVecs + v] = Offsets ? fmsub(q, d, load_f32(block_scales(block[p]) + kPanelCols + v * kLanes))
+                                            : mul(q, d);
+          }
         for (int m = 0; m < MR; ++m) {
           const VecF a = splat(x[m * K + k]);
           for (int v = 0; v < V; ++v) c[m][v] = fma(a, w[v], c[m][v]);
@@ -1665,13 +1686,13 @@ void q4_stream_panels(const WordActivations& a, const float* xm, const uint8_t* 
 }
 
 // A format's streamed tiles.
-template <int64_t B>
+template <int64_t B, bool Offsets = false>
 struct Int8Format {
   template <int MR>
   static constexpr int kPanels = kStreamPanels<MR>;
   template <int MR, int P, typename Out>
   void stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, const Out& out) const {
-    int8_stream_panels<B, MR, P>(x, wq, K, n0, out);
+    int8_stream_panels<B, Offsets, MR, P>(x, wq, K, n0, out);
   }
 };
 
@@ -1739,8 +1760,9 @@ struct GgufLayout {
       const int64_t bytes = format == kGgufQ8_0 ? K / 32 * kInt8BlockBytes<32>
                             : format == kGgufQ6_K ? K / 16 * kInt8BlockBytes<16>
                             : format == kGgufQ4_K ? K / kQ4KBlock * kQ4KBlockBytes
-                            : format == kGgufQ4_1 ? K / kQ4KSub * kQ4_1BlockBytes : -1;
-      const int64_t block = format == kGgufQ8_0 || format == kGgufQ4_1 ? 32 : format == kGgufQ6_K ? 16 : kQ4KBlock;
+                            : format == kGgufQ4_1 ? K / kQ4KSub * kQ4_1BlockBytes
+                            : format == kGgufQ5 ? K / 32 * kQ5BlockBytes : -1;
+      const int64_t block = format == kGgufQ6_K ? 16 : format == kGgufQ4_K ? kQ4KBlock : 32;
       TORCH_CHECK(bytes > 0 && K % block == 0, "linear_gguf: format ", format, " with K = ", K);
       TORCH_CHECK(offset >= 0 && offset + rows / kPanelCols * bytes <= w.numel(), "linear_gguf: a segment past the end");
       segments.push_back({format, panel, rows / kPanelCols, base + offset});
@@ -1750,7 +1772,7 @@ struct GgufLayout {
   }
 };
 
-// ---- Q4_K and Q6_K against 8-bit activations (from kByteMinRows rows); Q8_0 and Q4_1 on 16-bit ones ----
+// ---- Q4_K and Q6_K against 8-bit activations (from kByteMinRows rows); Q8_0, Q4_1 and Q5 on 16-bit ones ----
 //
 // llama.cpp's way with its K-quants (their q against activations quantized to 8 bits), with a scale
 // per block of 32 activations where its Q8_K has one per 256. Each row's blocks of 32 become int8,
@@ -1792,7 +1814,7 @@ constexpr int kByteRows = 6 / kPanelVecs;          // a tile's rows: 6 int16 acc
 constexpr int64_t kByteRowBlockBytes = 128 << 10;  // a thread's rows of int8 x at a time (in L2; as many 16-bit rows)
 constexpr int64_t kByteRowsPanelByPanel = 64;      // up to here (or one row block) every row under each panel
 
-// With AVX512-BF16, Q8_0 and Q4_1 from 16 rows take no integer tiles: each panel is dequantized to bf16
+// With AVX512-BF16, Q8_0, Q4_1 and Q5 from 16 rows take no integer tiles: each panel is dequantized to bf16
 // (d q - offset in float32, exact here, then rounded to nearest even, as the load's dequantization to
 // bf16 rounds) and its rows run `vdpbf16ps`, 32 products an instruction on x as given, without the
 // 16-bit rounding of x. So from 16 rows a product equals the one on the weights dequantized at load
@@ -1805,7 +1827,7 @@ constexpr bool kBf16Panels = false;
 #endif
 // From kByteMinRows (at 8 rows Q8_0's word tiles ran 10-15% faster than panels dequantized for so few).
 inline bool on_bf16(int64_t format, int64_t M) {
-  return kBf16Panels && (format == kGgufQ8_0 || format == kGgufQ4_1) && M >= kByteMinRows;
+  return kBf16Panels && (format == kGgufQ8_0 || format == kGgufQ4_1 || format == kGgufQ5) && M >= kByteMinRows;
 }
 
 // Each row's int8 activations, with what the tiles' float32 steps need.
@@ -1870,8 +1892,8 @@ struct ByteActivations {
 struct BytePanel {
   uint8_t* q;             // [K / 4][16][4] (Q8_0: [K / 2][16][2]; bf16 panels: [K / 2][16][2] bf16)
   int16_t* scale_words;   // Q4_K: [K / 32][16][2], each sub-block's scale twice (vpmaddwd's pairs)
-  float* scale;           // Q4_K: d [K / 256][16]; Q6_K: d sc [K / 16][16]; Q8_0, Q4_1: d [K / 32][16]
-  float* offset;          // Q4_K: dmin m [K / 32][16]; Q6_K: 32 d sc [K / 16][16]; Q4_1: its offset [K / 32][16]
+  float* scale;           // Q4_K: d [K / 256][16]; Q6_K: d sc [K / 16][16]; Q8_0, Q4_1, Q5: d [K / 32][16]
+  float* offset;          // Q4_K: dmin m [K / 32][16]; Q6_K: 32 d sc [K / 16][16]; Q4_1, Q5: its offset [K / 32][16]
 };
 
 // The byte panels of a thread's columns, made once a call.
@@ -1959,20 +1981,24 @@ void q6k_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p)
   }
 }
 
-// Q8_0: each pair of k-rows as 16 columns' pairs of int8 q (bytes 2c, 2c + 1: column c's k-rows).
+// A block's 32 k-rows of 16 int8 q as its pairs of k-rows: 16 columns' pairs (bytes 2c, 2c + 1:
+// column c's k-rows).
+inline void int8_pairs(const uint8_t* q, uint8_t* dst) {
+  for (int64_t k = 0; k < 32; k += 2) {
+    const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kPanelCols));
+    const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (k + 1) * kPanelCols));
+    __m128i* out = reinterpret_cast<__m128i*>(dst + k * kPanelCols);
+    _mm_storeu_si128(out, _mm_unpacklo_epi8(r0, r1));
+    _mm_storeu_si128(out + 1, _mm_unpackhi_epi8(r0, r1));
+  }
+}
+
+// Q8_0: each pair of k-rows as 16 columns' pairs of int8 q.
 void q8_0_word_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* block = int8_block<32>(wq, K, n, b);
     std::memcpy(p.scale + b * kPanelCols, block_scales(block), kQuantScaleBytes);
-    for (int64_t k = 0; k < 32; k += 2) {
-      const int8_t* rows = block_int8(block) + k * kPanelCols;
-      const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows));
-      const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + kPanelCols));
-      const __m128i pairs[2] = {_mm_unpacklo_epi8(r0, r1), _mm_unpackhi_epi8(r0, r1)};
-      __m128i* dst = reinterpret_cast<__m128i*>(p.q + (b * 32 + k) * kPanelCols);
-      _mm_storeu_si128(dst, pairs[0]);
-      _mm_storeu_si128(dst + 1, pairs[1]);
-    }
+    int8_pairs(block + kQuantScaleBytes, p.q + b * 32 * kPanelCols);
   }
 }
 
@@ -1994,24 +2020,41 @@ void q4_1_word_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p
   }
 }
 
+// Q5 as Q8_0's word panel, with its offsets.
+void q5_word_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* block = q5_block(wq, K, n, b);
+    std::memcpy(p.scale + b * kPanelCols, block, kQuantScaleBytes);
+    std::memcpy(p.offset + b * kPanelCols, block + kQuantScaleBytes, kQuantScaleBytes);
+    int8_pairs(block + kQ5Quants, p.q + b * 32 * kPanelCols);
+  }
+}
+
+// The word panel of a Q8_0, Q4_1 or Q5 segment.
+void word_panel(int64_t format, const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
+  if (format == kGgufQ4_1) q4_1_word_panel(wq, K, n, p);
+  else if (format == kGgufQ5) q5_word_panel(wq, K, n, p);
+  else q8_0_word_panel(wq, K, n, p);
+}
+
 #if defined(__AVX512BF16__)
-// A Q8_0 or Q4_1 panel as bf16 pairs (bf16 2c, 2c + 1 of k-row pair j: column c's k-rows 2j, 2j + 1):
-// its word panel's int8 q times d, minus Q4_1's offset (-m; 8 d for Q4_0), rounded to bf16. Products of
-// an 11-bit d and a q of at most 8 bits are exact in float32, so one fused rounding is numpy's d * q + m
-// (and d * (q - 8), d * q).
+// A Q8_0, Q4_1 or Q5 panel as bf16 pairs (bf16 2c, 2c + 1 of k-row pair j: column c's k-rows 2j, 2j + 1):
+// its word panel's int8 q times d, minus the offset (Q4_1's -m, 8 d for Q4_0; Q5's -m, dmin m for
+// Q5_K), rounded to bf16. Products of an 11-bit d and a q of at most 8 bits are exact in float32, as are
+// Q5_K's d sc (17 bits) times its 5-bit q, so one fused rounding is numpy's d * q + m (and d * (q - 8),
+// d * q, (d sc) q - dmin m).
 void bf16_panel(int64_t format, const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
   thread_local std::vector<uint8_t> q_buffer;
   thread_local std::vector<float> d_buffer, offset_buffer;
   const BytePanel words{scratch(q_buffer, K * kPanelCols), nullptr, scratch(d_buffer, K / 32 * kPanelCols),
                         scratch(offset_buffer, K / 32 * kPanelCols)};
-  if (format == kGgufQ4_1) q4_1_word_panel(wq, K, n, words);
-  else q8_0_word_panel(wq, K, n, words);
+  word_panel(format, wq, K, n, words);
   const __m512i pairs_low = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i pairs_high = _mm512_add_epi32(pairs_low, _mm512_set1_epi32(8));
   uint16_t* out = reinterpret_cast<uint16_t*>(p.q);
   for (int64_t b = 0; b < K / 32; ++b) {
     const __m512 d = _mm512_loadu_ps(words.scale + b * kPanelCols);
-    const __m512 o = format == kGgufQ4_1 ? _mm512_loadu_ps(words.offset + b * kPanelCols) : _mm512_setzero_ps();
+    const __m512 o = format == kGgufQ8_0 ? _mm512_setzero_ps() : _mm512_loadu_ps(words.offset + b * kPanelCols);
     const __m512 d_low = _mm512_permutexvar_ps(pairs_low, d), d_high = _mm512_permutexvar_ps(pairs_high, d);
     const __m512 o_low = _mm512_permutexvar_ps(pairs_low, o), o_high = _mm512_permutexvar_ps(pairs_high, o);
     for (int64_t j = b * 16; j < (b + 1) * 16; ++j) {
@@ -2215,9 +2258,10 @@ __attribute__((noinline)) void q6k_byte_tile(const ByteActivations& a, int64_t m
   store_tile<MR, V>(total, out);
 }
 
-// Q8_0 (and Q4_1) against the 16-bit activations (WordActivations): each column's pair of q, widened
+// Q8_0 (and Q4_1, Q5) against the 16-bit activations (WordActivations): each column's pair of q, widened
 // to 16 bits, against a pair of X in vpmaddwd, summed exactly in 32 bits over a block (at most 32 x 128
-// x 2^15 = 2^27), then times d unit in float32; Q4_1 last minus its offsets times each block's sum of x.
+// x 2^15 = 2^27), then times d unit in float32; Q4_1 and Q5 last minus their offsets times each block's
+// sum of x.
 template <int64_t Format, int MR>
 __attribute__((noinline)) void word_tile(const WordActivations& a, int64_t m0, const BytePanel& p, float (*out)[kPanelCols]) {
   constexpr int V = kPanelVecs;
@@ -2250,12 +2294,12 @@ __attribute__((noinline)) void word_tile(const WordActivations& a, int64_t m0, c
       for (int m = 0; m < MR; ++m) total[m][v] = fma(to_float_lanes(acc[m][v]), mul(d, splat(unit[m * blocks + j])), total[m][v]);
     }
   }
-  if constexpr (Format == kGgufQ4_1) subtract_offsets<MR, V>(total, p.offset, a.sum + m0 * blocks, blocks);
+  if constexpr (Format != kGgufQ8_0) subtract_offsets<MR, V>(total, p.offset, a.sum + m0 * blocks, blocks);
   store_tile<MR, V>(total, out);
 }
 
 // Whether the format's unpacked panels meet the 16-bit activations (the word tiles), not the 8-bit ones.
-inline bool on_words(int64_t format) { return format == kGgufQ8_0 || format == kGgufQ4_1; }
+inline bool on_words(int64_t format) { return format == kGgufQ8_0 || format == kGgufQ4_1 || format == kGgufQ5; }
 
 // rows (1 .. kByteRows) rows from m0 on the format's tile of that many rows.
 template <int MR = kByteRows>
@@ -2266,8 +2310,8 @@ void byte_tile_rows(int64_t format, int rows, const ByteActivations& a, const Wo
   }
   if (format == kGgufQ4_K) q4k_byte_tile<MR>(a, m0, p, out);
   else if (format == kGgufQ6_K) q6k_byte_tile<MR>(a, m0, p, out);
-  else if (format == kGgufQ4_1) word_tile<kGgufQ4_1, MR>(words, m0, p, out);
-  else word_tile<kGgufQ8_0, MR>(words, m0, p, out);
+  else if (format == kGgufQ8_0) word_tile<kGgufQ8_0, MR>(words, m0, p, out);
+  else word_tile<kGgufQ4_1, MR>(words, m0, p, out);   // Q4_1 and Q5: the same panel, with offsets
 }
 
 // The columns [n0, n1) of a segment on the byte tiles (Q8_0: the word tiles): its panels made once,
@@ -2278,9 +2322,8 @@ void byte_columns(const ByteActivations& a, const WordActivations& words, const 
   const int64_t K = on_words(s.format) ? words.K : a.K, panels = (n1 - n0) / kPanelCols;
   const auto make = [&](int64_t p, const BytePanel& panel) {
     if (s.format == kGgufQ4_K) q4k_byte_panel(s.data, K, n0 + p * kPanelCols, panel);
-    else if (s.format == kGgufQ4_1) q4_1_word_panel(s.data, K, n0 + p * kPanelCols, panel);
     else if (s.format == kGgufQ6_K) q6k_byte_panel(s.data, K, n0 + p * kPanelCols, panel);
-    else q8_0_word_panel(s.data, K, n0 + p * kPanelCols, panel);
+    else word_panel(s.format, s.data, K, n0 + p * kPanelCols, panel);
   };
   alignas(64) float tile[kByteRows][kPanelCols];
   const auto rows_of = [&](int64_t p, const BytePanel& panel, int64_t m_begin, int64_t m_end) {
@@ -2309,7 +2352,10 @@ void byte_columns(const ByteActivations& a, const WordActivations& words, const 
 }
 
 // Whether the format's M rows run on panels unpacked once a call (the byte and word tiles).
-bool on_unpacked_panels(int64_t format, int64_t M) { return M >= (format == kGgufQ8_0 ? kQ8_0WordMinRows : kByteMinRows); }
+// Q5 as Q8_0, whose streamed tiles it shares.
+bool on_unpacked_panels(int64_t format, int64_t M) {
+  return M >= (format == kGgufQ8_0 || format == kGgufQ5 ? kQ8_0WordMinRows : kByteMinRows);
+}
 
 template <typename Out>
 void gguf_columns(const float* x, const uint16_t* xb, const WordActivations* activations, const ByteActivations* bytes,
@@ -2321,6 +2367,7 @@ void gguf_columns(const float* x, const uint16_t* xb, const WordActivations* act
   if (on_unpacked_panels(s.format, M)) byte_columns(*bytes, *activations, s, M, n0, n1, shifted);
   else if (s.format == kGgufQ8_0) quant_row_groups(Int8Format<32>{}, x, s.data, M, K, n0, n1, shifted);
   else if (s.format == kGgufQ6_K) quant_row_groups(Int8Format<16>{}, x, s.data, M, K, n0, n1, shifted);
+  else if (s.format == kGgufQ5) quant_row_groups(Int8Format<32, true>{}, x, s.data, M, K, n0, n1, shifted);
   else if (s.format == kGgufQ4_K) quant_row_groups(Q4Format<Q4KBlocks>{activations}, x, s.data, M, K, n0, n1, shifted);
   else quant_row_groups(Q4Format<Q4_1Blocks>{activations}, x, s.data, M, K, n0, n1, shifted);
 }
@@ -2339,7 +2386,7 @@ torch::Tensor linear_gguf(torch::Tensor x, torch::Tensor w, bool float_out) {
   const float* xf = widened_x(x);
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto any_segment = [&](const auto& pred) { return std::any_of(layout.segments.begin(), layout.segments.end(), pred); };
-  // 16-bit activations: the streamed tiles' of Q4_1 and Q4_K, the word tiles' of Q8_0 and Q4_1.
+  // 16-bit activations: the streamed tiles' of Q4_1 and Q4_K, the word tiles' of Q8_0, Q4_1 and Q5.
   const bool words_used = any_segment([&](const GgufSegment& s) {
     const bool unpacked = on_unpacked_panels(s.format, M);
     return unpacked ? on_words(s.format) && !on_bf16(s.format, M) : s.format == kGgufQ4_1 || s.format == kGgufQ4_K;
@@ -3150,7 +3197,7 @@ class DecodeLayers {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("lanes") = kLanes;  // the vector width this build was compiled for (16: AVX-512, 8: AVX2)
   m.attr("panel_columns") = kPanelCols;  // the columns of a packed bf16 weight's panel
-  m.attr("gguf_bf16_panels") = kBf16Panels;  // Q8_0 and Q4_1 on bf16 panels from their unpacked-panel rows
+  m.attr("gguf_bf16_panels") = kBf16Panels;  // Q8_0, Q4_1 and Q5 on bf16 panels from their unpacked-panel rows
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) for float32 [rows, n] (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (CPU)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
@@ -3181,7 +3228,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float_out: y in float32, rounded as bf16",
         py::arg("x"), py::arg("w"), py::arg("float_out") = false);
   m.def("linear_gguf", &linear_gguf,
-        "y = x w^T for bf16 x and GGUF Q8_0 / Q6_K / Q4_K weights packed by dispatch.py's pack_gguf_weight, "
+        "y = x w^T for bf16 x and GGUF Q8_0 / Q6_K / Q4_K / Q4_1 / Q5 weights packed by dispatch.py's pack_gguf_weight, "
         "any rows (CPU); float_out: y in float32, rounded as bf16",
         py::arg("x"), py::arg("w"), py::arg("float_out") = false);
   m.def("matmul_address", [](const std::string& name) -> int64_t {

@@ -1,6 +1,6 @@
 """GGUF quantized weights as linear_gguf runs them (cpu_kernels.cpp, "GGUF quantized weights").
 
-A GGUF file stores a matrix [N, K] as rows of blocks along K. Five of llama.cpp's block types are kept
+A GGUF file stores a matrix [N, K] as rows of blocks along K. Eight of llama.cpp's block types are kept
 as the file stores them, in `GGUF_FORMATS`:
 - Q8_0: 32 int8 q and a float16 scale d; values q * d.
 - Q4_1: 32 4-bit q, a float16 scale d and min m; values d * q + m. Q4_0: the same without m, values
@@ -10,6 +10,11 @@ as the file stores them, in `GGUF_FORMATS`:
   values (d * scale) * (q - 32).
 - Q4_K: super-blocks of 256 in 8 blocks of 32: 4-bit q, 6-bit scales and mins, float16 d and dmin;
   values (d * scale) * q - dmin * min.
+- Q5_1: 32 5-bit q (4 low bits, and the fifth in a 32-bit word), float16 d and m; values d * q + m.
+  Q5_K: Q4_K's super-blocks with 5-bit q; values (d * scale) * q - dmin * min. Both pack as one kernel
+  format, Q8_0's int8 q (0 .. 31) with d and an offset per block of 32 (-m, or dmin * min: exact in
+  float32), values d * q - offset: 1.25 bytes a weight where the file has 0.75 and 0.69, against 2 in
+  bf16. Q5_0 (values d * (q - 16)) packs as Q8_0, its q - 16 as the int8.
 These are the float32 operations and order of gguf.quants (and of llama.cpp's dequantization), so the
 values here are its bits; the kernel computes the same ones.
 
@@ -211,12 +216,74 @@ def _q4_1_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
     return (d * q - offset).view(n, -1)
 
 
+# ---- Q5_1: d f16, m f16, qh u32, 16 bytes of 4-bit q; Q5_K: d, dmin f16, 12 bytes of scales and mins,
+# ---- qh [32], 128 bytes of 4-bit q; Q5_0: d f16, qh u32, 16 bytes of 4-bit q ----
+
+# Per panel and block of 32: d and the offset (float32, 64 bytes each), then 32 k-rows of 16 int8 q.
+_Q5_QUANTS = 2 * _SCALES
+
+
+def _q5_quants(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """A block's 32 five-bit q (uint8 [..., 32], gguf.quants' order) from its 4 bytes of high bits (bit i:
+    value i's) and 16 bytes of nibbles (byte i: value i low, value 16 + i high)."""
+    bits = qh.contiguous().view(torch.int32).unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)
+    low = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+    return low | ((bits.squeeze(-2) & 1).to(torch.uint8) << 4)
+
+
+def _pack_q5(d: torch.Tensor, offset: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """float32 d and offset [n, nb] and uint8 q [n, nb, 32] as the Q5 layout."""
+    n, nb = d.shape
+    packed = torch.empty(n // GGUF_PANEL, nb, _Q5_QUANTS + 32 * GGUF_PANEL, dtype=torch.uint8)
+    packed[..., :_SCALES] = _panels(d.unsqueeze(-1)).reshape(-1, nb, GGUF_PANEL).view(torch.uint8)
+    packed[..., _SCALES:_Q5_QUANTS] = _panels(offset.unsqueeze(-1)).reshape(-1, nb, GGUF_PANEL).view(torch.uint8)
+    packed[..., _Q5_QUANTS:] = _panels(q.contiguous()).reshape(-1, nb, 32 * GGUF_PANEL)
+    return packed
+
+
+def _pack_q5_1(rows: torch.Tensor) -> torch.Tensor:
+    b = rows.reshape(rows.shape[0], -1, 24)
+    return _pack_q5(_f16(b, 0), -_f16(b, 2), _q5_quants(b[..., 4:8], b[..., 8:]))
+
+
+def _pack_q5_k(rows: torch.Tensor) -> torch.Tensor:
+    n = rows.shape[0]
+    b = rows.reshape(n, -1, 176)
+    nb = b.shape[1]
+    scales, mins = _q4_k_scales_mins(b[..., 4:16])                       # [n, nb, 8]
+    d = _f16(b, 0).unsqueeze(-1) * scales.float()
+    offset = _f16(b, 2).unsqueeze(-1) * mins.float()
+    # 4 runs of 32 bytes: the low nibbles are sub-block 2i, the high ones 2i + 1; bit j of qh's byte t is
+    # value t's fifth bit in sub-block j.
+    qs = b[..., 48:].reshape(n, nb, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    high = b[..., 16:48].reshape(n, nb, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
+    q = (qs & 0x0F).reshape(n, nb, 8, 32) | ((high & 1) << 4)
+    return _pack_q5(d.reshape(n, -1), offset.reshape(n, -1), q.reshape(n, -1, 32))
+
+
+def _pack_q5_0(rows: torch.Tensor) -> torch.Tensor:
+    b = rows.reshape(rows.shape[0], -1, 22)
+    q = _q5_quants(b[..., 2:6], b[..., 6:]).view(torch.int8) - 16
+    return _pack_int8(_f16(b, 0), q)
+
+
+def _q5_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    n, nb = packed.shape[:2]
+    d = _column(packed, column, 0, 1, torch.float32)
+    offset = _column(packed, column, _SCALES, 1, torch.float32)
+    q = _column(packed, column, _Q5_QUANTS, 32, torch.uint8).float()
+    return (d * q - offset).view(n, -1)
+
+
 GGUF_FORMATS: dict[str, GGUFFormat] = {f.name: f for f in (
     GGUFFormat("Q8_0", 0, 32, 34, 32, _SCALES + 32 * GGUF_PANEL, _pack_q8_0, _int8_values),
     GGUFFormat("Q6_K", 1, 256, 210, 16, _SCALES + 16 * GGUF_PANEL, _pack_q6_k, _int8_values),
     GGUFFormat("Q4_K", 2, 256, 144, 256, _Q4_K_QUANTS + 128 * GGUF_PANEL, _pack_q4_k, _q4_k_values),
     GGUFFormat("Q4_1", 3, 32, 20, 32, _Q4_1_QUANTS + 16 * GGUF_PANEL, _pack_q4_1, _q4_1_values),
     GGUFFormat("Q4_0", 3, 32, 18, 32, _Q4_1_QUANTS + 16 * GGUF_PANEL, _pack_q4_0, _q4_1_values),   # packed as Q4_1
+    GGUFFormat("Q5_1", 4, 32, 24, 32, _Q5_QUANTS + 32 * GGUF_PANEL, _pack_q5_1, _q5_values),
+    GGUFFormat("Q5_K", 4, 256, 176, 32, _Q5_QUANTS + 32 * GGUF_PANEL, _pack_q5_k, _q5_values),   # packed as Q5_1
+    GGUFFormat("Q5_0", 0, 32, 22, 32, _SCALES + 32 * GGUF_PANEL, _pack_q5_0, _int8_values),       # packed as Q8_0
 )}
 
 
@@ -256,7 +323,7 @@ def gguf_segments(blob: torch.Tensor) -> tuple[int, list[tuple[GGUFFormat, int, 
     fields = blob[24:24 + 24 * count].view(torch.int64).view(count, 3).tolist()
     by_code: dict[int, GGUFFormat] = {}
     for f in GGUF_FORMATS.values():
-        by_code.setdefault(f.code, f)   # Q4_0's packed blocks are Q4_1's
+        by_code.setdefault(f.code, f)   # Q4_0's packed blocks are Q4_1's, Q5_K's Q5_1's, Q5_0's Q8_0's
     segments, row = [], 0
     for code, rows, offset in fields:
         fmt = by_code[code]
