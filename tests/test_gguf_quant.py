@@ -142,12 +142,12 @@ def on_bf16_panels(name: str, m: int) -> bool:
 
 @needs_kernel
 @pytest.mark.parametrize("name,n,k", [("Q8_0", 16, 32), ("Q8_0", 48, 96), ("Q8_0", 64, 2080), ("Q6_K", 48, 256),
-                                      ("Q6_K", 80, 768), ("Q5_0", 48, 96), ("Q5_1", 32, 2080), ("Q5_K", 48, 768)])
+                                      ("Q6_K", 80, 768), ("Q5_0", 48, 96), ("Q5_0", 32, 2080)])
 def test_linear_gguf_is_linear_bf16_bit_for_bit_on_bf16_weights(name, n, k):
-    """Q8_0 (and Q5_0, Q5_1, Q5_K: Q8_0's tiles, with offsets) below 8 rows and Q6_K below 16 (their
-    streamed float32 tiles): the same sums in the same order as linear_bf16's packed path, so the same
-    bits, y rounded to bf16 or not. (From 8 rows Q8_0 sums 16-bit activations in integers: within
-    rounding of the exact product, tested below.)"""
+    """Q8_0 (and Q5_0, packed as Q8_0) below 8 rows and Q6_K below 16 (their streamed float32 tiles): the
+    same sums in the same order as linear_bf16's packed path, so the same bits, y rounded to bf16 or
+    not. (From 8 rows Q8_0 sums 16-bit activations in integers: within rounding of the exact product,
+    tested below.)"""
     gen = torch.Generator().manual_seed(n + k)
     raw = random_rows(name, n, k, gen, bf16=True)
     w = dequantized(name, raw)
@@ -635,10 +635,10 @@ def test_w6_memory_roof_counts_the_files_bytes(q4_k_m_tiny):
 @needs_kernel
 @pytest.mark.parametrize("type_of", [_q5_k_m_type, _q5_0_and_q5_1_type])
 def test_q5_mixes_keep_every_matrix_and_give_the_dequantized_logits(type_of, tmp_path):
-    """Q5_K, Q5_1 and Q5_0 matrices stay in their blocks (Q5_0's as Q8_0's, the others as Q8_0's with
-    offsets): a 20-row prefill (their bf16 panels with AVX512-BF16, else the word tiles on 16-bit
-    activations) gives the dequantized model's logits within a bf16 rounding or two, and a 5-row one
-    (the streamed float32 tiles, on these bf16 values) the same up to the head's summation."""
+    """Q5_K, Q5_1 and Q5_0 matrices stay in their blocks (Q5_0's as Q8_0's, the others as Q4_1's with
+    their fifth bits): a 20-row prefill (the bf16 panels with AVX512-BF16, else the word tiles on 16-bit
+    activations) and a 5-row one (the streamed tiles: Q5_K and Q5_1 on 16-bit activations, Q5_0 in
+    float32) give the dequantized model's logits within a bf16 rounding or two."""
     path = _write_tiny_mix(tmp_path / "tiny.gguf", type_of)
     for n in (20, 5):
         _assert_close_logits(_prefill_logits(path, True, 4 * 2 + 2, n=n), _prefill_logits(path, False, 0, n=n))
@@ -648,8 +648,7 @@ def test_q5_mixes_keep_every_matrix_and_give_the_dequantized_logits(type_of, tmp
 def test_engine_on_q5_k_m_gives_the_dequantized_tokens(q5_k_m_tiny, monkeypatch, engine_check):
     """Chunked prefill, a prefix-cache hit and batched decode on the C++ layer loop over Q5_K_M's blocks
     (layer 1's qkv and down of two types): the greedy tokens agree with the dequantized weights' but
-    where two logits nearly tie (below 8 rows the tiles are exact on these bf16 values; from 8 the
-    16-bit activations move x by up to 2^-15 of its block's largest)."""
+    where two logits nearly tie (the 16-bit activations move x by up to 2^-15 of its block's largest)."""
     prompts = [{"prompt_token_ids": [1 + (7 * i + 3 * j) % 120 for j in range(n)]}
                for i, n in enumerate([5, 40, 90, 17, 1])]
     prompts.append({"prompt_token_ids": prompts[2]["prompt_token_ids"] + [11, 12, 13]})

@@ -1424,9 +1424,10 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 //   Q4_1 (blocks of 32; Q4_0 packed as Q4_1 with offset 8 d): 16 float32 d, 16 float32 offsets (-m),
 //     then 8 groups of 4 k-rows as Q4_K's: 0.75 bytes a weight, against 0.625 in the file;
 //   Q5 (Q5_1's blocks of 32, and Q5_K's sub-blocks of 32 with d sc and dmin m; Q5_0 is packed as Q8_0,
-//     its q - 16 the int8): 16 float32 d, 16 float32 offsets, then 32 k-rows of 16 int8 q (0 .. 31) as
-//     Q8_0's, which it runs as (with the offsets Q4_1's word tiles take): 1.25 bytes a weight, against
-//     0.75 (Q5_1) and 0.69 (Q5_K) in the file.
+//     its q - 16 the int8): Q4_1's block of the q's low 4 bits, then each group's fifth bits as two
+//     32-bit words (bit i of the first: byte i's low nibble's; of the second: its high nibble's), run
+//     on Q4_1's tiles with the bits added in: 0.875 bytes a weight, against 0.75 (Q5_1) and 0.69 (Q5_K)
+//     in the file.
 //
 // Few rows (decode steps of a few requests: below kQ8_0WordMinRows for Q8_0, kByteMinRows for the
 // others) stream the packed panels through registers. Q8_0 and Q6_K's weights are dequantized as
@@ -1477,17 +1478,22 @@ inline const uint8_t* q4k_block(const uint8_t* wq, int64_t K, int64_t n, int64_t
 constexpr int64_t kQ4_1Quants = 2 * kQuantScaleBytes;
 constexpr int64_t kQ4_1BlockBytes = kQ4_1Quants + kQ4KSub / 2 * kPanelCols;
 
-inline const uint8_t* q4_1_block(const uint8_t* wq, int64_t K, int64_t n, int64_t b) {
-  return wq + ((n / kPanelCols) * (K / kQ4KSub) + b) * kQ4_1BlockBytes;
+// Q5_1 and Q5_K (packed as one format, Q5): Q4_1's blocks of the low 4 bits, each followed by its 8
+// groups' fifth bits (two 32-bit words a group); values d q - offset.
+constexpr int64_t kQ5Quants = 2 * kQuantScaleBytes;
+constexpr int64_t kQ5FifthBits = kQ5Quants + kQ4KSub / 2 * kPanelCols;
+constexpr int64_t kQ5BlockBytes = kQ5FifthBits + kQ4KSub / 4 * 2 * sizeof(uint32_t);
+static_assert(kQ5FifthBits == kQ4_1BlockBytes, "Q5's block starts as Q4_1's");
+
+// Group g's fifth bits in a Q5 block: [0] of its low nibbles, [1] of its high ones.
+inline void q5_fifth_bits(const uint8_t* block, int64_t g, uint32_t bits[2]) {
+  std::memcpy(bits, block + kQ5FifthBits + g * 2 * sizeof(uint32_t), 2 * sizeof(uint32_t));
 }
 
-// Q5_1 and Q5_K (packed as one format, Q5): blocks of 32 along K, each 16 float32 d, 16 float32
-// offsets, then 32 k-rows of 16 int8 q (0 .. 31) as Q8_0's; values d q - offset.
-constexpr int64_t kQ5Quants = 2 * kQuantScaleBytes;
-constexpr int64_t kQ5BlockBytes = kQ5Quants + 32 * kPanelCols;
-
-inline const uint8_t* q5_block(const uint8_t* wq, int64_t K, int64_t n, int64_t b) {
-  return wq + ((n / kPanelCols) * (K / 32) + b) * kQ5BlockBytes;
+// Block b of the panel of column n: Q4_1's, or Q5's (Fifth).
+template <bool Fifth>
+inline const uint8_t* q4_1_like_block(const uint8_t* wq, int64_t K, int64_t n, int64_t b) {
+  return wq + ((n / kPanelCols) * (K / kQ4KSub) + b) * (Fifth ? kQ5BlockBytes : kQ4_1BlockBytes);
 }
 
 // Sub-block j's scale d * sc and min dmin * m of a panel's vector v: both products exact in float32.
@@ -1507,11 +1513,9 @@ inline VecI q4k_group_words(const uint8_t* block, int64_t g, int v) {
 }
 
 // out.row() of MR rows of x (widened, [MR, K]) and the P panels of [n0, n0 + P x kPanelCols) of an
-// int8 weight: the packed bf16 tile's loop, each weight row dequantized in registers (Offsets: Q5's
-// d q - offset, one rounding as gguf.quants' float32 d * q - offset, d q being exact).
-template <int64_t B, bool Offsets, int MR, int P, typename Out>
+// int8 weight: the packed bf16 tile's loop, each weight row dequantized in registers.
+template <int64_t B, int MR, int P, typename Out>
 void int8_stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, const Out& out) {
-  static_assert(!Offsets || B == 32, "Q5's blocks are of 32");
   constexpr int V = P * kPanelVecs;
   const int64_t piece = panel_k_piece(K);
   VecF total[MR][V];
@@ -1523,19 +1527,14 @@ void int8_stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0
     for (int64_t k = k0; k < end;) {
       const int64_t b = k / B, stop = std::min(end, (b + 1) * B);
       const uint8_t* block[P];
-      for (int p = 0; p < P; ++p)
-        block[p] = Offsets ? q5_block(wq, K, n0 + p * kPanelCols, b) : int8_block<B>(wq, K, n0 + p * kPanelCols, b);
+      for (int p = 0; p < P; ++p) block[p] = int8_block<B>(wq, K, n0 + p * kPanelCols, b);
       for (; k < stop; ++k) {
         const int64_t row = (k - b * B) * kPanelCols;
         VecF w[V];
         for (int p = 0; p < P; ++p)
-          for (int v = 0; v < kPanelVecs; ++v) {
-            const VecF q = load_int8(reinterpret_cast<const int8_t*>(block[p] + (Offsets ? kQ5Quants : kQuantScaleBytes)) +
-                                     row + v * kLanes);
-            const VecF d = load_f32(block_scales(block[p]) + v * kLanes);
-            w[p * kPanelVecs + v] = Offsets ? fmsub(q, d, load_f32(block_scales(block[p]) + kPanelCols + v * kLanes))
-                                            : mul(q, d);
-          }
+          for (int v = 0; v < kPanelVecs; ++v)
+            w[p * kPanelVecs + v] = mul(load_int8(block_int8(block[p]) + row + v * kLanes),
+                                        load_f32(block_scales(block[p]) + v * kLanes));
         for (int m = 0; m < MR; ++m) {
           const VecF a = splat(x[m * K + k]);
           for (int v = 0; v < V; ++v) c[m][v] = fma(a, w[v], c[m][v]);
@@ -1599,10 +1598,11 @@ struct WordActivations {
   }
 };
 
-// The two 4-bit formats as the streamed tiles read them: pieces of up to 8 sub-blocks of 32 (Q4_K's
-// super-block; Q4_1's blocks, 8 at a time), sub-block j's scale and min (its values scale q - min) and
-// its 8 groups of 4 k-rows, each as q4k_group_words.
+// The two 4-bit formats (and Q5) as the streamed tiles read them: pieces of up to 8 sub-blocks of 32
+// (Q4_K's super-block; Q4_1's and Q5's blocks, 8 at a time), sub-block j's scale and min (its values
+// scale q - min) and its 8 groups of 4 k-rows, each as q4k_group_words (Q5: and their fifth bits).
 struct Q4KBlocks {
+  static constexpr bool kFifthBits = false;
   static constexpr int64_t kPieceSubs = kQ4KSubs;
   static int64_t piece_subs(int64_t, int64_t) { return kQ4KSubs; }
   static const uint8_t* piece(const uint8_t* wq, int64_t K, int64_t n, int64_t b) { return q4k_block(wq, K, n, b); }
@@ -1614,21 +1614,38 @@ struct Q4KBlocks {
   }
 };
 
-struct Q4_1Blocks {
+// Q4_1's blocks, and Q5's (Fifth: a block of kQ5BlockBytes, the fifth bits after the nibbles).
+template <bool Fifth>
+struct Q4_1LikeBlocks {
+  static constexpr bool kFifthBits = Fifth;
+  static constexpr int64_t kBlockBytes = Fifth ? kQ5BlockBytes : kQ4_1BlockBytes;
   static constexpr int64_t kPieceSubs = kQ4KSubs;
   static int64_t piece_subs(int64_t subs, int64_t b) { return std::min(kPieceSubs, subs - b * kPieceSubs); }
   static const uint8_t* piece(const uint8_t* wq, int64_t K, int64_t n, int64_t b) {
-    return q4_1_block(wq, K, n, b * kPieceSubs);
+    return q4_1_like_block<Fifth>(wq, K, n, b * kPieceSubs);
   }
   static void scale_min(const uint8_t* piece, int64_t j, int v, VecF& scale, VecF& min) {
-    const float* d = block_scales(piece + j * kQ4_1BlockBytes);
+    const float* d = block_scales(piece + j * kBlockBytes);
     scale = load_f32(d + v * kLanes);
     min = load_f32(d + kPanelCols + v * kLanes);
   }
   static VecI group_words(const uint8_t* piece, int64_t j, int64_t g, int v) {
-    return load_u8_words(piece + j * kQ4_1BlockBytes + kQ4_1Quants + g * 2 * kPanelCols + v * 2 * kLanes);
+    return load_u8_words(piece + j * kBlockBytes + kQ4_1Quants + g * 2 * kPanelCols + v * 2 * kLanes);
+  }
+  // The low and high nibbles' words of vector v of group g with their fifth bits added (Q5).
+  static void add_fifth_bits(const uint8_t* piece, int64_t j, int64_t g, int v, VecI& low, VecI& high) {
+    uint64_t bits;
+    std::memcpy(&bits, piece + j * kBlockBytes + kQ5FifthBits + g * sizeof bits, sizeof bits);
+    // One load into a register, each mask moved from there: with a mask load from memory per mask
+    // (the compiler's choice otherwise) Q5_1 took 3.0x Q4_1's time at one row, from the register
+    // 2.0-2.3x (2 Zen 4 cores, W6's four layer shapes).
+    asm("" : "+r"(bits));
+    low = with_fifth_bits(low, static_cast<uint32_t>(bits) >> (v * 2 * kLanes));
+    high = with_fifth_bits(high, static_cast<uint32_t>(bits >> 32) >> (v * 2 * kLanes));
   }
 };
+using Q4_1Blocks = Q4_1LikeBlocks<false>;
+using Q5Blocks = Q4_1LikeBlocks<true>;
 
 // out.row() of MR rows of a 4-bit weight's P panels, rows given as their widened x (whose offset from
 // a.x names them): sum_k x_k (scale q_k - min) over each sub-block of 32 as scale unit (sum_k X_k q_k)
@@ -1659,6 +1676,8 @@ void q4_stream_panels(const WordActivations& a, const float* xm, const uint8_t* 
             const VecI w = Q4::group_words(piece[p], j, g, v);
             low[p * kPanelVecs + v] = low_nibble_words(w);
             high[p * kPanelVecs + v] = high_nibble_words(w);
+            if constexpr (Q4::kFifthBits) Q4::add_fifth_bits(piece[p], j, g, v, low[p * kPanelVecs + v],
+                                                             high[p * kPanelVecs + v]);
           }
         const int64_t k = sub * kQ4KSub + 4 * g;
         for (int m = 0; m < MR; ++m) {
@@ -1686,13 +1705,13 @@ void q4_stream_panels(const WordActivations& a, const float* xm, const uint8_t* 
 }
 
 // A format's streamed tiles.
-template <int64_t B, bool Offsets = false>
+template <int64_t B>
 struct Int8Format {
   template <int MR>
   static constexpr int kPanels = kStreamPanels<MR>;
   template <int MR, int P, typename Out>
   void stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, const Out& out) const {
-    int8_stream_panels<B, Offsets, MR, P>(x, wq, K, n0, out);
+    int8_stream_panels<B, MR, P>(x, wq, K, n0, out);
   }
 };
 
@@ -2002,38 +2021,46 @@ void q8_0_word_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p
   }
 }
 
-// Q4_1 as Q8_0's word panel: a group's low nibbles are its columns' pairs of k-rows (4g, 4g + 1), its
-// high ones (4g + 2, 4g + 3), each as an int8 0 .. 15; d and the offsets as they are.
-void q4_1_word_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
-  const __m128i low4 = _mm_set1_epi8(15);
-  for (int64_t b = 0; b < K / kQ4KSub; ++b) {
-    const uint8_t* block = q4_1_block(wq, K, n, b);
-    std::memcpy(p.scale + b * kPanelCols, block, kQuantScaleBytes);
-    std::memcpy(p.offset + b * kPanelCols, block + kQuantScaleBytes, kQuantScaleBytes);
-    for (int64_t g = 0; g < kQ4KSub / 4; ++g)
-      for (int h = 0; h < 2; ++h) {   // columns 8h .. 8h + 7
-        const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kQ4_1Quants + g * 2 * kPanelCols + 16 * h));
-        uint8_t* pairs = p.q + (b * kQ4KSub + 4 * g) * kPanelCols + 16 * h;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs), _mm_and_si128(w, low4));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs + 2 * kPanelCols), _mm_and_si128(_mm_srli_epi16(w, 4), low4));
-      }
-  }
+// 16 bits as 16 bytes, 16 where the bit is set, else 0.
+inline __m128i fifth_bit_bytes(uint32_t bits) {
+  const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>(bits & 0xFFFF)),
+                                          _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+  const __m128i select = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, select), select), _mm_set1_epi8(16));
 }
 
-// Q5 as Q8_0's word panel, with its offsets.
-void q5_word_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* block = q5_block(wq, K, n, b);
+// Q4_1 (and Q5: Fifth) as Q8_0's word panel: a group's low nibbles are its columns' pairs of k-rows
+// (4g, 4g + 1), its high ones (4g + 2, 4g + 3), each as an int8 0 .. 15 (Q5: plus 16 where its fifth bit
+// is set); d and the offsets as they are.
+template <bool Fifth>
+void q4_1_like_word_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
+  const __m128i low4 = _mm_set1_epi8(15);
+  for (int64_t b = 0; b < K / kQ4KSub; ++b) {
+    const uint8_t* block = q4_1_like_block<Fifth>(wq, K, n, b);
     std::memcpy(p.scale + b * kPanelCols, block, kQuantScaleBytes);
     std::memcpy(p.offset + b * kPanelCols, block + kQuantScaleBytes, kQuantScaleBytes);
-    int8_pairs(block + kQ5Quants, p.q + b * 32 * kPanelCols);
+    for (int64_t g = 0; g < kQ4KSub / 4; ++g) {
+      uint32_t bits[2] = {0, 0};
+      if constexpr (Fifth) q5_fifth_bits(block, g, bits);
+      for (int h = 0; h < 2; ++h) {   // columns 8h .. 8h + 7
+        const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kQ4_1Quants + g * 2 * kPanelCols + 16 * h));
+        __m128i low = _mm_and_si128(w, low4), high = _mm_and_si128(_mm_srli_epi16(w, 4), low4);
+        if constexpr (Fifth) {
+          low = _mm_or_si128(low, fifth_bit_bytes(bits[0] >> (16 * h)));
+          high = _mm_or_si128(high, fifth_bit_bytes(bits[1] >> (16 * h)));
+        }
+        uint8_t* pairs = p.q + (b * kQ4KSub + 4 * g) * kPanelCols + 16 * h;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs), low);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs + 2 * kPanelCols), high);
+      }
+    }
   }
 }
 
 // The word panel of a Q8_0, Q4_1 or Q5 segment.
 void word_panel(int64_t format, const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
-  if (format == kGgufQ4_1) q4_1_word_panel(wq, K, n, p);
-  else if (format == kGgufQ5) q5_word_panel(wq, K, n, p);
+  if (format == kGgufQ4_1) q4_1_like_word_panel<false>(wq, K, n, p);
+  else if (format == kGgufQ5) q4_1_like_word_panel<true>(wq, K, n, p);
   else q8_0_word_panel(wq, K, n, p);
 }
 
@@ -2352,10 +2379,7 @@ void byte_columns(const ByteActivations& a, const WordActivations& words, const 
 }
 
 // Whether the format's M rows run on panels unpacked once a call (the byte and word tiles).
-// Q5 as Q8_0, whose streamed tiles it shares.
-bool on_unpacked_panels(int64_t format, int64_t M) {
-  return M >= (format == kGgufQ8_0 || format == kGgufQ5 ? kQ8_0WordMinRows : kByteMinRows);
-}
+bool on_unpacked_panels(int64_t format, int64_t M) { return M >= (format == kGgufQ8_0 ? kQ8_0WordMinRows : kByteMinRows); }
 
 template <typename Out>
 void gguf_columns(const float* x, const uint16_t* xb, const WordActivations* activations, const ByteActivations* bytes,
@@ -2367,7 +2391,7 @@ void gguf_columns(const float* x, const uint16_t* xb, const WordActivations* act
   if (on_unpacked_panels(s.format, M)) byte_columns(*bytes, *activations, s, M, n0, n1, shifted);
   else if (s.format == kGgufQ8_0) quant_row_groups(Int8Format<32>{}, x, s.data, M, K, n0, n1, shifted);
   else if (s.format == kGgufQ6_K) quant_row_groups(Int8Format<16>{}, x, s.data, M, K, n0, n1, shifted);
-  else if (s.format == kGgufQ5) quant_row_groups(Int8Format<32, true>{}, x, s.data, M, K, n0, n1, shifted);
+  else if (s.format == kGgufQ5) quant_row_groups(Q4Format<Q5Blocks>{activations}, x, s.data, M, K, n0, n1, shifted);
   else if (s.format == kGgufQ4_K) quant_row_groups(Q4Format<Q4KBlocks>{activations}, x, s.data, M, K, n0, n1, shifted);
   else quant_row_groups(Q4Format<Q4_1Blocks>{activations}, x, s.data, M, K, n0, n1, shifted);
 }
@@ -2386,10 +2410,11 @@ torch::Tensor linear_gguf(torch::Tensor x, torch::Tensor w, bool float_out) {
   const float* xf = widened_x(x);
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto any_segment = [&](const auto& pred) { return std::any_of(layout.segments.begin(), layout.segments.end(), pred); };
-  // 16-bit activations: the streamed tiles' of Q4_1 and Q4_K, the word tiles' of Q8_0, Q4_1 and Q5.
+  // 16-bit activations: the streamed tiles' of Q4_1, Q4_K and Q5, the word tiles' of Q8_0, Q4_1 and Q5.
   const bool words_used = any_segment([&](const GgufSegment& s) {
     const bool unpacked = on_unpacked_panels(s.format, M);
-    return unpacked ? on_words(s.format) && !on_bf16(s.format, M) : s.format == kGgufQ4_1 || s.format == kGgufQ4_K;
+    return unpacked ? on_words(s.format) && !on_bf16(s.format, M)
+                    : s.format == kGgufQ4_1 || s.format == kGgufQ4_K || s.format == kGgufQ5;
   });
   const WordActivations activations = words_used ? WordActivations::of(xf, M, K) : WordActivations{};
   const bool bytes_used = any_segment([&](const GgufSegment& s) { return !on_words(s.format) && on_unpacked_panels(s.format, M); });

@@ -12,9 +12,9 @@ as the file stores them, in `GGUF_FORMATS`:
   values (d * scale) * q - dmin * min.
 - Q5_1: 32 5-bit q (4 low bits, and the fifth in a 32-bit word), float16 d and m; values d * q + m.
   Q5_K: Q4_K's super-blocks with 5-bit q; values (d * scale) * q - dmin * min. Both pack as one kernel
-  format, Q8_0's int8 q (0 .. 31) with d and an offset per block of 32 (-m, or dmin * min: exact in
-  float32), values d * q - offset: 1.25 bytes a weight where the file has 0.75 and 0.69, against 2 in
-  bf16. Q5_0 (values d * (q - 16)) packs as Q8_0, its q - 16 as the int8.
+  format, Q5: Q4_1's with each q's fifth bit beside its nibbles, d and an offset per block of 32 (-m, or
+  dmin * min: exact in float32), values d * q - offset. Q5_0 (values d * (q - 16)) packs as Q8_0, its
+  q - 16 as the int8.
 These are the float32 operations and order of gguf.quants (and of llama.cpp's dequantization), so the
 values here are its bits; the kernel computes the same ones.
 
@@ -219,8 +219,12 @@ def _q4_1_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
 # ---- Q5_1: d f16, m f16, qh u32, 16 bytes of 4-bit q; Q5_K: d, dmin f16, 12 bytes of scales and mins,
 # ---- qh [32], 128 bytes of 4-bit q; Q5_0: d f16, qh u32, 16 bytes of 4-bit q ----
 
-# Per panel and block of 32: d and the offset (float32, 64 bytes each), then 32 k-rows of 16 int8 q.
+# Per panel and block of 32: d and the offset (float32, 64 bytes each), the 8 groups of 4 k-rows of
+# nibbles as Q4_1's, then each group's fifth bits as two little-endian 32-bit words: bit i of the first
+# is byte i's low nibble's, of the second its high nibble's. 0.875 bytes a weight.
 _Q5_QUANTS = 2 * _SCALES
+_Q5_FIFTH_BITS = _Q5_QUANTS + 16 * GGUF_PANEL
+_Q5_BYTES = _Q5_FIFTH_BITS + 8 * 8
 
 
 def _q5_quants(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
@@ -232,12 +236,16 @@ def _q5_quants(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_q5(d: torch.Tensor, offset: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """float32 d and offset [n, nb] and uint8 q [n, nb, 32] as the Q5 layout."""
+    """float32 d and offset [n, nb] and uint8 q [n, nb, 32] (0 .. 31) as the Q5 layout."""
     n, nb = d.shape
-    packed = torch.empty(n // GGUF_PANEL, nb, _Q5_QUANTS + 32 * GGUF_PANEL, dtype=torch.uint8)
-    packed[..., :_SCALES] = _panels(d.unsqueeze(-1)).reshape(-1, nb, GGUF_PANEL).view(torch.uint8)
-    packed[..., _SCALES:_Q5_QUANTS] = _panels(offset.unsqueeze(-1)).reshape(-1, nb, GGUF_PANEL).view(torch.uint8)
-    packed[..., _Q5_QUANTS:] = _panels(q.contiguous()).reshape(-1, nb, 32 * GGUF_PANEL)
+    low = q & 0x0F
+    packed = torch.empty(n // GGUF_PANEL, nb, _Q5_BYTES, dtype=torch.uint8)
+    packed[..., :_Q5_FIFTH_BITS] = _pack_q4(d, offset, low[..., :16] | (low[..., 16:] << 4))
+    fifth = (q >> 4).reshape(n // GGUF_PANEL, GGUF_PANEL, nb, 8, 2, 2)       # [p, c, b, g, h, t]: k-row 4g + 2h + t
+    fifth = fifth.permute(0, 2, 3, 4, 1, 5).reshape(n // GGUF_PANEL, nb, 8, 2, 32).long()   # bit 2c + t
+    words = (fifth << torch.arange(32)).sum(-1)                                 # [p, b, g, h] in 0 .. 2^32 - 1
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+    packed[..., _Q5_FIFTH_BITS:] = words.view(torch.uint8).reshape(n // GGUF_PANEL, nb, 64)
     return packed
 
 
@@ -271,7 +279,12 @@ def _q5_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
     n, nb = packed.shape[:2]
     d = _column(packed, column, 0, 1, torch.float32)
     offset = _column(packed, column, _SCALES, 1, torch.float32)
-    q = _column(packed, column, _Q5_QUANTS, 32, torch.uint8).float()
+    pairs = _column_pairs(packed[..., :_Q5_FIFTH_BITS], column, _Q5_QUANTS)    # [n, nb, 8, 2 (t)]
+    low = torch.stack([pairs & 0x0F, pairs >> 4], dim=-2)                      # [n, nb, 8 (g), 2 (h), 2 (t)]
+    words = packed[..., _Q5_FIFTH_BITS:].contiguous().view(torch.int32).view(n, nb, 8, 2, 1)
+    shifts = 2 * column.view(n, 1, 1, 1, 1) + torch.arange(2).view(1, 1, 1, 1, 2)
+    fifth = ((words >> shifts) & 1).to(torch.uint8)                             # [n, nb, 8, 2, 2]
+    q = (low | (fifth << 4)).reshape(n, nb, 32).float()
     return (d * q - offset).view(n, -1)
 
 
@@ -281,8 +294,8 @@ GGUF_FORMATS: dict[str, GGUFFormat] = {f.name: f for f in (
     GGUFFormat("Q4_K", 2, 256, 144, 256, _Q4_K_QUANTS + 128 * GGUF_PANEL, _pack_q4_k, _q4_k_values),
     GGUFFormat("Q4_1", 3, 32, 20, 32, _Q4_1_QUANTS + 16 * GGUF_PANEL, _pack_q4_1, _q4_1_values),
     GGUFFormat("Q4_0", 3, 32, 18, 32, _Q4_1_QUANTS + 16 * GGUF_PANEL, _pack_q4_0, _q4_1_values),   # packed as Q4_1
-    GGUFFormat("Q5_1", 4, 32, 24, 32, _Q5_QUANTS + 32 * GGUF_PANEL, _pack_q5_1, _q5_values),
-    GGUFFormat("Q5_K", 4, 256, 176, 32, _Q5_QUANTS + 32 * GGUF_PANEL, _pack_q5_k, _q5_values),   # packed as Q5_1
+    GGUFFormat("Q5_1", 4, 32, 24, 32, _Q5_BYTES, _pack_q5_1, _q5_values),
+    GGUFFormat("Q5_K", 4, 256, 176, 32, _Q5_BYTES, _pack_q5_k, _q5_values),   # packed as Q5_1
     GGUFFormat("Q5_0", 0, 32, 22, 32, _SCALES + 32 * GGUF_PANEL, _pack_q5_0, _int8_values),       # packed as Q8_0
 )}
 

@@ -49,6 +49,13 @@ inline VecI load_u8_words(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_lo
 inline VecI load_i8_words(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline VecI low_nibble_words(VecI w) { return _mm256_and_si256(w, _mm256_set1_epi16(15)); }
 inline VecI high_nibble_words(VecI w) { return _mm256_srli_epi16(w, 4); }
+// w with 16 added to word i where bit i of bits is set (a 5-bit q's fifth bit; bits 16 and up unread).
+inline VecI with_fifth_bits(VecI w, uint32_t bits) {
+  const __m256i select = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                           static_cast<int16_t>(0x8000));
+  const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(bits)), select), select);
+  return _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi16(16)));
+}
 inline VecI madd_words(VecI a, VecI b) { return _mm256_madd_epi16(a, b); }
 // acc plus the pairs of 16-bit products of a and b summed into 32-bit lanes: one vpdpwssd where the
 // build targets AVX-VNNI, else vpmaddwd and an add. The same integers either way (neither saturates).

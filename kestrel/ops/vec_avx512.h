@@ -54,6 +54,10 @@ inline VecI load_u8_words(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256
 inline VecI load_i8_words(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline VecI low_nibble_words(VecI w) { return _mm512_and_si512(w, _mm512_set1_epi16(15)); }
 inline VecI high_nibble_words(VecI w) { return _mm512_srli_epi16(w, 4); }
+// w with 16 added to word i where bit i of bits is set (a 5-bit q's fifth bit).
+inline VecI with_fifth_bits(VecI w, uint32_t bits) {
+  return _mm512_mask_add_epi16(w, static_cast<__mmask32>(bits), w, _mm512_set1_epi16(16));
+}
 inline VecI madd_words(VecI a, VecI b) { return _mm512_madd_epi16(a, b); }
 // acc plus the pairs of 16-bit products of a and b summed into 32-bit lanes: one vpdpwssd where the
 // CPU has AVX512-VNNI, else vpmaddwd and an add. The same integers either way (neither saturates).
