@@ -230,9 +230,9 @@ _Q5_BYTES = _Q5_FIFTH_BITS + 8 * 8
 def _q5_quants(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     """A block's 32 five-bit q (uint8 [..., 32], gguf.quants' order) from its 4 bytes of high bits (bit i:
     value i's) and 16 bytes of nibbles (byte i: value i low, value 16 + i high)."""
-    bits = qh.contiguous().view(torch.int32).unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)
+    bits = (qh.unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1    # [..., 4 bytes, 8 bits]: value 8 byte + bit
     low = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
-    return low | ((bits.squeeze(-2) & 1).to(torch.uint8) << 4)
+    return low | (bits.flatten(-2) << 4)
 
 
 def _pack_q5(d: torch.Tensor, offset: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -242,10 +242,11 @@ def _pack_q5(d: torch.Tensor, offset: torch.Tensor, q: torch.Tensor) -> torch.Te
     packed = torch.empty(n // GGUF_PANEL, nb, _Q5_BYTES, dtype=torch.uint8)
     packed[..., :_Q5_FIFTH_BITS] = _pack_q4(d, offset, low[..., :16] | (low[..., 16:] << 4))
     fifth = (q >> 4).reshape(n // GGUF_PANEL, GGUF_PANEL, nb, 8, 2, 2)       # [p, c, b, g, h, t]: k-row 4g + 2h + t
-    fifth = fifth.permute(0, 2, 3, 4, 1, 5).reshape(n // GGUF_PANEL, nb, 8, 2, 32).long()   # bit 2c + t
-    words = (fifth << torch.arange(32)).sum(-1)                                 # [p, b, g, h] in 0 .. 2^32 - 1
-    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-    packed[..., _Q5_FIFTH_BITS:] = words.view(torch.uint8).reshape(n // GGUF_PANEL, nb, 64)
+    fifth = fifth.permute(0, 2, 3, 4, 1, 5).reshape(n // GGUF_PANEL, nb, 8, 2, 4, 8)  # bit 2c + t: byte, bit
+    words = torch.zeros(fifth.shape[:-1], dtype=torch.uint8)    # each word's 4 bytes, little-endian
+    for bit in range(8):   # in uint8 throughout: a model's largest matrix packs without wide temporaries
+        words |= fifth[..., bit] << bit
+    packed[..., _Q5_FIFTH_BITS:] = words.reshape(n // GGUF_PANEL, nb, 64)
     return packed
 
 
