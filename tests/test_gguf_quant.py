@@ -587,23 +587,21 @@ def test_q4_k_m_mix_keeps_every_matrix_and_gives_the_dequantized_logits(q4_k_m_t
     _assert_close_logits(_prefill_logits(q4_k_m_tiny, True, 4 * 2 + 2), _prefill_logits(q4_k_m_tiny, False, 0))
 
 
-@needs_kernel
-def test_engine_on_q4_k_m_gives_the_dequantized_tokens(q4_k_m_tiny, monkeypatch, engine_check):
-    """Chunked prefill, a prefix-cache hit and batched decode on the C++ layer loop, whose qkv and down
-    projections in layer 1 are blobs of two types. Q4_K's streamed tiles (below 16 rows) sum in another
-    order than the dequantized weights' products, and the byte tiles (prefill chunks of 16 rows or more)
-    on 8-bit activations: the greedy tokens agree but where two logits nearly tie."""
+def _assert_engine_gives_the_dequantized_tokens(path: Path, k_quant: str, monkeypatch, engine_check) -> None:
+    """Chunked prefill, a prefix-cache hit and batched decode on the C++ layer loop over the tiny mix at
+    `path` (layer 1's qkv and down of two types: `k_quant`, and Q6_K), against the same model with its
+    weights dequantized: the greedy tokens agree but where two logits nearly tie."""
     prompts = [{"prompt_token_ids": [1 + (7 * i + 3 * j) % 120 for j in range(n)]}
                for i, n in enumerate([5, 40, 90, 17, 1])]
     prompts.append({"prompt_token_ids": prompts[2]["prompt_token_ids"] + [11, 12, 13]})
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    kw = dict(model=str(q4_k_m_tiny), tokenizer=str(default_model_path()), dtype="bfloat16", max_model_len=256,
+    kw = dict(model=str(path), tokenizer=str(default_model_path()), dtype="bfloat16", max_model_len=256,
               kv_cache_memory=8 << 20, max_num_batched_tokens=32)
     llm = LLM(**kw)
     model = worker_of(llm).model
     qkv = model.layers[1].qkv_proj
     assert type(qkv) is Q.GGUFLinear and [(fmt.name, rows) for fmt, rows in qkv.parts] == [
-        ("Q4_K", 256), ("Q4_K", 128), ("Q6_K", 128)]
+        (k_quant, 256), (k_quant, 128), ("Q6_K", 128)]
     assert all(type(p) is Q.GGUFLinear for p in _projections(llm)) and type(model.lm_head) is Q.GGUFLinear
     assert worker_of(llm).runner.decode_plan.native_class is not None
     native = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -616,6 +614,13 @@ def test_engine_on_q4_k_m_gives_the_dequantized_tokens(q4_k_m_tiny, monkeypatch,
     assert all(len(t) == 16 for t in native)
     assert all(a[:4] == b[:4] for a, b in zip(native, dequantized))
     assert sum(a == b for a, b in zip(native, dequantized)) >= len(prompts) - 2
+
+
+@needs_kernel
+def test_engine_on_q4_k_m_gives_the_dequantized_tokens(q4_k_m_tiny, monkeypatch, engine_check):
+    """Q4_K's streamed tiles (below 16 rows) sum in another order than the dequantized weights'
+    products, and the byte tiles (prefill chunks of 16 rows or more) on 8-bit activations."""
+    _assert_engine_gives_the_dequantized_tokens(q4_k_m_tiny, "Q4_K", monkeypatch, engine_check)
 
 
 def test_w6_memory_roof_counts_the_files_bytes(q4_k_m_tiny):
@@ -646,29 +651,5 @@ def test_q5_mixes_keep_every_matrix_and_give_the_dequantized_logits(type_of, tmp
 
 @needs_kernel
 def test_engine_on_q5_k_m_gives_the_dequantized_tokens(q5_k_m_tiny, monkeypatch, engine_check):
-    """Chunked prefill, a prefix-cache hit and batched decode on the C++ layer loop over Q5_K_M's blocks
-    (layer 1's qkv and down of two types): the greedy tokens agree with the dequantized weights' but
-    where two logits nearly tie (the 16-bit activations move x by up to 2^-15 of its block's largest)."""
-    prompts = [{"prompt_token_ids": [1 + (7 * i + 3 * j) % 120 for j in range(n)]}
-               for i, n in enumerate([5, 40, 90, 17, 1])]
-    prompts.append({"prompt_token_ids": prompts[2]["prompt_token_ids"] + [11, 12, 13]})
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    kw = dict(model=str(q5_k_m_tiny), tokenizer=str(default_model_path()), dtype="bfloat16", max_model_len=256,
-              kv_cache_memory=8 << 20, max_num_batched_tokens=32)
-    llm = LLM(**kw)
-    model = worker_of(llm).model
-    qkv = model.layers[1].qkv_proj
-    assert type(qkv) is Q.GGUFLinear and [(fmt.name, rows) for fmt, rows in qkv.parts] == [
-        ("Q5_K", 256), ("Q5_K", 128), ("Q6_K", 128)]
-    assert all(type(p) is Q.GGUFLinear for p in _projections(llm)) and type(model.lm_head) is Q.GGUFLinear
-    assert worker_of(llm).runner.decode_plan.native_class is not None
-    native = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    engine_check(llm)
-    del llm
-    monkeypatch.setattr(Q, "gguf_plan_matmul", lambda: None)
-    llm = LLM(**kw)
-    assert all(type(p) is Linear for p in _projections(llm))
-    dequantized = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert all(len(t) == 16 for t in native)
-    assert all(a[:4] == b[:4] for a, b in zip(native, dequantized))
-    assert sum(a == b for a, b in zip(native, dequantized)) >= len(prompts) - 2
+    """Q5_K's tiles on 16-bit activations, which move x by up to 2^-15 of its block's largest."""
+    _assert_engine_gives_the_dequantized_tokens(q5_k_m_tiny, "Q5_K", monkeypatch, engine_check)
