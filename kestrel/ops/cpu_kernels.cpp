@@ -1410,8 +1410,8 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 // ---- GGUF quantized weights ----
 //
 // linear_gguf(x [M, K] bf16, w) -> y [M, N] = x w^T, bf16 (or its float32 values), for a weight kept
-// as a GGUF file stores it: llama.cpp's Q8_0 (Q5_0), Q6_K, Q4_K, Q4_1 (Q4_0) or Q5 (Q5_1, Q5_K) blocks, packed at load
-// (kestrel/ops/gguf_blocks.py: pack_gguf_weight) into panels of 16 columns (w's rows). w is one uint8
+// as a GGUF file stores it: llama.cpp's Q8_0 (Q5_0), Q6_K, Q4_K, Q4_1 (Q4_0) or Q5 (Q5_1, Q5_K)
+// blocks, packed at load (kestrel/ops/gguf_blocks.py: pack_gguf_weight) into panels of 16 columns (w's rows). w is one uint8
 // tensor: a header of int64 (K, N, the number of segments, then for each segment its format, rows and
 // byte offset), then the segments, each a run of whole panels in one format. A fused projection whose
 // parts the file stores in different types (Q4_K_M's q and k in Q4_K, v in Q6_K) is one weight of
@@ -1480,14 +1480,14 @@ constexpr int64_t kQ4_1BlockBytes = kQ4_1Quants + kQ4KSub / 2 * kPanelCols;
 
 // Q5_1 and Q5_K (packed as one format, Q5): Q4_1's blocks of the low 4 bits, each followed by its 8
 // groups' fifth bits (two 32-bit words a group); values d q - offset.
-constexpr int64_t kQ5Quants = 2 * kQuantScaleBytes;
-constexpr int64_t kQ5FifthBits = kQ5Quants + kQ4KSub / 2 * kPanelCols;
-constexpr int64_t kQ5BlockBytes = kQ5FifthBits + kQ4KSub / 4 * 2 * sizeof(uint32_t);
-static_assert(kQ5FifthBits == kQ4_1BlockBytes, "Q5's block starts as Q4_1's");
+constexpr int64_t kQ5FifthBits = kQ4_1BlockBytes;
+constexpr int64_t kQ5BlockBytes = kQ5FifthBits + kQ4KSub / 4 * sizeof(uint64_t);
 
-// Group g's fifth bits in a Q5 block: [0] of its low nibbles, [1] of its high ones.
-inline void q5_fifth_bits(const uint8_t* block, int64_t g, uint32_t bits[2]) {
-  std::memcpy(bits, block + kQ5FifthBits + g * 2 * sizeof(uint32_t), 2 * sizeof(uint32_t));
+// Group g's fifth bits in a Q5 block: bits 0-31 of its low nibbles, 32-63 of its high ones.
+inline uint64_t q5_fifth_bits(const uint8_t* block, int64_t g) {
+  uint64_t bits;
+  std::memcpy(&bits, block + kQ5FifthBits + g * sizeof bits, sizeof bits);
+  return bits;
 }
 
 // Block b of the panel of column n: Q4_1's, or Q5's (Fifth).
@@ -1634,8 +1634,7 @@ struct Q4_1LikeBlocks {
   }
   // The low and high nibbles' words of vector v of group g with their fifth bits added (Q5).
   static void add_fifth_bits(const uint8_t* piece, int64_t j, int64_t g, int v, VecI& low, VecI& high) {
-    uint64_t bits;
-    std::memcpy(&bits, piece + j * kBlockBytes + kQ5FifthBits + g * sizeof bits, sizeof bits);
+    uint64_t bits = q5_fifth_bits(piece + j * kBlockBytes, g);
     // One load into a register, each mask moved from there: with a mask load from memory per mask
     // (the compiler's choice otherwise) Q5_1 took 3.0x Q4_1's time at one row, from the register
     // 2.0-2.3x (2 Zen 4 cores, W6's four layer shapes).
@@ -2000,24 +1999,20 @@ void q6k_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p)
   }
 }
 
-// A block's 32 k-rows of 16 int8 q as its pairs of k-rows: 16 columns' pairs (bytes 2c, 2c + 1:
-// column c's k-rows).
-inline void int8_pairs(const uint8_t* q, uint8_t* dst) {
-  for (int64_t k = 0; k < 32; k += 2) {
-    const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kPanelCols));
-    const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (k + 1) * kPanelCols));
-    __m128i* out = reinterpret_cast<__m128i*>(dst + k * kPanelCols);
-    _mm_storeu_si128(out, _mm_unpacklo_epi8(r0, r1));
-    _mm_storeu_si128(out + 1, _mm_unpackhi_epi8(r0, r1));
-  }
-}
-
-// Q8_0: each pair of k-rows as 16 columns' pairs of int8 q.
+// Q8_0: each pair of k-rows as 16 columns' pairs of int8 q (bytes 2c, 2c + 1: column c's k-rows).
 void q8_0_word_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* block = int8_block<32>(wq, K, n, b);
     std::memcpy(p.scale + b * kPanelCols, block_scales(block), kQuantScaleBytes);
-    int8_pairs(block + kQuantScaleBytes, p.q + b * 32 * kPanelCols);
+    for (int64_t k = 0; k < 32; k += 2) {
+      const int8_t* rows = block_int8(block) + k * kPanelCols;
+      const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows));
+      const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + kPanelCols));
+      const __m128i pairs[2] = {_mm_unpacklo_epi8(r0, r1), _mm_unpackhi_epi8(r0, r1)};
+      __m128i* dst = reinterpret_cast<__m128i*>(p.q + (b * 32 + k) * kPanelCols);
+      _mm_storeu_si128(dst, pairs[0]);
+      _mm_storeu_si128(dst + 1, pairs[1]);
+    }
   }
 }
 
@@ -2040,14 +2035,13 @@ void q4_1_like_word_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePan
     std::memcpy(p.scale + b * kPanelCols, block, kQuantScaleBytes);
     std::memcpy(p.offset + b * kPanelCols, block + kQuantScaleBytes, kQuantScaleBytes);
     for (int64_t g = 0; g < kQ4KSub / 4; ++g) {
-      uint32_t bits[2] = {0, 0};
-      if constexpr (Fifth) q5_fifth_bits(block, g, bits);
+      const uint64_t bits = Fifth ? q5_fifth_bits(block, g) : 0;
       for (int h = 0; h < 2; ++h) {   // columns 8h .. 8h + 7
         const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kQ4_1Quants + g * 2 * kPanelCols + 16 * h));
         __m128i low = _mm_and_si128(w, low4), high = _mm_and_si128(_mm_srli_epi16(w, 4), low4);
         if constexpr (Fifth) {
-          low = _mm_or_si128(low, fifth_bit_bytes(bits[0] >> (16 * h)));
-          high = _mm_or_si128(high, fifth_bit_bytes(bits[1] >> (16 * h)));
+          low = _mm_or_si128(low, fifth_bit_bytes(static_cast<uint32_t>(bits) >> (16 * h)));
+          high = _mm_or_si128(high, fifth_bit_bytes(static_cast<uint32_t>(bits >> 32) >> (16 * h)));
         }
         uint8_t* pairs = p.q + (b * kQ4KSub + 4 * g) * kPanelCols + 16 * h;
         _mm_storeu_si128(reinterpret_cast<__m128i*>(pairs), low);
