@@ -120,8 +120,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "blocks as `kestrel serve` runs them (a bare llama-server peer then reads the same "
                              "file). W6: bf16, the safetensors folder; q8_0, q4_k_m or q5_k_m, llama-quantize's "
                              "Q8_0, Q4_K_M or Q5_K_M GGUF (the file llama-server:q8_0, :q4_k or :q5_k reads), its "
-                             "weights kept in "
-                             "the file's blocks (default: bf16)")
+                             "weights kept in the file's blocks (default: bf16)")
     parser.add_argument("--no-roofline", dest="roofline", action="store_false",
                         help="skip measuring the machine's matmul and copy rates (W1 and W6 only: W4 never does)")
     parser.add_argument("--peer-batch-size", type=int, default=DEFAULT_PEER_BATCH_SIZE,

@@ -222,8 +222,7 @@ def _q4_1_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
 # Per panel and block of 32: d and the offset (float32, 64 bytes each), the 8 groups of 4 k-rows of
 # nibbles as Q4_1's, then each group's fifth bits as two little-endian 32-bit words: bit i of the first
 # is byte i's low nibble's, of the second its high nibble's. 0.875 bytes a weight.
-_Q5_QUANTS = 2 * _SCALES
-_Q5_FIFTH_BITS = _Q5_QUANTS + 16 * GGUF_PANEL
+_Q5_FIFTH_BITS = _Q4_1_QUANTS + 16 * GGUF_PANEL   # after a Q4_1 block
 _Q5_BYTES = _Q5_FIFTH_BITS + 8 * 8
 
 
@@ -280,7 +279,7 @@ def _q5_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
     n, nb = packed.shape[:2]
     d = _column(packed, column, 0, 1, torch.float32)
     offset = _column(packed, column, _SCALES, 1, torch.float32)
-    pairs = _column_pairs(packed[..., :_Q5_FIFTH_BITS], column, _Q5_QUANTS)    # [n, nb, 8, 2 (t)]
+    pairs = _column_pairs(packed[..., :_Q5_FIFTH_BITS], column, _Q4_1_QUANTS)  # [n, nb, 8, 2 (t)]
     low = torch.stack([pairs & 0x0F, pairs >> 4], dim=-2)                      # [n, nb, 8 (g), 2 (h), 2 (t)]
     words = packed[..., _Q5_FIFTH_BITS:].contiguous().view(torch.int32).view(n, nb, 8, 2, 1)
     shifts = 2 * column.view(n, 1, 1, 1, 1) + torch.arange(2).view(1, 1, 1, 1, 2)
