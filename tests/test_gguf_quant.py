@@ -140,14 +140,35 @@ def on_bf16_panels(name: str, m: int) -> bool:
                                                                              "Q5_K")
 
 
+def integer_bits(name: str, m: int) -> int:
+    """The bits x is held in where it meets the weights as integers per block of 32: 15 where the
+    16-bit activations (WordActivations) run: the streamed tiles of Q4_K, Q4_1 and the Q5s (below 16
+    rows), Q8_0's word tiles from 8 rows, the others' word tiles from 16 rows where there are no bf16
+    panels; 14 in Q6_K's streamed tiles (SplitActivations, below 16 rows); else 0 (x itself, the 8-bit
+    activations or the bf16 panels)."""
+    if on_bytes(name, m) or on_bf16_panels(name, m):
+        return 0
+    if name == "Q6_K":
+        return 14
+    return 0 if name in ("Q8_0", "Q5_0") and m < Q8_0_WORD_MIN_ROWS else 15
+
+
+def activations_in_integers(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """x [M, K] as the integer tiles see it, in float32: each block of 32 in units of 2^(e - bits), 2^e
+    the power of two just above its largest |x|, rounded half to even."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    _, e = torch.frexp(blocks.abs().amax(-1, keepdim=True))
+    unit = torch.exp2((e - bits).float())
+    return (torch.round(blocks / unit) * unit).reshape(x.shape)
+
+
 @needs_kernel
-@pytest.mark.parametrize("name,n,k", [("Q8_0", 16, 32), ("Q8_0", 48, 96), ("Q8_0", 64, 2080), ("Q6_K", 48, 256),
-                                      ("Q6_K", 80, 768), ("Q5_0", 48, 96), ("Q5_0", 32, 2080)])
+@pytest.mark.parametrize("name,n,k", [("Q8_0", 16, 32), ("Q8_0", 48, 96), ("Q8_0", 64, 2080), ("Q5_0", 48, 96),
+                                      ("Q5_0", 32, 2080)])
 def test_linear_gguf_is_linear_bf16_bit_for_bit_on_bf16_weights(name, n, k):
-    """Q8_0 (and Q5_0, packed as Q8_0) below 8 rows and Q6_K below 16 (their streamed float32 tiles): the
-    same sums in the same order as linear_bf16's packed path, so the same bits, y rounded to bf16 or
-    not. (From 8 rows Q8_0 sums 16-bit activations in integers: within rounding of the exact product,
-    tested below.)"""
+    """Q8_0 (and Q5_0, packed as Q8_0) below 8 rows (their streamed float32 tiles): the same sums in the
+    same order as linear_bf16's packed path, so the same bits, y rounded to bf16 or not. (From 8 rows
+    Q8_0 sums 16-bit activations in integers: within rounding of the exact product, tested below.)"""
     gen = torch.Generator().manual_seed(n + k)
     raw = random_rows(name, n, k, gen, bf16=True)
     w = dequantized(name, raw)
@@ -155,7 +176,7 @@ def test_linear_gguf_is_linear_bf16_bit_for_bit_on_bf16_weights(name, n, k):
     packed = pack_gguf_weight([(GGUF_FORMATS[name], raw)], k)
     bf16 = pack_bf16_weight(w.bfloat16(), kernels.panel_columns, kernels.lanes)
     rows = (1, 2, 3, 5, 6, 7, 12, 13)
-    for m in [m for m in rows if m < (BYTE_MIN_ROWS if name == "Q6_K" else Q8_0_WORD_MIN_ROWS)]:
+    for m in [m for m in rows if m < Q8_0_WORD_MIN_ROWS]:
         x = torch.randn(m, k, generator=gen).bfloat16()
         bits = kernels.linear_bf16(x, bf16).view(torch.int16)
         assert torch.equal(kernels.linear_gguf(x, packed).view(torch.int16), bits)
@@ -211,10 +232,9 @@ def activations_in_8_bits(x: torch.Tensor) -> torch.Tensor:
 def test_q4_k_and_q6_k_from_16_rows_are_the_product_with_8_bit_activations(parts, k):
     """From 16 rows, Q4_K and Q6_K meet x quantized to 8 bits per block of 32 (llama.cpp's scheme): y is
     the dequantized weights' product with those activations, within float32 sums and the one bf16
-    rounding of y; below 16 rows, and Q8_0, Q4_1 and Q4_0 always (Q8_0's float32 tiles below 8 rows,
-    16-bit activations from there; Q4_1's 16-bit activations streamed, and unpacked from 16 rows), the
-    product with x itself; where the bf16 panels run (AVX512-BF16), x's product with the weights
-    rounded to bf16."""
+    rounding of y; where x meets the weights as 15- or 14-bit integers (integer_bits), the product with x
+    in those units; Q8_0 below 8 rows, the product with x itself; where the bf16 panels run
+    (AVX512-BF16), x's product with the weights rounded to bf16."""
     gen = torch.Generator().manual_seed(k)
     raw = [random_rows(name, n, k, gen) for name, n in parts]
     w = torch.cat([dequantized(name, r) for (name, _), r in zip(parts, raw)]).double()
@@ -225,10 +245,14 @@ def test_q4_k_and_q6_k_from_16_rows_are_the_product_with_8_bit_activations(parts
         y = kernels.linear_gguf(x, blob, float_out=True).double()
         columns_on_bytes = torch.tensor([on_bytes(name, m) for name, n in parts for _ in range(n)])
         columns_on_bf16 = torch.tensor([on_bf16_panels(name, m) for name, n in parts for _ in range(n)])
+        bits = torch.tensor([integer_bits(name, m) for name, n in parts for _ in range(n)])
         seen = activations_in_8_bits(x)
-        assert not torch.equal(seen, x.float())
+        in_15, in_14 = activations_in_integers(x, 15), activations_in_integers(x, 14)
+        assert not torch.equal(seen, x.float()) and not torch.equal(in_15, x.float()) and not torch.equal(in_14, in_15)
+        in_integers = torch.where(bits == 15, in_15.double() @ w.T, in_14.double() @ w.T)
         expected = torch.where(columns_on_bytes, seen.double() @ w.T,
-                               torch.where(columns_on_bf16, x.double() @ w.bfloat16().double().T, x.double() @ w.T))
+                               torch.where(columns_on_bf16, x.double() @ w.bfloat16().double().T,
+                                           torch.where(bits > 0, in_integers, x.double() @ w.T)))
         assert ((y - expected).abs() <= expected.abs() * 2 ** -8 + 1e-5 * expected.abs().max()).all(), m
 
 
@@ -275,12 +299,14 @@ def test_linear_gguf_is_the_product_of_the_dequantized_weights(name):
 
 
 @needs_kernel
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("m", [1, 30])
-def test_linear_gguf_carries_nan_and_infinity(m):
+def test_linear_gguf_carries_nan_and_infinity(name, m):
     """A NaN or infinite activation makes its row's outputs NaN (or infinite), on the streamed tiles'
-    16-bit activations (1 row) and the 8-bit ones (30 rows) too; zeros give zeros."""
-    raw = random_rows("Q4_K", 32, 512, torch.Generator().manual_seed(9))
-    blob = pack_gguf_weight([(GGUF_FORMATS["Q4_K"], raw)], 512)
+    16-bit (Q4_K) and 14-bit (Q6_K) activations (1 row) and the 8-bit ones (30 rows) too; zeros give
+    zeros."""
+    raw = random_rows(name, 32, 512, torch.Generator().manual_seed(9))
+    blob = pack_gguf_weight([(GGUF_FORMATS[name], raw)], 512)
     x = torch.randn(m, 512).bfloat16()
     x[0, 5], x[-1, 300] = float("nan"), float("inf")
     if m > 2:

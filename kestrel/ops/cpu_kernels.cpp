@@ -1416,8 +1416,10 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 // byte offset), then the segments, each a run of whole panels in one format. A fused projection whose
 // parts the file stores in different types (Q4_K_M's q and k in Q4_K, v in Q6_K) is one weight of
 // several segments. Per panel of 16 columns and block along K:
-//   Q8_0 (blocks of 32) and Q6_K (blocks of 16, as int8 q - 32 and the scale d x its 8-bit scale):
-//     16 float32 scales, then the block's k-rows of 16 int8 (1.125 / 1.25 bytes a weight);
+//   Q8_0 (blocks of 32): 16 float32 scales, then the block's k-rows of 16 int8 (1.125 bytes a weight);
+//   Q6_K (super-blocks of 256 in 16 blocks of 16): 16 float32 d, the blocks' int8 scales, then each
+//     block's 6-bit q as nibbles and high bits in byte lanes (kQ6KQuants): 0.83 bytes a weight, against
+//     0.82 in the file;
 //   Q4_K (super-blocks of 256 in 8 sub-blocks of 32): 16 float32 d, 16 float32 dmin, the sub-blocks'
 //     6-bit scales and mins as 8 x 16 bytes each, then 64 groups of 4 k-rows, 32 bytes each
 //     (q4k_group_words): 0.59 bytes a weight, against 0.5625 in the file;
@@ -1430,11 +1432,12 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 //     in the file.
 //
 // Few rows (decode steps of a few requests: below kQ8_0WordMinRows for Q8_0, kByteMinRows for the
-// others) stream the packed panels through registers. Q8_0 and Q6_K's weights are dequantized as
-// they are read, with llama.cpp's (and gguf.quants') float32 arithmetic, q * scale, and summed in
-// linear_bf16's packed order (packed_stream's tiles): one sum down k per piece of K (panel_k_piece),
-// the pieces added in order. Where those values are bf16 numbers, y is bit for bit linear_bf16's on
-// them (tests/test_gguf_quant.py holds it to that). Q4_K's and Q4_1's streamed tiles sum each block of 32 as
+// others) stream the packed panels through registers. Q8_0's weights are dequantized as they are read,
+// with llama.cpp's (and gguf.quants') float32 arithmetic, q * scale, and summed in linear_bf16's packed
+// order (packed_stream's tiles): one sum down k per piece of K (panel_k_piece), the pieces added in
+// order. Where those values are bf16 numbers, y is bit for bit linear_bf16's on them
+// (tests/test_gguf_quant.py holds it to that). Q6_K's sum each block of 16 in integers against x held as
+// 14-bit integers split in two bytes (SplitActivations). Q4_K's and Q4_1's streamed tiles sum each block of 32 as
 // scale (sum x q) - min (sum x), the inner sums in 32-bit integers on x held as 16-bit integers per
 // block (WordActivations: exact for every bf16 x within 2^7 of the block's largest, the rest within
 // 2^-15 of it): on 2 Zen 3 cores, at 1 row, 0.85 ms against 1.40 with float sums and 1.8 with each
@@ -1488,6 +1491,23 @@ inline uint64_t q5_fifth_bits(const uint8_t* block, int64_t g) {
   uint64_t bits;
   std::memcpy(&bits, block + kQ5FifthBits + g * sizeof bits, sizeof bits);
   return bits;
+}
+
+// Q6_K: super-blocks of 256 along K, in 16 blocks of 16 with an int8 scale each. Per panel and
+// super-block: 16 float32 d, the blocks' scales (16 x 16 int8), then each block's q (the file's 0 .. 63;
+// values d sc (q - 32)) in 192 bytes, byte 4c + t of each 64 holding column c's k-row t of a group of 4:
+// the low nibbles of groups 0 and 1 (low and high nibble), of groups 2 and 3, then the high 2 bits of
+// groups 0 .. 3 (bits 0-1, 2-3, 4-5, 6-7). Masks and shifts make each group's 64 q as bytes in place,
+// 4 k-rows a 32-bit lane as the byte tiles take them. 0.83 bytes a weight, against 0.82 in the file.
+constexpr int64_t kQ6KBlock = 256, kQ6KSub = 16, kQ6KSubs = kQ6KBlock / kQ6KSub;
+constexpr int64_t kQ6KScales = kQuantScaleBytes;
+constexpr int64_t kQ6KQuants = kQ6KScales + kQ6KSubs * kPanelCols;
+constexpr int64_t kQ6KSubBytes = 3 * 4 * kPanelCols;
+constexpr int64_t kQ6KBlockBytes = kQ6KQuants + kQ6KSubs * kQ6KSubBytes;
+static_assert(kPanelK == kQ6KBlock, "a Q6_K super-block is one panel piece (K % 256 == 0)");
+
+inline const uint8_t* q6k_block(const uint8_t* wq, int64_t K, int64_t n, int64_t b) {
+  return wq + ((n / kPanelCols) * (K / kQ6KBlock) + b) * kQ6KBlockBytes;
 }
 
 // Block b of the panel of column n: Q4_1's, or Q5's (Fifth).
@@ -1703,6 +1723,137 @@ void q4_stream_panels(const WordActivations& a, const float* xm, const uint8_t* 
   emit_rows<MR, V>(total, n0, out);
 }
 
+// Q6_K's streamed tiles (below kByteMinRows rows) take x as 14-bit integers per block of 32, X = round(x
+// 2^(14 - e)), 2^e the power of two just above the block's largest |x| (exact for every bf16 x within 2^6
+// of it, the rest within 2^-14 of it), split in two bytes, X = 128 Xh + Xl (Xh in [-128, 127], Xl in
+// [0, 127]). A group's q (bytes 0 .. 63, unpacked in place from Q6_K's layout) meets the 4 Xh and the 4
+// Xl of its k-rows in one vpdpbusd each, 64 products an instruction where the 16-bit tiles' vpmaddwd do
+// 32 and need q widened to words first; per block of 16, 128 (sum q Xh) + (sum q Xl) - 32 (sum X) =
+// sum X (q - 32) exactly (|.| <= 2^23), then times unit and d sc in float32.
+struct SplitActivations {
+  const float* x = nullptr;       // the widened rows [M, K]
+  const int8_t* high = nullptr;   // [M, K]: Xh
+  const int8_t* low = nullptr;    // [M, K]: Xl
+  const float* unit = nullptr;    // [M, K / 32]: 2^(e - 14)
+  const int32_t* X_sum = nullptr; // [M, K / 16]: the sum of X over each block of 16
+  int64_t K = 0;
+
+  static SplitActivations of(const float* x, int64_t M, int64_t K) {
+    thread_local std::vector<int8_t> high_buffer, low_buffer;
+    thread_local std::vector<float> unit_buffer;
+    thread_local std::vector<int32_t> sum_buffer;
+    const int64_t subs = K / kQ4KSub;
+    int8_t* high = scratch(high_buffer, M * K);
+    int8_t* low = scratch(low_buffer, M * K);
+    float* unit = scratch(unit_buffer, M * subs);
+    int32_t* X_sum = scratch(sum_buffer, 2 * M * subs);
+    // The workers take the pointers: thread_locals named inside the lambda would be each worker's own.
+    at::parallel_for(0, M * subs, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        convert(x + i * kQ4KSub, high + i * kQ4KSub, low + i * kQ4KSub, unit[i], X_sum + 2 * i);
+    });
+    return {x, high, low, unit, X_sum, K};
+  }
+
+  // One block of 32. Zeros give X = 0; a NaN or infinity gives X = 0 and a NaN unit, which reaches every
+  // output of its row.
+  static void convert(const float* xs, int8_t* high, int8_t* low, float& unit, int32_t* X_sum) {
+    VecF largest_lanes = zero(), sum_lanes = zero();
+    for (int64_t t = 0; t < kQ4KSub; t += kLanes) {
+      const VecF v = load_f32(xs + t);
+      largest_lanes = max(largest_lanes, abs(v));
+      sum_lanes = add(sum_lanes, v);
+    }
+    const float largest = hmax(largest_lanes);
+    const bool finite = std::isfinite(largest) && std::isfinite(hsum(sum_lanes));
+    const bool scaled = largest > 0.f && finite;
+    int e = 0;
+    std::frexp(largest, &e);   // largest < 2^e
+    unit = scaled ? std::ldexp(1.f, e - 14) : finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+    int16_t X[kQ4KSub];
+    if (scaled && e - 14 >= -100) {   // 2^(14 - e) a float: one exact multiply a lane
+      const VecF to_units = splat(std::ldexp(1.f, 14 - e));
+      for (int64_t t = 0; t < kQ4KSub; t += kLanes) store_int16_rounded(X + t, mul(load_f32(xs + t), to_units));
+    } else {
+      for (int64_t t = 0; t < kQ4KSub; ++t)
+        X[t] = scaled ? static_cast<int16_t>(std::nearbyint(std::ldexp(xs[t], 14 - e))) : 0;
+    }
+    X_sum[0] = X_sum[1] = 0;
+    for (int64_t t = 0; t < kQ4KSub; ++t) {
+      const int32_t v = std::min<int32_t>(X[t], (1 << 14) - 1);   // |x| < 2^e: v < 2^14 but for rounding up
+      high[t] = static_cast<int8_t>(v >> 7);
+      low[t] = static_cast<int8_t>(v & 127);
+      X_sum[t / kQ6KSub] += v;
+    }
+  }
+};
+
+// out.row() of MR rows of a Q6_K weight's P panels (rows given as their widened x, whose offset from
+// a.x names them): per block of 16, sum_k x_k d sc (q_k - 32) as d sc unit (sum_k X_k (q_k - 32)), the
+// blocks' sums added in order within a super-block, the super-blocks' in order.
+template <int MR, int P, typename Out>
+void q6k_stream_panels(const SplitActivations& a, const float* xm, const uint8_t* wq, int64_t n0, const Out& out) {
+  constexpr int V = P * kPanelVecs;
+  const int64_t K = a.K, row0 = (xm - a.x) / K, subs = K / kQ4KSub;
+  VecF total[MR][V];
+  for (int64_t b = 0; b < K / kQ6KBlock; ++b) {
+    VecF c[MR][V];
+    for (int m = 0; m < MR; ++m)
+      for (int v = 0; v < V; ++v) c[m][v] = zero();
+    const uint8_t* piece[P];
+    for (int p = 0; p < P; ++p) piece[p] = q6k_block(wq, K, n0 + p * kPanelCols, b);
+    for (int64_t j = 0; j < kQ6KSubs; ++j) {
+      const int64_t k = b * kQ6KBlock + j * kQ6KSub;
+      VecI high[MR][V], low[MR][V];
+      for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < V; ++v) high[m][v] = low[m][v] = zero_i();
+      for (int p = 0; p < P; ++p)
+        for (int v = 0; v < kPanelVecs; ++v) {
+          const uint8_t* at = piece[p] + kQ6KQuants + j * kQ6KSubBytes + v * 4 * kLanes;
+          const VecI n01 = load_bytes(at), n23 = load_bytes(at + 4 * kPanelCols), h = load_bytes(at + 8 * kPanelCols);
+          const VecI q[4] = {with_high_bits<4>(low_nibble_bytes(n01), h), with_high_bits<2>(high_nibble_bytes(n01), h),
+                             with_high_bits<0>(low_nibble_bytes(n23), h), with_high_bits<-2>(high_nibble_bytes(n23), h)};
+          for (int m = 0; m < MR; ++m) {
+            int32_t xh[4], xl[4];
+            std::memcpy(xh, a.high + (row0 + m) * K + k, sizeof xh);
+            std::memcpy(xl, a.low + (row0 + m) * K + k, sizeof xl);
+            VecI& hi = high[m][p * kPanelVecs + v];
+            VecI& lo = low[m][p * kPanelVecs + v];
+            if constexpr (kFusedByteProducts) {
+              for (int g = 0; g < 4; ++g) {
+                hi = add_byte_products(hi, q[g], splat_i(xh[g]));
+                lo = add_byte_products(lo, q[g], splat_i(xl[g]));
+              }
+            } else {   // two groups' pairs summed in 16 bits (at most 2 x 2 x 63 x 128 = 32256), then widened
+              const VecI ones = splat_i(0x00010001);
+              for (int g = 0; g < 4; g += 2) {
+                hi = add_lanes(hi, madd_words(add_words(madd_bytes(q[g], splat_i(xh[g])),
+                                                        madd_bytes(q[g + 1], splat_i(xh[g + 1]))), ones));
+                lo = add_lanes(lo, madd_words(add_words(madd_bytes(q[g], splat_i(xl[g])),
+                                                        madd_bytes(q[g + 1], splat_i(xl[g + 1]))), ones));
+              }
+            }
+          }
+        }
+      for (int p = 0; p < P; ++p)
+        for (int v = 0; v < kPanelVecs; ++v) {
+          const int8_t* sc = reinterpret_cast<const int8_t*>(piece[p] + kQ6KScales) + j * kPanelCols + v * kLanes;
+          const VecF scale = mul(load_f32(block_scales(piece[p]) + v * kLanes), load_int8(sc));   // exact
+          for (int m = 0; m < MR; ++m) {
+            const int64_t row = row0 + m;
+            const VecI sum = add_lanes(add_lanes(shift_left_lanes(high[m][p * kPanelVecs + v], 7),
+                                                 low[m][p * kPanelVecs + v]),
+                                       splat_i(-32 * a.X_sum[row * 2 * subs + k / kQ6KSub]));
+            VecF& cv = c[m][p * kPanelVecs + v];
+            cv = fma(scale, mul(to_float_lanes(sum), splat(a.unit[row * subs + k / kQ4KSub])), cv);
+          }
+        }
+    }
+    add_piece<MR, V>(total, c, b == 0);
+  }
+  emit_rows<MR, V>(total, n0, out);
+}
+
 // A format's streamed tiles.
 template <int64_t B>
 struct Int8Format {
@@ -1725,6 +1876,16 @@ struct Q4Format {
   template <int MR, int P, typename Out>
   void stream_panels(const float* x, const uint8_t* wq, int64_t, int64_t n0, const Out& out) const {
     q4_stream_panels<Q4, MR, P>(*activations, x, wq, n0, out);
+  }
+};
+
+struct Q6KFormat {
+  template <int MR>
+  static constexpr int kPanels = kStreamPanels<MR>;
+  const SplitActivations* activations;
+  template <int MR, int P, typename Out>
+  void stream_panels(const float* x, const uint8_t* wq, int64_t, int64_t n0, const Out& out) const {
+    q6k_stream_panels<MR, P>(*activations, x, wq, n0, out);
   }
 };
 
@@ -1776,11 +1937,11 @@ struct GgufLayout {
       const int64_t format = header(3 + 3 * s), rows = header(4 + 3 * s), offset = header(5 + 3 * s);
       TORCH_CHECK(rows > 0 && rows % kPanelCols == 0, "linear_gguf: a segment of whole panels");
       const int64_t bytes = format == kGgufQ8_0 ? K / 32 * kInt8BlockBytes<32>
-                            : format == kGgufQ6_K ? K / 16 * kInt8BlockBytes<16>
+                            : format == kGgufQ6_K ? K / kQ6KBlock * kQ6KBlockBytes
                             : format == kGgufQ4_K ? K / kQ4KBlock * kQ4KBlockBytes
                             : format == kGgufQ4_1 ? K / kQ4KSub * kQ4_1BlockBytes
                             : format == kGgufQ5 ? K / 32 * kQ5BlockBytes : -1;
-      const int64_t block = format == kGgufQ6_K ? 16 : format == kGgufQ4_K ? kQ4KBlock : 32;
+      const int64_t block = format == kGgufQ6_K || format == kGgufQ4_K ? 256 : 32;
       TORCH_CHECK(bytes > 0 && K % block == 0, "linear_gguf: format ", format, " with K = ", K);
       TORCH_CHECK(offset >= 0 && offset + rows / kPanelCols * bytes <= w.numel(), "linear_gguf: a segment past the end");
       segments.push_back({format, panel, rows / kPanelCols, base + offset});
@@ -1972,30 +2133,36 @@ void q4k_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p)
   }
 }
 
-// Q6_K's 4 k-rows of 16 int8 q - 32 (rows[i * 16 + c]), each plus bias, as 64 bytes (bytes 4c .. 4c + 3:
-// column c's k-rows 0 .. 3).
-inline void int8_group_bytes(const int8_t* rows, __m128i bias, uint8_t* dst) {
-  __m128i r[4];
-  for (int i = 0; i < 4; ++i)
-    r[i] = _mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + i * kPanelCols)), bias);
-  const __m128i pairs[4] = {_mm_unpacklo_epi8(r[0], r[1]), _mm_unpacklo_epi8(r[2], r[3]),
-                            _mm_unpackhi_epi8(r[0], r[1]), _mm_unpackhi_epi8(r[2], r[3])};
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm_unpacklo_epi16(pairs[0], pairs[1]));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm_unpackhi_epi16(pairs[0], pairs[1]));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 32), _mm_unpacklo_epi16(pairs[2], pairs[3]));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 48), _mm_unpackhi_epi16(pairs[2], pairs[3]));
-}
-
+// Q6_K: q as the unsigned bytes 0 .. 63 (its layout's groups as they are, the high bits put in), d sc
+// per block of 16 and 32 d sc as the offset.
 void q6k_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
-  const __m128i bias = _mm_set1_epi8(32);
-  for (int64_t b = 0; b < K / 16; ++b) {
-    const uint8_t* block = int8_block<16>(wq, K, n, b);
-    for (int64_t c = 0; c < kPanelCols; ++c) {
-      p.scale[b * kPanelCols + c] = block_scales(block)[c];
-      p.offset[b * kPanelCols + c] = 32.f * block_scales(block)[c];
+  const __m128i low4 = _mm_set1_epi8(15), top2 = _mm_set1_epi8(0x30);
+  const auto high_bits = [&](__m128i h, int shift) {   // bits 4-5 of each byte from h << shift (>> where negative)
+    return _mm_and_si128(shift > 0 ? _mm_slli_epi16(h, shift) : _mm_srli_epi16(h, -shift), top2);
+  };
+  for (int64_t b = 0; b < K / kQ6KBlock; ++b) {
+    const uint8_t* block = q6k_block(wq, K, n, b);
+    const float* d = block_scales(block);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(block + kQ6KScales);
+    for (int64_t j = 0; j < kQ6KSubs; ++j) {
+      for (int64_t c = 0; c < kPanelCols; ++c) {
+        const float scale = d[c] * static_cast<float>(sc[j * kPanelCols + c]);
+        p.scale[(b * kQ6KSubs + j) * kPanelCols + c] = scale;
+        p.offset[(b * kQ6KSubs + j) * kPanelCols + c] = 32.f * scale;
+      }
+      const uint8_t* src = block + kQ6KQuants + j * kQ6KSubBytes;
+      uint8_t* dst = p.q + (b * kQ6KBlock + j * kQ6KSub) * kPanelCols;
+      for (int64_t i = 0; i < 4 * kPanelCols; i += 16) {
+        const auto load = [&](int64_t at) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + at + i)); };
+        const __m128i n01 = load(0), n23 = load(4 * kPanelCols), h = load(8 * kPanelCols);
+        const __m128i q[4] = {_mm_or_si128(_mm_and_si128(n01, low4), high_bits(h, 4)),
+                              _mm_or_si128(_mm_and_si128(_mm_srli_epi16(n01, 4), low4), high_bits(h, 2)),
+                              _mm_or_si128(_mm_and_si128(n23, low4), _mm_and_si128(h, top2)),
+                              _mm_or_si128(_mm_and_si128(_mm_srli_epi16(n23, 4), low4), high_bits(h, -2))};
+        for (int g = 0; g < 4; ++g)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + g * 4 * kPanelCols + i), q[g]);
+      }
     }
-    for (int64_t g = 0; g < 4; ++g)
-      int8_group_bytes(block_int8(block) + 4 * g * kPanelCols, bias, p.q + (b * 16 + 4 * g) * kPanelCols);
   }
 }
 
@@ -2376,15 +2543,16 @@ void byte_columns(const ByteActivations& a, const WordActivations& words, const 
 bool on_unpacked_panels(int64_t format, int64_t M) { return M >= (format == kGgufQ8_0 ? kQ8_0WordMinRows : kByteMinRows); }
 
 template <typename Out>
-void gguf_columns(const float* x, const uint16_t* xb, const WordActivations* activations, const ByteActivations* bytes,
-                  const GgufSegment& s, int64_t M, int64_t K, int64_t n0, int64_t n1, const Out& out) {
+void gguf_columns(const float* x, const uint16_t* xb, const WordActivations* activations, const SplitActivations* split,
+                  const ByteActivations* bytes, const GgufSegment& s, int64_t M, int64_t K, int64_t n0, int64_t n1,
+                  const Out& out) {
   const ColumnsFrom<Out> shifted{out, s.panel0 * kPanelCols};
 #if defined(__AVX512BF16__)
   if (on_bf16(s.format, M)) return bf16_columns(xb, s, M, K, n0, n1, shifted);
 #endif
   if (on_unpacked_panels(s.format, M)) byte_columns(*bytes, *activations, s, M, n0, n1, shifted);
   else if (s.format == kGgufQ8_0) quant_row_groups(Int8Format<32>{}, x, s.data, M, K, n0, n1, shifted);
-  else if (s.format == kGgufQ6_K) quant_row_groups(Int8Format<16>{}, x, s.data, M, K, n0, n1, shifted);
+  else if (s.format == kGgufQ6_K) quant_row_groups(Q6KFormat{split}, x, s.data, M, K, n0, n1, shifted);
   else if (s.format == kGgufQ5) quant_row_groups(Q4Format<Q5Blocks>{activations}, x, s.data, M, K, n0, n1, shifted);
   else if (s.format == kGgufQ4_K) quant_row_groups(Q4Format<Q4KBlocks>{activations}, x, s.data, M, K, n0, n1, shifted);
   else quant_row_groups(Q4Format<Q4_1Blocks>{activations}, x, s.data, M, K, n0, n1, shifted);
@@ -2411,6 +2579,10 @@ torch::Tensor linear_gguf(torch::Tensor x, torch::Tensor w, bool float_out) {
                     : s.format == kGgufQ4_1 || s.format == kGgufQ4_K || s.format == kGgufQ5;
   });
   const WordActivations activations = words_used ? WordActivations::of(xf, M, K) : WordActivations{};
+  const bool split_used = any_segment([&](const GgufSegment& s) {
+    return s.format == kGgufQ6_K && !on_unpacked_panels(s.format, M);
+  });
+  const SplitActivations split = split_used ? SplitActivations::of(xf, M, K) : SplitActivations{};
   const bool bytes_used = any_segment([&](const GgufSegment& s) { return !on_words(s.format) && on_unpacked_panels(s.format, M); });
   const ByteActivations bytes = bytes_used ? ByteActivations::of(xf, M, K) : ByteActivations{};
   const Bf16Out out{y.data_ptr(), N, float_out};
@@ -2418,8 +2590,8 @@ torch::Tensor linear_gguf(torch::Tensor x, torch::Tensor w, bool float_out) {
     for (const GgufSegment& s : layout.segments) {
       const int64_t p0 = std::max(begin, s.panel0), p1 = std::min(end, s.panel0 + s.panels);
       if (p0 < p1)
-        gguf_columns(xf, xb, &activations, &bytes, s, M, K, (p0 - s.panel0) * kPanelCols, (p1 - s.panel0) * kPanelCols,
-                     out);
+        gguf_columns(xf, xb, &activations, &split, &bytes, s, M, K, (p0 - s.panel0) * kPanelCols,
+                     (p1 - s.panel0) * kPanelCols, out);
     }
   });
   return y;

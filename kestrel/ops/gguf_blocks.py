@@ -111,12 +111,41 @@ def _q6_k_quants(b: torch.Tensor) -> torch.Tensor:
     return (q.view(torch.int8) - 32).reshape(*lead, 16, 16)
 
 
+# Per panel and super-block: d (float32, 64 bytes), the 16 blocks' int8 scales (16 x 16 bytes), then each
+# block of 16's q (0 .. 63; values d sc (q - 32)) in 3 runs of 64 bytes, byte 4c + t of each holding column
+# c's k-row t of a group of 4 k-rows: the low 4 bits of groups 0 (low nibble) and 1 (high nibble), of
+# groups 2 and 3, then the high 2 bits of groups 0 .. 3 (bits 0-1, 2-3, 4-5, 6-7). 0.83 bytes a weight.
+_Q6_K_QUANTS = _SCALES + 16 * GGUF_PANEL
+_Q6_K_BYTES = _Q6_K_QUANTS + 16 * 3 * 4 * GGUF_PANEL
+
+
 def _pack_q6_k(rows: torch.Tensor) -> torch.Tensor:
-    b = rows.reshape(rows.shape[0], -1, 210)
-    scales = _f16(b, 208).unsqueeze(-1) * b[..., 192:208].contiguous().view(torch.int8).float()   # [n, sb, 16]
-    q = _q6_k_quants(b)                                                                             # [n, sb, 16, 16]
     n = rows.shape[0]
-    return _pack_int8(scales.reshape(n, -1), q.reshape(n, -1, 16))
+    b = rows.reshape(n, -1, 210)
+    nb = b.shape[1]
+    q = (_q6_k_quants(b) + 32).view(torch.uint8).reshape(n, nb, 16, 4, 4)   # [.., block, group g, t]
+    low, high = q & 0x0F, q >> 4
+    runs = torch.stack([low[..., 0, :] | (low[..., 1, :] << 4), low[..., 2, :] | (low[..., 3, :] << 4),
+                        high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)],
+                       dim=3)                                                # [n, nb, 16, 3, 4 (t)]
+    packed = torch.empty(n // GGUF_PANEL, nb, _Q6_K_BYTES, dtype=torch.uint8)
+    packed[..., :_SCALES] = _panels(_f16(b, 208).unsqueeze(-1)).reshape(-1, nb, GGUF_PANEL).view(torch.uint8)
+    packed[..., _SCALES:_Q6_K_QUANTS] = _panels(b[..., 192:208]).reshape(-1, nb, 16 * GGUF_PANEL)
+    by_column = _panels(runs).view(-1, nb, 16, 3, 4, GGUF_PANEL).transpose(-1, -2)   # [.., block, run, c, t]
+    packed[..., _Q6_K_QUANTS:] = by_column.reshape(-1, nb, 16 * 3 * 4 * GGUF_PANEL)
+    return packed
+
+
+def _q6_k_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    n, nb = packed.shape[:2]
+    scale = _column(packed, column, 0, 1, torch.float32) * _column(packed, column, _SCALES, 16, torch.int8).float()
+    runs = packed[..., _Q6_K_QUANTS:].reshape(n, nb, 16, 3, GGUF_PANEL, 4)
+    runs = runs.gather(4, column.view(n, 1, 1, 1, 1, 1).expand(n, nb, 16, 3, 1, 4)).squeeze(4)   # [n, nb, 16, 3, t]
+    nibbles = runs[..., :2, :]
+    low = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=4).flatten(3, 4)          # [n, nb, 16, 4 (g), t]
+    high = (runs[..., 2:3, :] >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3   # [n, nb, 16, 4, t]
+    q = (low | (high << 4)).view(torch.int8) - 32
+    return (scale.unsqueeze(-1) * q.reshape(n, nb, 16, 16).float()).view(n, -1)
 
 
 # ---- Q4_K: d f16, dmin f16, 12 bytes of 6-bit scales and mins, 128 bytes of 4-bit q ----
@@ -290,7 +319,7 @@ def _q5_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
 
 GGUF_FORMATS: dict[str, GGUFFormat] = {f.name: f for f in (
     GGUFFormat("Q8_0", 0, 32, 34, 32, _SCALES + 32 * GGUF_PANEL, _pack_q8_0, _int8_values),
-    GGUFFormat("Q6_K", 1, 256, 210, 16, _SCALES + 16 * GGUF_PANEL, _pack_q6_k, _int8_values),
+    GGUFFormat("Q6_K", 1, 256, 210, 256, _Q6_K_BYTES, _pack_q6_k, _q6_k_values),
     GGUFFormat("Q4_K", 2, 256, 144, 256, _Q4_K_QUANTS + 128 * GGUF_PANEL, _pack_q4_k, _q4_k_values),
     GGUFFormat("Q4_1", 3, 32, 20, 32, _Q4_1_QUANTS + 16 * GGUF_PANEL, _pack_q4_1, _q4_1_values),
     GGUFFormat("Q4_0", 3, 32, 18, 32, _Q4_1_QUANTS + 16 * GGUF_PANEL, _pack_q4_0, _q4_1_values),   # packed as Q4_1

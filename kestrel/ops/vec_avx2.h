@@ -48,6 +48,9 @@ inline void store_bf16(uint16_t* p, VecF v) {
 inline VecI load_u8_words(const uint8_t* p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline VecI load_i8_words(const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline VecI low_nibble_words(VecI w) { return _mm256_and_si256(w, _mm256_set1_epi16(15)); }
+inline VecI low_nibble_bytes(VecI w) { return _mm256_and_si256(w, _mm256_set1_epi8(15)); }
+inline VecI high_nibble_bytes(VecI w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(15)); }
+inline VecI shift_left_lanes(VecI v, int n) { return _mm256_slli_epi32(v, n); }
 inline VecI high_nibble_words(VecI w) { return _mm256_srli_epi16(w, 4); }
 // w with 16 added to word i where bit i of bits is set (a 5-bit q's fifth bit; bits 16 and up unread).
 inline VecI with_fifth_bits(VecI w, uint32_t bits) {
@@ -55,6 +58,15 @@ inline VecI with_fifth_bits(VecI w, uint32_t bits) {
                                            static_cast<int16_t>(0x8000));
   const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(bits)), select), select);
   return _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi16(16)));
+}
+// w with bits 4-5 of each byte taken from h shifted left by Shift (right where negative; in 16-bit
+// lanes, the bits crossing bytes masked off): a 6-bit q's two high bits put above its low nibble.
+template <int Shift>
+inline VecI with_high_bits(VecI w, VecI h) {
+  VecI shifted = h;
+  if constexpr (Shift > 0) shifted = _mm256_slli_epi16(h, Shift);
+  if constexpr (Shift < 0) shifted = _mm256_srli_epi16(h, -Shift);
+  return _mm256_or_si256(w, _mm256_and_si256(shifted, _mm256_set1_epi8(0x30)));
 }
 inline VecI madd_words(VecI a, VecI b) { return _mm256_madd_epi16(a, b); }
 // acc plus the pairs of 16-bit products of a and b summed into 32-bit lanes: one vpdpwssd where the

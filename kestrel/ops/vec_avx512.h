@@ -53,10 +53,23 @@ inline void load_panel_row(const uint16_t* p, VecF b[1]) {
 inline VecI load_u8_words(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline VecI load_i8_words(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline VecI low_nibble_words(VecI w) { return _mm512_and_si512(w, _mm512_set1_epi16(15)); }
+inline VecI low_nibble_bytes(VecI w) { return _mm512_and_si512(w, _mm512_set1_epi8(15)); }
+inline VecI high_nibble_bytes(VecI w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(15)); }
+inline VecI shift_left_lanes(VecI v, int n) { return _mm512_slli_epi32(v, n); }
 inline VecI high_nibble_words(VecI w) { return _mm512_srli_epi16(w, 4); }
 // w with 16 added to word i where bit i of bits is set (a 5-bit q's fifth bit).
 inline VecI with_fifth_bits(VecI w, uint32_t bits) {
   return _mm512_mask_add_epi16(w, static_cast<__mmask32>(bits), w, _mm512_set1_epi16(16));
+}
+// w with bits 4-5 of each byte taken from h shifted left by Shift (right where negative; in 16-bit
+// lanes, the bits crossing bytes masked off): a 6-bit q's two high bits put above its low nibble. One
+// vpternlogd: w | (shifted & 0x30).
+template <int Shift>
+inline VecI with_high_bits(VecI w, VecI h) {
+  VecI shifted = h;
+  if constexpr (Shift > 0) shifted = _mm512_slli_epi16(h, Shift);
+  if constexpr (Shift < 0) shifted = _mm512_srli_epi16(h, -Shift);
+  return _mm512_ternarylogic_epi32(w, shifted, _mm512_set1_epi8(0x30), 0xF8);   // a | (b & c)
 }
 inline VecI madd_words(VecI a, VecI b) { return _mm512_madd_epi16(a, b); }
 // acc plus the pairs of 16-bit products of a and b summed into 32-bit lanes: one vpdpwssd where the
