@@ -148,7 +148,7 @@ def integer_bits(name: str, m: int) -> int:
     activations or the bf16 panels)."""
     if on_bytes(name, m) or on_bf16_panels(name, m):
         return 0
-    if name == "Q6_K":
+    if name == "Q6_K" and m < BYTE_MIN_ROWS:
         return 14
     return 0 if name in ("Q8_0", "Q5_0") and m < Q8_0_WORD_MIN_ROWS else 15
 
@@ -276,8 +276,9 @@ def test_linear_gguf_runs_each_segment_on_its_columns():
 def test_linear_gguf_is_the_product_of_the_dequantized_weights(name):
     """Within float32 sums and the bf16 rounding of y of the exact product; where 8-bit activations run
     (Q4_K and Q6_K from 16 rows), also within what they move: each x by at most half its block's step
-    max|x| / 127, so y[c] by at most sum_k |w[c, k]| step_k / 2; where the bf16 panels run (AVX512-BF16:
-    Q8_0 from 8 rows, Q4_1 and Q4_0 from 16), within the weights' rounding to bf16 (2^-9 of each)."""
+    max|x| / 127, so y[c] by at most sum_k |w[c, k]| step_k / 2; where x is held as 15- or 14-bit
+    integers (integer_bits), within what that moves; where the bf16 panels run (AVX512-BF16: Q8_0 from 8
+    rows, Q4_1 and Q4_0 from 16), within the weights' rounding to bf16 (2^-9 of each)."""
     gen = torch.Generator().manual_seed(7)
     raw = random_rows(name, 256, 1024, gen)
     w = dequantized(name, raw).double()
@@ -295,6 +296,8 @@ def test_linear_gguf_is_the_product_of_the_dequantized_weights(name):
             bound = bound + (step / 2) @ w.abs().T
         if on_bf16_panels(name, m):
             bound = bound + x.double().abs() @ (w.abs() * 2 ** -9).T
+        if integer_bits(name, m):
+            bound = bound + (x.double() - activations_in_integers(x, integer_bits(name, m)).double()).abs() @ w.abs().T
         assert ((y - exact).abs() <= bound).all()
 
 
