@@ -79,7 +79,7 @@ ENGINE_FLAGS: tuple[EngineFlag, ...] = (
     EngineFlag("--quantization", "quantization", str,
                "int8: the decoder layers' matrices in int8, activations quantized per token (W8A8); none: a "
                "GGUF file's quantized matrices dequantized to --dtype at load (default: run Q8_0, Q6_K, Q4_K, "
-               "Q4_1 and Q4_0 blocks as the file stores them)"),
+               "Q4_1, Q4_0 and Q5 blocks as the file stores them)"),
     EngineFlag("--device", "device", str, "auto, cpu, cuda or cuda:N"),
     EngineFlag("--max-model-len", "max_model_len", int, "context length (default: the model's)"),
     EngineFlag("--max-num-seqs", "max_num_seqs", int, "most sequences in one step"),

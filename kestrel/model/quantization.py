@@ -1,17 +1,19 @@
-"""Quantized decoder projections: --quantization int8, and a GGUF file's Q8_0, Q6_K, Q4_K, Q4_1 and Q4_0
-weights as the file stores them.
+"""Quantized decoder projections: --quantization int8, and a GGUF file's Q8_0, Q6_K, Q4_K, Q4_1, Q4_0,
+Q5_K, Q5_1 and Q5_0 weights as the file stores them (or nearly).
 
 GGUF blocks (as vLLM runs a GGUF file's quantized weights, and llama.cpp does): a projection (and the
-embedding and output head) whose tensors the file stores as Q8_0, Q6_K, Q4_K, Q4_1 or Q4_0 keeps them
-(1.06, 0.82, 0.56, 0.63 and 0.56 bytes a weight in the file; 1.125, 1.25, 0.59, 0.75 and 0.75 as the
-kernel packs them, against 2 for bf16), where the model is bf16 on a CPU with the kernels
-(cpu_kernels.cpp's linear_gguf, on llama.cpp's float32 values of the weights). The default model's
-layers are Q4_1. Q4_K below 16 rows, Q4_1 (and Q4_0) at every row count, and Q8_0 from 8 rows, sum
-each block of 32 in integers against the activations held as 16-bit integers (exact for bf16
-activations within 2^7 of their block's largest); from 16 rows (prefill chunks, decode steps of 16
-requests or more), Q4_K and Q6_K run, as llama.cpp runs them, against the activations quantized to 8
-bits (per block of 32, where llama.cpp's Q8_K has one scale per 256). Elsewhere, under --quantization
-int8 or none, and for every other GGUF type (Q5_K, Q5_0, ...), the weights are dequantized at load.
+embedding and output head) whose tensors the file stores in one of those types keeps them (1.06, 0.82,
+0.56, 0.63, 0.56, 0.69, 0.75 and 0.69 bytes a weight in the file; 1.125, 0.83, 0.59, 0.75, 0.75, 0.875,
+0.875 and 1.125 as the kernel packs them, against 2 for bf16), where the model is bf16 on a CPU with the
+kernels (cpu_kernels.cpp's linear_gguf, on llama.cpp's float32 values of the weights). The default
+model's layers are Q4_1. Below 16 rows (decode steps of a few requests) Q4_K, Q4_1 (and Q4_0) and the
+Q5s sum each block of 32 in integers against the activations held as 16-bit integers (exact for bf16
+activations within 2^7 of their block's largest), Q6_K each block of 16 against 14-bit ones split in
+two bytes (within 2^6); Q8_0 from 8 rows takes the 16-bit ones too. From 16 rows (prefill chunks,
+decode steps of 16 requests or more), Q4_K and Q6_K run, as llama.cpp runs them, against the
+activations quantized to 8 bits (per block of 32, where llama.cpp's Q8_K has one scale per 256); with
+AVX512-BF16, Q8_0, Q4_1 and the Q5s on bf16 panels. Elsewhere, under --quantization int8 or none, and
+for every other GGUF type (Q2_K, Q3_K, the IQ types, ...), the weights are dequantized at load.
 `keep_gguf_blocks_` decides, once, before the weights are read.
 
 --quantization int8: the decoder layers' projections in int8, quantized at load time from the
@@ -193,12 +195,12 @@ def quantize_model_(model: nn.Module, method: str | None) -> int:
 # ---- GGUF blocks ------------------------------------------------------------------------------------
 
 class GGUFLinear(nn.Module):
-    """A projection (or the embedding, or the output head, or both where tied) holding a GGUF file's
-    blocks (Q8_0, Q6_K, Q4_K, Q4_1, Q4_0: kestrel/ops/gguf_blocks.py), `parts` saying which: (format, rows) down
-    its N rows, in order (a fused projection may hold parts of several types). Until `pack_`, `weight`
-    is uint8 [N, the widest part's row bytes], each part's file rows from column 0, which load_weights
-    fills; then linear_gguf's packed weight. `plan_matmul`: its kernel (linear_gguf), which a decode
-    plan binds."""
+    """A projection (or the embedding, or the output head, or both where tied) holding a GGUF file's blocks
+    (Q8_0, Q6_K, Q4_K, Q4_1, Q4_0, the Q5s: kestrel/ops/gguf_blocks.py), `parts` saying which: (format,
+    rows) down its N rows, in order (a fused projection may hold parts of several types). Until `pack_`,
+    `weight` is uint8 [N, the widest part's row bytes], each part's file rows from column 0, which
+    load_weights fills; then linear_gguf's packed weight. `plan_matmul`: its kernel (linear_gguf), which
+    a decode plan binds."""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, plan_matmul: PlanMatmul,
                  parts: list[tuple[GGUFFormat, int]], dtype: torch.dtype = torch.bfloat16) -> None:

@@ -355,7 +355,7 @@ def packed_bf16_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def gguf_plan_matmul() -> PlanMatmul | None:
-    """cpu_kernels()' linear_gguf (y = x w^T for bf16 x and GGUF Q8_0 / Q6_K / Q4_K blocks packed by
+    """cpu_kernels()' linear_gguf (y = x w^T for bf16 x and GGUF Q8_0 / Q6_K / Q4_K / Q4_1 / Q5 blocks packed by
     gguf_blocks.pack_gguf_weight, any row count), as GGUFLinear calls it and a decode plan binds it
     (with its address, for the C++ layer loop); None where the kernels do not build (GGUF weights are
     then dequantized at load, as every other GGUF type)."""

@@ -43,7 +43,7 @@ class GGUFFormat:
     code: int            # cpu_kernels.cpp's GgufFormat
     file_block: int      # values per file block along K (K is a multiple of it)
     file_block_bytes: int
-    block: int           # values per packed block along K (Q6_K: its blocks of 16, each with a scale)
+    block: int           # values per packed block along K (Q4_K, Q6_K: a super-block of 256)
     packed_bytes: int    # packed bytes per panel and block
     # file rows [n, K / file_block * file_block_bytes] (uint8; n a multiple of 16) -> [n / 16, K / block, packed_bytes]
     pack: Callable[[torch.Tensor], torch.Tensor]
