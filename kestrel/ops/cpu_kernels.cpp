@@ -1566,6 +1566,34 @@ void int8_stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0
   emit_rows<MR, V>(total, n0, out);
 }
 
+// A block of 32 x as integers X = round(x 2^(Bits - e)), 2^e the power of two just above its largest
+// |x| (|X| < 2^Bits); returns the unit 2^(e - Bits), and sum the block's sum of x. Zeros give X = 0. A
+// NaN or infinity gives X = 0 (not an undefined cast) and a NaN unit, which reaches every output of its
+// row.
+template <int Bits>
+inline float to_block_units(const float* xs, int16_t* X, float& sum) {
+  VecF largest_lanes = zero(), sum_lanes = zero();
+  for (int64_t t = 0; t < kQ4KSub; t += kLanes) {
+    const VecF v = load_f32(xs + t);
+    largest_lanes = max(largest_lanes, abs(v));
+    sum_lanes = add(sum_lanes, v);
+  }
+  const float largest = hmax(largest_lanes);
+  sum = hsum(sum_lanes);
+  int e = 0;
+  std::frexp(largest, &e);   // largest < 2^e
+  const bool finite = std::isfinite(largest) && std::isfinite(sum);
+  const bool scaled = largest > 0.f && finite;
+  if (scaled && e - Bits >= -100) {   // 2^(Bits - e) a float: one exact multiply a lane
+    const VecF to_units = splat(std::ldexp(1.f, Bits - e));
+    for (int64_t t = 0; t < kQ4KSub; t += kLanes) store_int16_rounded(X + t, mul(load_f32(xs + t), to_units));
+  } else {
+    for (int64_t t = 0; t < kQ4KSub; ++t)
+      X[t] = scaled ? static_cast<int16_t>(std::nearbyint(std::ldexp(xs[t], Bits - e))) : 0;
+  }
+  return scaled ? std::ldexp(1.f, e - Bits) : finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+}
+
 // 16-bit activations, for Q4_K's streamed tiles and Q8_0's word tiles: each row's blocks of 32 as
 // 16-bit integers X = round(x 2^-e) with 2^e = unit, the power of two that puts the block's largest
 // |x| in [2^14, 2^15), and each block's sum of x. A bf16 x at most 2^7 below that largest is exact in
@@ -1592,30 +1620,7 @@ struct WordActivations {
   }
 
   // One sub-block of 32: X, its unit and the sum of x.
-  static void convert(const float* xs, int16_t* X, float& unit, float& sum) {
-    VecF largest_lanes = zero(), sum_lanes = zero();
-    for (int64_t t = 0; t < kQ4KSub; t += kLanes) {
-      const VecF v = load_f32(xs + t);
-      largest_lanes = max(largest_lanes, abs(v));
-      sum_lanes = add(sum_lanes, v);
-    }
-    const float largest = hmax(largest_lanes);
-    sum = hsum(sum_lanes);
-    int e = 0;
-    std::frexp(largest, &e);   // largest < 2^e
-    // Zeros give X = 0. A NaN or infinity gives X = 0 (not an undefined cast) and a NaN unit, which
-    // reaches every output of its row.
-    const bool finite = std::isfinite(largest) && std::isfinite(sum);
-    const bool scaled = largest > 0.f && finite;
-    unit = scaled ? std::ldexp(1.f, e - 15) : finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
-    if (scaled && e - 15 >= -100) {   // 2^(15 - e) a float: one exact multiply a lane
-      const VecF to_units = splat(std::ldexp(1.f, 15 - e));
-      for (int64_t t = 0; t < kQ4KSub; t += kLanes) store_int16_rounded(X + t, mul(load_f32(xs + t), to_units));
-    } else {
-      for (int64_t t = 0; t < kQ4KSub; ++t)
-        X[t] = scaled ? static_cast<int16_t>(std::nearbyint(std::ldexp(xs[t], 15 - e))) : 0;
-    }
-  }
+  static void convert(const float* xs, int16_t* X, float& unit, float& sum) { unit = to_block_units<15>(xs, X, sum); }
 };
 
 // The two 4-bit formats (and Q5) as the streamed tiles read them: pieces of up to 8 sub-blocks of 32
@@ -1755,29 +1760,11 @@ struct SplitActivations {
     return {x, high, low, unit, X_sum, K};
   }
 
-  // One block of 32. Zeros give X = 0; a NaN or infinity gives X = 0 and a NaN unit, which reaches every
-  // output of its row.
+  // One block of 32: Xh, Xl, the unit and the sums of X.
   static void convert(const float* xs, int8_t* high, int8_t* low, float& unit, int32_t* X_sum) {
-    VecF largest_lanes = zero(), sum_lanes = zero();
-    for (int64_t t = 0; t < kQ4KSub; t += kLanes) {
-      const VecF v = load_f32(xs + t);
-      largest_lanes = max(largest_lanes, abs(v));
-      sum_lanes = add(sum_lanes, v);
-    }
-    const float largest = hmax(largest_lanes);
-    const bool finite = std::isfinite(largest) && std::isfinite(hsum(sum_lanes));
-    const bool scaled = largest > 0.f && finite;
-    int e = 0;
-    std::frexp(largest, &e);   // largest < 2^e
-    unit = scaled ? std::ldexp(1.f, e - 14) : finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
     int16_t X[kQ4KSub];
-    if (scaled && e - 14 >= -100) {   // 2^(14 - e) a float: one exact multiply a lane
-      const VecF to_units = splat(std::ldexp(1.f, 14 - e));
-      for (int64_t t = 0; t < kQ4KSub; t += kLanes) store_int16_rounded(X + t, mul(load_f32(xs + t), to_units));
-    } else {
-      for (int64_t t = 0; t < kQ4KSub; ++t)
-        X[t] = scaled ? static_cast<int16_t>(std::nearbyint(std::ldexp(xs[t], 14 - e))) : 0;
-    }
+    float sum;
+    unit = to_block_units<14>(xs, X, sum);
     X_sum[0] = X_sum[1] = 0;
     for (int64_t t = 0; t < kQ4KSub; ++t) {
       const int32_t v = std::min<int32_t>(X[t], (1 << 14) - 1);   // |x| < 2^e: v < 2^14 but for rounding up
