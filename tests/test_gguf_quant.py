@@ -148,7 +148,7 @@ def integer_bits(name: str, m: int) -> int:
     activations or the bf16 panels)."""
     if on_bytes(name, m) or on_bf16_panels(name, m):
         return 0
-    if name == "Q6_K" and m < BYTE_MIN_ROWS:
+    if name == "Q6_K":
         return 14
     return 0 if name in ("Q8_0", "Q5_0") and m < Q8_0_WORD_MIN_ROWS else 15
 
