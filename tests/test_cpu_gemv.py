@@ -36,6 +36,21 @@ def test_avx512_matches_float32_product_rounded_once(rows, out_f, in_f):
     assert widened.dtype == torch.float32 and torch.equal(widened, y.float())
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_avx512_weights_off_a_cache_line_give_the_same_bits(rows):
+    """1-2 rows stream 64-byte aligned weights past the cache (non-temporal loads) and read others
+    with ordinary loads: the same sums either way."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    w = (torch.randn(960, 576, generator=gen) * 0.05).bfloat16()
+    shifted = torch.empty(w.numel() + 1, dtype=torch.bfloat16)[1:].view_as(w)  # 2 bytes off the line
+    shifted.copy_(w)
+    assert w.data_ptr() % 64 == 0 and shifted.data_ptr() % 64 == 2
+    y = kernels.linear_bf16_avx512(x, w)
+    assert torch.equal(kernels.linear_bf16_avx512(x, shifted), y)
+    _assert_like_torch(y, x, w)
+
+
 def test_avx512_rows_do_not_depend_on_the_batch():
     """Each output is one row of x against one row of w, summed in one order for batches of 1-15 rows
     and in one (other) order for 16-128: within each range a row alone, or at any place in a batch of

@@ -97,11 +97,28 @@ struct DpSink {
 // Into L2, as asm so that the compiler keeps it.
 inline void prefetch_l2(const uint16_t* p) { asm volatile("prefetcht1 (%0)" : : "r"(p)); }
 
+// 64 bytes of a weight row. Stream: a non-temporal load (vmovntdqa; the weights 64-byte aligned). A
+// decode step reads every weight once, ~270 MB a token for the default model in bf16: by ordinary
+// loads each line passes through L2 (and L3) and pushes out what the engine's Python, the API server
+// and the client use between two steps. With one or two rows, where each thread reads its weights as
+// one sequential stream, non-temporal loads read as fast (W6's shapes from memory, 2 Zen 4 cores) and
+// a served batch-1 decode step took 0.89x the time (BENCHMARKS.md). With more rows the 4 x 4 blocks
+// read four weight rows side by side, and four non-temporal streams ran 1.4-2x slower: those keep
+// ordinary loads and the prefetch. (On Intel, vmovntdqa from write-back memory is an ordinary load.)
+template <bool Stream>
+inline __m512bh load_weights(const uint16_t* p) {
+  if constexpr (Stream) return (__m512bh)_mm512_stream_load_si512(const_cast<uint16_t*>(p));
+  else return (__m512bh)_mm512_loadu_si512(p);
+}
+
+inline bool line_aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % 64 == 0; }
+
 // One block: rows m0.. (mb of them, mb <= MB) of x against rows n0.. (r_valid <= R) of w.
 //
 // With one or two rows of x, the R weight rows are read one after another, each along K to its end:
 // the block lies in one piece in memory, so a thread reads its share of w as one sequential stream,
-// fetched kStreamAheadBytes ahead into L2. Reading 64 bytes of each of the R rows in turn instead (R
+// by non-temporal loads (load_weights), or where w is not aligned for them fetched kStreamAheadBytes
+// ahead into L2. Reading 64 bytes of each of the R rows in turn instead (R
 // strided streams, however the next block is prefetched) took 1.16-1.27x as long over the default
 // model's projections and head at one row on 2 Zen 4 cores. With more rows of x, that order reloads each piece of x once per weight
 // row, and the loads then limit it (a step of 8 rows took 1.4x as long), so there each 64-byte piece of
@@ -110,10 +127,10 @@ inline void prefetch_l2(const uint16_t* p) { asm volatile("prefetcht1 (%0)" : : 
 // over K in the same order, so the two orders give the same results.
 constexpr int64_t kStreamAheadBytes = 2048;
 
-template <int MB, int R, typename Sink>
+template <int MB, int R, bool Stream, typename Sink>
 inline void dp_block(const uint16_t* x, const uint16_t* w, int64_t K, int64_t m0, int mb, int64_t n0,
                      int r_valid, const uint16_t* next, const Sink& sink) {
-  static_assert(MB * R == 16);
+  static_assert(MB * R == 16 && (MB <= 2 || !Stream));
   __m512 acc[16];
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   const uint16_t* wr[R];
@@ -123,8 +140,8 @@ inline void dp_block(const uint16_t* x, const uint16_t* w, int64_t K, int64_t m0
   if constexpr (MB <= 2) {
     for (int r = 0; r < R; ++r)
       for (int64_t k = 0; k < K; k += 32) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr[r] + k);
-        prefetch_l2(wr[r] + k + kStreamAheadBytes / 2);
+        const __m512bh wv = load_weights<Stream>(wr[r] + k);
+        if constexpr (!Stream) prefetch_l2(wr[r] + k + kStreamAheadBytes / 2);
         for (int mi = 0; mi < MB; ++mi)
           acc[mi * R + r] = _mm512_dpbf16_ps(acc[mi * R + r], wv, (__m512bh)_mm512_loadu_si512(xr[mi] + k));
       }
@@ -144,7 +161,7 @@ inline void dp_block(const uint16_t* x, const uint16_t* w, int64_t K, int64_t m0
 }
 
 // All rows of x against weight rows [n_begin, n_end), R at a time.
-template <int MB, int R, typename Sink>
+template <int MB, int R, bool Stream, typename Sink>
 void dp_rows(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, int64_t n_begin, int64_t n_end,
              const Sink& sink) {
   for (int64_t n0 = n_begin; n0 < n_end; n0 += R) {
@@ -152,18 +169,27 @@ void dp_rows(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, int64_t
     // The next block's rows, where it has R of them (fetched along with the first block of x).
     const uint16_t* next = n0 + 2 * R <= n_end ? w + (n0 + R) * K : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += MB)
-      dp_block<MB, R>(x, w, K, m0, static_cast<int>(std::min<int64_t>(MB, M - m0)), n0, r_valid,
+      dp_block<MB, R, Stream>(x, w, K, m0, static_cast<int>(std::min<int64_t>(MB, M - m0)), n0, r_valid,
                       m0 == 0 ? next : nullptr, sink);
   }
 }
 
 // Weight rows [n_begin, n_end) for 1..15 rows of x, on the calling thread.
+template <bool Stream, typename Sink>
+void dp_share_as(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, int64_t n_begin, int64_t n_end,
+                 const Sink& sink) {
+  if (M == 1) dp_rows<1, 16, Stream>(x, w, M, K, n_begin, n_end, sink);
+  else if (M == 2) dp_rows<2, 8, Stream>(x, w, M, K, n_begin, n_end, sink);
+  else dp_rows<4, 4, false>(x, w, M, K, n_begin, n_end, sink);
+}
+
+// One or two rows stream the weights past the cache where they are aligned for it (K is a multiple of
+// 32, so every row is aligned when w is): the same products either way.
 template <typename Sink>
 void dp_share(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, int64_t n_begin, int64_t n_end,
               const Sink& sink) {
-  if (M == 1) dp_rows<1, 16>(x, w, M, K, n_begin, n_end, sink);
-  else if (M == 2) dp_rows<2, 8>(x, w, M, K, n_begin, n_end, sink);
-  else dp_rows<4, 4>(x, w, M, K, n_begin, n_end, sink);
+  if (line_aligned(w)) dp_share_as<true>(x, w, M, K, n_begin, n_end, sink);
+  else dp_share_as<false>(x, w, M, K, n_begin, n_end, sink);
 }
 
 // One x row: 16 weight rows a block; two: 8; more: 4 by 4.
