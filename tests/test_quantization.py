@@ -212,6 +212,21 @@ def test_cpu_int8_kernel_matches_reference_bit_for_bit(rows, out_f, in_f):
 
 
 @cpu_int8_kernel
+@pytest.mark.parametrize("rows", [1, 2])
+def test_cpu_int8_kernel_reads_weights_off_a_vector_boundary_alike(rows):
+    """One row reads aligned weights by non-temporal loads, others by ordinary ones: the same bits."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).bfloat16()
+    qw, ws = _int8_weight(960, 576, gen)
+    shifted = torch.empty(qw.numel() + 1, dtype=torch.int8)[1:].view_as(qw)
+    shifted.copy_(qw)
+    assert qw.data_ptr() % 64 == 0 and shifted.data_ptr() % 64 == 1
+    y = cpu_int8.linear_int8(x, qw, ws)
+    assert torch.equal(cpu_int8.linear_int8(x, shifted, ws), y)
+    assert _same_bits(y, Q.linear_int8_reference(x, qw, ws))
+
+
+@cpu_int8_kernel
 @pytest.mark.parametrize("in_f", [256, 200])
 def test_cpu_int8_kernel_on_zero_rows_extremes_and_a_strided_x(in_f):
     gen = torch.Generator().manual_seed(3)

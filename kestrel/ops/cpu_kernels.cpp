@@ -2797,6 +2797,7 @@ struct WeightPiece {
   __m512i biased;  // w + 128 as u8
 };
 inline QVec load_q(const int8_t* p) { return _mm512_loadu_si512(p); }
+inline QVec stream_q(const int8_t* p) { return _mm512_stream_load_si512(const_cast<int8_t*>(p)); }  // aligned
 // Keeps a loaded vector in a register: folded into each vpdpbusd as a memory operand, x would be
 // loaded NR times per step, and the loads, not the products, would set the pace.
 inline QVec in_register_q(QVec v) {
@@ -2851,6 +2852,7 @@ struct WeightPiece {
   __m256i w, magnitude;  // w, and |w| as u8 (|-128| is 128)
 };
 inline QVec load_q(const int8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline QVec stream_q(const int8_t* p) { return _mm256_stream_load_si256((const __m256i*)p); }  // aligned
 inline QVec in_register_q(QVec v) {
   asm("" : "+x"(v));
   return v;
@@ -3053,15 +3055,19 @@ struct WeightRows {
   }
 };
 
-// How far ahead of the weight row being read (one or two rows of x) its stream is fetched into L2.
+// How far ahead of the weight row being read (two rows of x, or one where the weights are not aligned
+// for non-temporal loads) its stream is fetched into L2.
 // Reading 64 bytes of each of a tile's NR rows in turn instead (NR strided streams, nothing fetched
 // ahead) took 1.6-1.8x as long over the default model's projections at one row on 2 Zen 4 cores.
 constexpr int64_t kInt8StreamAheadBytes = 2048;
 
-template <int MR, int NR>
+// Stream (one row of x, the weights aligned and K a multiple of kQBytes): the weights read by
+// non-temporal loads, as cpu_gemv.cpp's load_weights, which leave the caches to the rest of the step.
+template <int MR, int NR, bool Stream = false>
 inline void int8_tile(const Int8Operands& op, const TileLanes& lanes, const WeightRows<NR>& w_rows, int64_t m0,
                       int64_t n0, VecF wscale_lanes) {
   static_assert(MR * NR <= kLanes, "one vector of sums per tile");
+  static_assert(MR <= 2 || !Stream, "more rows read several weight rows side by side");
   const int64_t kp = op.x.kp, K = op.K;
   const int8_t* x_rows[MR];
   VecI acc[MR][NR];
@@ -3075,6 +3081,11 @@ inline void int8_tile(const Int8Operands& op, const TileLanes& lanes, const Weig
     // are one sequential stream (int32 sums: the order changes nothing). See kInt8StreamAheadBytes.
     for (int n = 0; n < NR; ++n)
       for (int64_t k = 0; k < kp; k += kQBytes) {
+        if constexpr (Stream) {  // no tail: K is a multiple of kQBytes
+          const WeightPiece piece = weight_piece(stream_q(w_rows.row[n] + k));
+          for (int m = 0; m < MR; ++m) acc[m][n] = dot_add(acc[m][n], piece, load_q(x_rows[m] + k));
+          continue;
+        }
         const bool tail = k + kQBytes > K;
         const int8_t* w = tail ? w_rows.tail[n] : w_rows.row[n] + k;
         if (!tail) _mm_prefetch(reinterpret_cast<const char*>(w + kInt8StreamAheadBytes), _MM_HINT_T1);
@@ -3113,13 +3124,13 @@ inline void int8_tile(const Int8Operands& op, const TileLanes& lanes, const Weig
 }
 
 // Every row of x against weight rows n0 .. n0 + NR: blocks of MR = kLanes / NR rows, then the rest.
-template <int NR>
+template <int NR, bool Stream = false>
 inline void int8_columns(const Int8Operands& op, const TileLanes& lanes, int64_t n0) {
   constexpr int MR = kLanes / NR;
   const WeightRows<NR> w_rows(op, n0);
   const VecF wscale_lanes = permute_lanes(load_first(op.wscale + n0, op.N - n0), lanes.col);
   int64_t m0 = 0;
-  for (; m0 + MR <= op.M; m0 += MR) int8_tile<MR, NR>(op, lanes, w_rows, m0, n0, wscale_lanes);
+  for (; m0 + MR <= op.M; m0 += MR) int8_tile<MR, NR, Stream>(op, lanes, w_rows, m0, n0, wscale_lanes);
   if constexpr (MR >= 4) {
     if (op.M - m0 == 3) int8_tile<3, NR>(op, lanes, w_rows, m0, n0, wscale_lanes);
   }
@@ -3131,14 +3142,14 @@ inline void int8_columns(const Int8Operands& op, const TileLanes& lanes, int64_t
   }
 }
 
-template <int NR>
+template <int NR, bool Stream = false>
 void int8_run(const Int8Operands& op) {
   const int64_t groups = (op.N + NR - 1) / NR;
   // Grain: about 32 KB of weights per task.
   const int64_t grain = std::max<int64_t>(1, 32768 / (NR * std::max<int64_t>(op.K, 1)));
   const TileLanes lanes(NR);
   at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) int8_columns<NR>(op, lanes, g * NR);
+    for (int64_t g = begin; g < end; ++g) int8_columns<NR, Stream>(op, lanes, g * NR);
   });
 }
 
@@ -3161,7 +3172,10 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   const QuantizedX xq(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K);
   const Int8Operands op{xq, qweight.data_ptr<int8_t>(), wscale.data_ptr<float>(),
                         reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, N, K};
-  if (M == 1) int8_run<kLanes>(op);
+  // One row reads each weight row once, to its end: by non-temporal loads where every row is aligned
+  // for them. (At 2 rows they ran 1.1-1.2x slower on the AVX2 build, W6's shapes from memory.)
+  const bool stream = reinterpret_cast<uintptr_t>(op.w) % kQBytes == 0 && K % kQBytes == 0;
+  if (M == 1) stream ? int8_run<kLanes, true>(op) : int8_run<kLanes>(op);
   else if (M == 2) int8_run<kLanes / 2>(op);
   else int8_run<kLanes / 4>(op);
   return y;
