@@ -3081,15 +3081,16 @@ inline void int8_tile(const Int8Operands& op, const TileLanes& lanes, const Weig
     // are one sequential stream (int32 sums: the order changes nothing). See kInt8StreamAheadBytes.
     for (int n = 0; n < NR; ++n)
       for (int64_t k = 0; k < kp; k += kQBytes) {
-        if constexpr (Stream) {  // no tail: K is a multiple of kQBytes
-          const WeightPiece piece = weight_piece(stream_q(w_rows.row[n] + k));
-          for (int m = 0; m < MR; ++m) acc[m][n] = dot_add(acc[m][n], piece, load_q(x_rows[m] + k));
-          continue;
+        QVec wq;
+        if constexpr (Stream) {
+          wq = stream_q(w_rows.row[n] + k);  // no tail: K is a multiple of kQBytes
+        } else {
+          const bool tail = k + kQBytes > K;
+          const int8_t* w = tail ? w_rows.tail[n] : w_rows.row[n] + k;
+          if (!tail) _mm_prefetch(reinterpret_cast<const char*>(w + kInt8StreamAheadBytes), _MM_HINT_T1);
+          wq = load_q(w);
         }
-        const bool tail = k + kQBytes > K;
-        const int8_t* w = tail ? w_rows.tail[n] : w_rows.row[n] + k;
-        if (!tail) _mm_prefetch(reinterpret_cast<const char*>(w + kInt8StreamAheadBytes), _MM_HINT_T1);
-        const WeightPiece piece = weight_piece(load_q(w));
+        const WeightPiece piece = weight_piece(wq);
         for (int m = 0; m < MR; ++m) acc[m][n] = dot_add(acc[m][n], piece, load_q(x_rows[m] + k));
       }
   } else {
