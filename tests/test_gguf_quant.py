@@ -129,6 +129,7 @@ def test_a_weight_of_several_types_is_one_blob_of_segments():
 
 BYTE_MIN_ROWS = 16        # cpu_kernels.cpp's kByteMinRows: from here Q4_K and Q6_K run against 8-bit activations
 Q8_0_WORD_MIN_ROWS = 8    # kQ8_0WordMinRows: from here Q8_0 runs against 16-bit activations, in another order
+Q5_K_WORD_MIN_ROWS = 3    # kQ5KWordMinRows: from here Q5_K runs its word tiles (16-bit activations)
 
 
 def on_bytes(name: str, m: int) -> bool:
@@ -142,13 +143,13 @@ def on_bf16_panels(name: str, m: int) -> bool:
 
 def integer_bits(name: str, m: int) -> int:
     """The bits x is held in where it meets the weights as integers per block of 32: 15 where the
-    16-bit activations (WordActivations) run: the streamed tiles of Q4_K, Q4_1 and the Q5s (below 16
-    rows), Q8_0's word tiles from 8 rows, the others' word tiles from 16 rows where there are no bf16
-    panels; 14 in Q6_K's streamed tiles (SplitActivations, below 16 rows); else 0 (x itself, the 8-bit
-    activations or the bf16 panels)."""
+    16-bit activations (WordActivations) run: the streamed tiles of Q4_K, Q4_1 and Q5_1 (below 16
+    rows), Q8_0's word tiles from 8 rows, Q5_K's from 3, the others' word tiles from 16 rows where there
+    are no bf16 panels; 14 in Q6_K's streamed tiles (SplitActivations, below 16 rows) and Q5_K's (below
+    3); else 0 (x itself, the 8-bit activations or the bf16 panels)."""
     if on_bytes(name, m) or on_bf16_panels(name, m):
         return 0
-    if name == "Q6_K":
+    if name == "Q6_K" or (name == "Q5_K" and m < Q5_K_WORD_MIN_ROWS):
         return 14
     return 0 if name in ("Q8_0", "Q5_0") and m < Q8_0_WORD_MIN_ROWS else 15
 
@@ -669,16 +670,18 @@ def test_w6_memory_roof_counts_the_files_bytes(q4_k_m_tiny):
 @needs_kernel
 @pytest.mark.parametrize("type_of", [_q5_k_m_type, _q5_0_and_q5_1_type])
 def test_q5_mixes_keep_every_matrix_and_give_the_dequantized_logits(type_of, tmp_path):
-    """Q5_K, Q5_1 and Q5_0 matrices stay in their blocks (Q5_0's as Q8_0's, the others as Q4_1's with
-    their fifth bits): a 20-row prefill (the bf16 panels with AVX512-BF16, else the word tiles on 16-bit
-    activations) and a 5-row one (the streamed tiles: Q5_K and Q5_1 on 16-bit activations, Q5_0 in
-    float32) give the dequantized model's logits within a bf16 rounding or two."""
+    """Q5_K, Q5_1 and Q5_0 matrices stay in their blocks (Q5_0's as Q8_0's, Q5_1's as Q4_1's with their
+    fifth bits, Q5_K's as Q4_K's super-blocks with q in byte lanes): a 20-row prefill (the bf16 panels
+    with AVX512-BF16, else the word tiles on 16-bit activations), a 5-row one (Q5_K's word tiles, Q5_1's
+    streamed tiles on 16-bit activations, Q5_0's in float32) and a 2-row one (Q5_K's streamed tiles on
+    14-bit activations) give the dequantized model's logits within a bf16 rounding or two."""
     path = _write_tiny_mix(tmp_path / "tiny.gguf", type_of)
-    for n in (20, 5):
+    for n in (20, 5, 2):
         _assert_close_logits(_prefill_logits(path, True, 4 * 2 + 2, n=n), _prefill_logits(path, False, 0, n=n))
 
 
 @needs_kernel
 def test_engine_on_q5_k_m_gives_the_dequantized_tokens(q5_k_m_tiny, monkeypatch, engine_check):
-    """Q5_K's tiles on 16-bit activations, which move x by up to 2^-15 of its block's largest."""
+    """Q5_K's tiles on 14-bit activations (one decode row) and 16-bit ones (from 3 rows), which move x
+    by up to 2^-14 of its block's largest."""
     _assert_engine_gives_the_dequantized_tokens(q5_k_m_tiny, "Q5_K", monkeypatch, engine_check)

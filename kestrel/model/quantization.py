@@ -3,13 +3,14 @@ Q5_K, Q5_1 and Q5_0 weights as the file stores them (or nearly).
 
 GGUF blocks (as vLLM runs a GGUF file's quantized weights, and llama.cpp does): a projection (and the
 embedding and output head) whose tensors the file stores in one of those types keeps them (1.06, 0.82,
-0.56, 0.63, 0.56, 0.69, 0.75 and 0.69 bytes a weight in the file; 1.125, 0.83, 0.59, 0.75, 0.75, 0.875,
+0.56, 0.63, 0.56, 0.69, 0.75 and 0.69 bytes a weight in the file; 1.125, 0.83, 0.59, 0.75, 0.75, 0.72,
 0.875 and 1.125 as the kernel packs them, against 2 for bf16), where the model is bf16 on a CPU with the
 kernels (cpu_kernels.cpp's linear_gguf, on llama.cpp's float32 values of the weights). The default
-model's layers are Q4_1. Below 16 rows (decode steps of a few requests) Q4_K, Q4_1 (and Q4_0) and the
-Q5s sum each block of 32 in integers against the activations held as 16-bit integers (exact for bf16
-activations within 2^7 of their block's largest), Q6_K each block of 16 against 14-bit ones split in
-two bytes (within 2^6); Q8_0 from 8 rows takes the 16-bit ones too. From 16 rows (prefill chunks,
+model's layers are Q4_1. Below 16 rows (decode steps of a few requests) Q4_K, Q4_1 (and Q4_0) and
+Q5_1 sum each block of 32 in integers against the activations held as 16-bit integers (exact for bf16
+activations within 2^7 of their block's largest), Q6_K each block of 16 and Q5_K (at 1 and 2 rows)
+each block of 32 against 14-bit ones split in two bytes (within 2^6); Q8_0 from 8 rows and Q5_K from
+3 take the 16-bit ones too. From 16 rows (prefill chunks,
 decode steps of 16 requests or more), Q4_K and Q6_K run, as llama.cpp runs them, against the
 activations quantized to 8 bits (per block of 32, where llama.cpp's Q8_K has one scale per 256); with
 AVX512-BF16, Q8_0, Q4_1 and the Q5s on bf16 panels. Elsewhere, under --quantization int8 or none, and

@@ -1410,7 +1410,7 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 // ---- GGUF quantized weights ----
 //
 // linear_gguf(x [M, K] bf16, w) -> y [M, N] = x w^T, bf16 (or its float32 values), for a weight kept
-// as a GGUF file stores it: llama.cpp's Q8_0 (Q5_0), Q6_K, Q4_K, Q4_1 (Q4_0) or Q5 (Q5_1, Q5_K)
+// as a GGUF file stores it: llama.cpp's Q8_0 (Q5_0), Q6_K, Q4_K, Q4_1 (Q4_0), Q5 (Q5_1) or Q5_K
 // blocks, packed at load (kestrel/ops/gguf_blocks.py: pack_gguf_weight) into panels of 16 columns (w's rows). w is one uint8
 // tensor: a header of int64 (K, N, the number of segments, then for each segment its format, rows and
 // byte offset), then the segments, each a run of whole panels in one format. A fused projection whose
@@ -1425,30 +1425,31 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 //     (q4k_group_words): 0.59 bytes a weight, against 0.5625 in the file;
 //   Q4_1 (blocks of 32; Q4_0 packed as Q4_1 with offset 8 d): 16 float32 d, 16 float32 offsets (-m),
 //     then 8 groups of 4 k-rows as Q4_K's: 0.75 bytes a weight, against 0.625 in the file;
-//   Q5 (Q5_1's blocks of 32, and Q5_K's sub-blocks of 32 with d sc and dmin m; Q5_0 is packed as Q8_0,
-//     its q - 16 the int8): Q4_1's block of the q's low 4 bits, then each group's fifth bits as two
-//     32-bit words (bit i of the first: byte i's low nibble's; of the second: its high nibble's), run
-//     on Q4_1's tiles with the bits added in: 0.875 bytes a weight, against 0.75 (Q5_1) and 0.69 (Q5_K)
-//     in the file.
+//   Q5 (Q5_1's blocks of 32; Q5_0 is packed as Q8_0, its q - 16 the int8): Q4_1's block of the q's
+//     low 4 bits, then each group's fifth bits as two 32-bit words (bit i of the first: byte i's low
+//     nibble's; of the second: its high nibble's), run on Q4_1's tiles with the bits added in: 0.875
+//     bytes a weight, against 0.75 in the file;
+//   Q5_K (Q4_K's super-blocks with 5-bit q): Q4_K's d, dmin, scales and mins, then each sub-block's q
+//     in byte lanes as Q6_K's (kQ5KQuants): 0.72 bytes a weight, against 0.69 in the file.
 //
-// Few rows (decode steps of a few requests: below kQ8_0WordMinRows for Q8_0, kByteMinRows for the
-// others) stream the packed panels through registers. Q8_0's weights are dequantized as they are read,
+// Few rows (decode steps of a few requests: below kQ8_0WordMinRows for Q8_0, kQ5KWordMinRows for Q5_K,
+// kByteMinRows for the others) stream the packed panels through registers. Q8_0's weights are dequantized as they are read,
 // with llama.cpp's (and gguf.quants') float32 arithmetic, q * scale, and summed in linear_bf16's packed
 // order (packed_stream's tiles): one sum down k per piece of K (panel_k_piece), the pieces added in
 // order. Where those values are bf16 numbers, y is bit for bit linear_bf16's on them
-// (tests/test_gguf_quant.py holds it to that). Q6_K's sum each block of 16 in integers against x held as
-// 14-bit integers split in two bytes (SplitActivations). Q4_K's and Q4_1's streamed tiles sum each block of 32 as
-// scale (sum x q) - min (sum x), the inner sums in 32-bit integers on x held as 16-bit integers per
+// (tests/test_gguf_quant.py holds it to that). Q6_K's and Q5_K's sum each block (of 16, of 32) in
+// integers against x held as 14-bit integers split in two bytes (SplitActivations). Q4_K's and Q4_1's
+// streamed tiles sum each block of 32 as scale (sum x q) - min (sum x), the inner sums in 32-bit integers on x held as 16-bit integers per
 // block (WordActivations: exact for every bf16 x within 2^7 of the block's largest, the rest within
 // 2^-15 of it): on 2 Zen 3 cores, at 1 row, 0.85 ms against 1.40 with float sums and 1.8 with each
 // weight dequantized (the 1B model's four layer shapes). From those row counts each thread unpacks
-// its panels once a call: Q8_0's, Q4_1's and Q5's q against the same 16-bit activations (with AVX512-BF16,
-// from 16 rows, dequantized to bf16 panels instead: see kBf16Panels), Q4_K's and Q6_K's against x
+// its panels once a call: Q8_0's, Q4_1's and the Q5s' q against the same 16-bit activations (with
+// AVX512-BF16, from 16 rows, dequantized to bf16 panels instead: see kBf16Panels), Q4_K's and Q6_K's against x
 // quantized to 8 bits, as llama.cpp runs its K-quants (see "against 8-bit activations" below).
 
 namespace {
 
-enum GgufFormat : int64_t { kGgufQ8_0 = 0, kGgufQ6_K = 1, kGgufQ4_K = 2, kGgufQ4_1 = 3, kGgufQ5 = 4 };  // gguf_blocks.py's GGUF_FORMATS codes
+enum GgufFormat : int64_t { kGgufQ8_0 = 0, kGgufQ6_K = 1, kGgufQ4_K = 2, kGgufQ4_1 = 3, kGgufQ5 = 4, kGgufQ5_K = 5 };  // gguf_blocks.py's GGUF_FORMATS codes
 
 constexpr int64_t kQuantScaleBytes = kPanelCols * sizeof(float);
 
@@ -1481,8 +1482,8 @@ inline const uint8_t* q4k_block(const uint8_t* wq, int64_t K, int64_t n, int64_t
 constexpr int64_t kQ4_1Quants = 2 * kQuantScaleBytes;
 constexpr int64_t kQ4_1BlockBytes = kQ4_1Quants + kQ4KSub / 2 * kPanelCols;
 
-// Q5_1 and Q5_K (packed as one format, Q5): Q4_1's blocks of the low 4 bits, each followed by its 8
-// groups' fifth bits (two 32-bit words a group); values d q - offset.
+// Q5_1 (packed as Q5): Q4_1's blocks of the low 4 bits, each followed by its 8 groups' fifth bits (two
+// 32-bit words a group); values d q - offset.
 constexpr int64_t kQ5FifthBits = kQ4_1BlockBytes;
 constexpr int64_t kQ5BlockBytes = kQ5FifthBits + kQ4KSub / 4 * sizeof(uint64_t);
 
@@ -1508,6 +1509,24 @@ static_assert(kPanelK == kQ6KBlock, "a Q6_K super-block is one panel piece (K % 
 
 inline const uint8_t* q6k_block(const uint8_t* wq, int64_t K, int64_t n, int64_t b) {
   return wq + ((n / kPanelCols) * (K / kQ6KBlock) + b) * kQ6KBlockBytes;
+}
+
+// Q5_K: Q4_K's super-blocks of 256 in 8 sub-blocks of 32, with 5-bit q (values d sc q - dmin m). Per
+// panel and super-block: Q4_K's d, dmin, scales and mins (so q4k_scale_min reads them), then each
+// sub-block's q (0 .. 31) in 320 bytes, byte 4c + t of each 64 holding column c's k-row t of a group of
+// 4: the fifth bits of groups 0 .. 7 (bit g), then the low 4 bits of groups 0 and 1 (low and high
+// nibble), 2 and 3, 4 and 5, 6 and 7. (Read in that order: with the fifth bits last, so that the tile
+// went back to the nibbles of groups 4 .. 7 after them, it read 30% slower from memory.) 0.72 bytes a weight, against 0.69 in the file, where Q4_1's blocks
+// with the fifth bits beside (Q5) took 0.875 and twice the instructions of Q4_1 a weight.
+constexpr int64_t kQ5KBlock = 256;
+constexpr int64_t kQ5KQuants = kQ4KQuants;
+constexpr int64_t kQ5KNibbles = 4 * kPanelCols;   // within a sub-block's q, after the fifth bits
+constexpr int64_t kQ5KSubBytes = kQ5KNibbles + 4 * 4 * kPanelCols;
+constexpr int64_t kQ5KBlockBytes = kQ5KQuants + kQ4KSubs * kQ5KSubBytes;
+static_assert(kPanelK == kQ5KBlock, "a Q5_K super-block is one panel piece (K % 256 == 0)");
+
+inline const uint8_t* q5k_block(const uint8_t* wq, int64_t K, int64_t n, int64_t b) {
+  return wq + ((n / kPanelCols) * (K / kQ5KBlock) + b) * kQ5KBlockBytes;
 }
 
 // Block b of the panel of column n: Q4_1's, or Q5's (Fifth).
@@ -1728,13 +1747,13 @@ void q4_stream_panels(const WordActivations& a, const float* xm, const uint8_t* 
   emit_rows<MR, V>(total, n0, out);
 }
 
-// Q6_K's streamed tiles (below kByteMinRows rows) take x as 14-bit integers per block of 32, X = round(x
-// 2^(14 - e)), 2^e the power of two just above the block's largest |x| (exact for every bf16 x within 2^6
-// of it, the rest within 2^-14 of it), split in two bytes, X = 128 Xh + Xl (Xh in [-128, 127], Xl in
-// [0, 127]). A group's q (bytes 0 .. 63, unpacked in place from Q6_K's layout) meets the 4 Xh and the 4
-// Xl of its k-rows in one vpdpbusd each, 64 products an instruction where the 16-bit tiles' vpmaddwd do
-// 32 and need q widened to words first; per block of 16, 128 (sum q Xh) + (sum q Xl) - 32 (sum X) =
-// sum X (q - 32) exactly (|.| <= 2^23), then times unit and d sc in float32.
+// Q6_K's and Q5_K's streamed tiles (below kByteMinRows and kQ5KWordMinRows rows) take x as 14-bit
+// integers per block of 32, X = round(x 2^(14 - e)), 2^e the power of two just above the block's largest
+// |x| (exact for every bf16 x within 2^6 of it, the rest within 2^-14 of it), split in two bytes, X =
+// 128 Xh + Xl (Xh in [-128, 127], Xl in [0, 127]). A group's q (bytes, unpacked in place from the byte lanes) meets the 4 Xh and
+// the 4 Xl of its k-rows in one vpdpbusd each, 64 products an instruction where the 16-bit tiles'
+// vpmaddwd do 32 and need q widened to words first; per block, 128 (sum q Xh) + (sum q Xl) = sum X q
+// exactly (|.| < 2^24), then the block's scale and offset in float32 (ByteLaneQ6K, ByteLaneQ5K).
 struct SplitActivations {
   const float* x = nullptr;       // the widened rows [M, K]
   const int8_t* high = nullptr;   // [M, K]: Xh
@@ -1775,64 +1794,132 @@ struct SplitActivations {
   }
 };
 
-// out.row() of MR rows of a Q6_K weight's P panels (rows given as their widened x, whose offset from
-// a.x names them): per block of 16, sum_k x_k d sc (q_k - 32) as d sc unit (sum_k X_k (q_k - 32)), the
-// blocks' sums added in order within a super-block, the super-blocks' in order.
-template <int MR, int P, typename Out>
-void q6k_stream_panels(const SplitActivations& a, const float* xm, const uint8_t* wq, int64_t n0, const Out& out) {
+// The byte-lane formats as the streamed tiles read them: per panel, pieces (super-blocks) of kPiece
+// k-rows in blocks of kBlock, each block's q unpacked to bytes 16 k-rows (4 groups) at a time, and the
+// block's sum of X q made its share of y with its scale (and offset).
+struct ByteLaneQ6K {
+  static constexpr int64_t kPiece = kQ6KBlock, kBlock = kQ6KSub;
+  // Panels side by side: at one row 4 (on 2 Zen 4 cores, in cache: 0.72-0.76x Q4_1's rate, against
+  // 0.68x with 8 and 0.65x with 2; the AVX2 build from memory 0.75x the time of 1 panel); from 2 rows the
+  // int8 tiles' count (at 4 rows 2 panels took 0.7-0.9x the time of 1).
+  template <int MR>
+  static constexpr int kPanels = MR == 1 ? 4 : kStreamPanels<MR>;
+  static const uint8_t* piece(const uint8_t* wq, int64_t K, int64_t n, int64_t b) { return q6k_block(wq, K, n, b); }
+  // Groups 0 .. 3 of block j (one h: a block is 16 k-rows), vector v.
+  static void unpack(const uint8_t* piece, int64_t j, int, int v, VecI (&q)[4]) {
+    const uint8_t* at = piece + kQ6KQuants + j * kQ6KSubBytes + v * 4 * kLanes;
+    const VecI n01 = load_bytes(at), n23 = load_bytes(at + 4 * kPanelCols), h = load_bytes(at + 8 * kPanelCols);
+    q[0] = with_high_bits<4, 0x30>(low_nibble_bytes(n01), h);
+    q[1] = with_high_bits<2, 0x30>(high_nibble_bytes(n01), h);
+    q[2] = with_high_bits<0, 0x30>(low_nibble_bytes(n23), h);
+    q[3] = with_high_bits<-2, 0x30>(high_nibble_bytes(n23), h);
+  }
+  struct Scales { VecF scale; };
+  static Scales scales(const uint8_t* piece, int64_t j, int v) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(piece + kQ6KScales) + j * kPanelCols + v * kLanes;
+    return {mul(load_f32(block_scales(piece) + v * kLanes), load_int8(sc))};   // exact
+  }
+  // d sc unit (sum X q - 32 sum X) = d sc unit sum X (q - 32), the file's values (|.| <= 16 x 2^14 x 32:
+  // exact in float32). X_sum: the block's sum of X.
+  static VecF add_block(const Scales& s, VecI qX, const int32_t* X_sum, float unit, VecF c) {
+    return fma(s.scale, mul(to_float_lanes(add_lanes(qX, splat_i(-32 * X_sum[0]))), splat(unit)), c);
+  }
+};
+
+struct ByteLaneQ5K {
+  static constexpr int64_t kPiece = kQ5KBlock, kBlock = kQ4KSub;
+  // At one row 4 panels side by side, as Q6_K; at 2 rows (from kQ5KWordMinRows the word tiles run), as
+  // Q4_K's 16-bit tiles, half Q6_K's count (2 Zen 4 cores, in cache, 1024 x 2048: 2 rows 52-67 us against
+  // 64-66, 4 rows 113-115 against 152-156).
+  template <int MR>
+  static constexpr int kPanels = MR == 1 ? 4 : std::max(1, 4 / (MR * kPanelVecs));
+  static const uint8_t* piece(const uint8_t* wq, int64_t K, int64_t n, int64_t b) { return q5k_block(wq, K, n, b); }
+  // Groups 4h .. 4h + 3 of sub-block j (their fifth bits are bits 4h .. 4h + 3), vector v.
+  static void unpack(const uint8_t* piece, int64_t j, int h, int v, VecI (&q)[4]) {
+    const uint8_t* at = piece + kQ5KQuants + j * kQ5KSubBytes + v * 4 * kLanes;
+    const VecI f = load_bytes(at);
+    const VecI n01 = load_bytes(at + kQ5KNibbles + h * 8 * kPanelCols), n23 = load_bytes(at + kQ5KNibbles + (h * 8 + 4) * kPanelCols);
+    if (h == 0) {
+      q[0] = with_high_bits<4, 0x10>(low_nibble_bytes(n01), f);
+      q[1] = with_high_bits<3, 0x10>(high_nibble_bytes(n01), f);
+      q[2] = with_high_bits<2, 0x10>(low_nibble_bytes(n23), f);
+      q[3] = with_high_bits<1, 0x10>(high_nibble_bytes(n23), f);
+    } else {
+      q[0] = with_high_bits<0, 0x10>(low_nibble_bytes(n01), f);
+      q[1] = with_high_bits<-1, 0x10>(high_nibble_bytes(n01), f);
+      q[2] = with_high_bits<-2, 0x10>(low_nibble_bytes(n23), f);
+      q[3] = with_high_bits<-3, 0x10>(high_nibble_bytes(n23), f);
+    }
+  }
+  struct Scales { VecF scale, min; };
+  static Scales scales(const uint8_t* piece, int64_t j, int v) {
+    Scales s;
+    q4k_scale_min(piece, j, v, s.scale, s.min);
+    return s;
+  }
+  // d sc unit (sum X q) - dmin m unit (sum X): both sums exact in float32 (< 2^24, < 2^20). X_sum: the
+  // sums of X of the block's two halves.
+  static VecF add_block(const Scales& s, VecI qX, const int32_t* X_sum, float unit, VecF c) {
+    const VecF dot = mul(to_float_lanes(qX), splat(unit));
+    return fnmadd(s.min, splat(static_cast<float>(X_sum[0] + X_sum[1]) * unit), fma(s.scale, dot, c));
+  }
+};
+
+// out.row() of MR rows of a byte-lane weight's P panels (rows given as their widened x, whose offset
+// from a.x names them): each block's share of y from its sum of X q, the blocks' shares added in order
+// within a piece, the pieces' in order.
+template <typename Q, int MR, int P, typename Out>
+void byte_lane_stream_panels(const SplitActivations& a, const float* xm, const uint8_t* wq, int64_t n0,
+                             const Out& out) {
   constexpr int V = P * kPanelVecs;
   const int64_t K = a.K, row0 = (xm - a.x) / K, subs = K / kQ4KSub;
   VecF total[MR][V];
-  for (int64_t b = 0; b < K / kQ6KBlock; ++b) {
+  for (int64_t b = 0; b < K / Q::kPiece; ++b) {
     VecF c[MR][V];
     for (int m = 0; m < MR; ++m)
       for (int v = 0; v < V; ++v) c[m][v] = zero();
     const uint8_t* piece[P];
-    for (int p = 0; p < P; ++p) piece[p] = q6k_block(wq, K, n0 + p * kPanelCols, b);
-    for (int64_t j = 0; j < kQ6KSubs; ++j) {
-      const int64_t k = b * kQ6KBlock + j * kQ6KSub;
+    for (int p = 0; p < P; ++p) piece[p] = Q::piece(wq, K, n0 + p * kPanelCols, b);
+    for (int64_t j = 0; j < Q::kPiece / Q::kBlock; ++j) {
+      const int64_t k = b * Q::kPiece + j * Q::kBlock;
       VecI high[MR][V], low[MR][V];
       for (int m = 0; m < MR; ++m)
         for (int v = 0; v < V; ++v) high[m][v] = low[m][v] = zero_i();
-      for (int p = 0; p < P; ++p)
-        for (int v = 0; v < kPanelVecs; ++v) {
-          const uint8_t* at = piece[p] + kQ6KQuants + j * kQ6KSubBytes + v * 4 * kLanes;
-          const VecI n01 = load_bytes(at), n23 = load_bytes(at + 4 * kPanelCols), h = load_bytes(at + 8 * kPanelCols);
-          const VecI q[4] = {with_high_bits<4>(low_nibble_bytes(n01), h), with_high_bits<2>(high_nibble_bytes(n01), h),
-                             with_high_bits<0>(low_nibble_bytes(n23), h), with_high_bits<-2>(high_nibble_bytes(n23), h)};
-          for (int m = 0; m < MR; ++m) {
-            int32_t xh[4], xl[4];
-            std::memcpy(xh, a.high + (row0 + m) * K + k, sizeof xh);
-            std::memcpy(xl, a.low + (row0 + m) * K + k, sizeof xl);
-            VecI& hi = high[m][p * kPanelVecs + v];
-            VecI& lo = low[m][p * kPanelVecs + v];
-            if constexpr (kFusedByteProducts) {
-              for (int g = 0; g < 4; ++g) {
-                hi = add_byte_products(hi, q[g], splat_i(xh[g]));
-                lo = add_byte_products(lo, q[g], splat_i(xl[g]));
-              }
-            } else {   // two groups' pairs summed in 16 bits (at most 2 x 2 x 63 x 128 = 32256), then widened
-              const VecI ones = splat_i(0x00010001);
-              for (int g = 0; g < 4; g += 2) {
-                hi = add_lanes(hi, madd_words(add_words(madd_bytes(q[g], splat_i(xh[g])),
-                                                        madd_bytes(q[g + 1], splat_i(xh[g + 1]))), ones));
-                lo = add_lanes(lo, madd_words(add_words(madd_bytes(q[g], splat_i(xl[g])),
-                                                        madd_bytes(q[g + 1], splat_i(xl[g + 1]))), ones));
+      for (int h = 0; h < Q::kBlock / 16; ++h)
+        for (int p = 0; p < P; ++p)
+          for (int v = 0; v < kPanelVecs; ++v) {
+            VecI q[4];
+            Q::unpack(piece[p], j, h, v, q);
+            for (int m = 0; m < MR; ++m) {
+              int32_t xh[4], xl[4];
+              std::memcpy(xh, a.high + (row0 + m) * K + k + 16 * h, sizeof xh);
+              std::memcpy(xl, a.low + (row0 + m) * K + k + 16 * h, sizeof xl);
+              VecI& hi = high[m][p * kPanelVecs + v];
+              VecI& lo = low[m][p * kPanelVecs + v];
+              if constexpr (kFusedByteProducts) {
+                for (int g = 0; g < 4; ++g) {
+                  hi = add_byte_products(hi, q[g], splat_i(xh[g]));
+                  lo = add_byte_products(lo, q[g], splat_i(xl[g]));
+                }
+              } else {   // two groups' pairs summed in 16 bits (at most 2 x 2 x 63 x 128 = 32256), then widened
+                const VecI ones = splat_i(0x00010001);
+                for (int g = 0; g < 4; g += 2) {
+                  hi = add_lanes(hi, madd_words(add_words(madd_bytes(q[g], splat_i(xh[g])),
+                                                          madd_bytes(q[g + 1], splat_i(xh[g + 1]))), ones));
+                  lo = add_lanes(lo, madd_words(add_words(madd_bytes(q[g], splat_i(xl[g])),
+                                                          madd_bytes(q[g + 1], splat_i(xl[g + 1]))), ones));
+                }
               }
             }
           }
-        }
       for (int p = 0; p < P; ++p)
         for (int v = 0; v < kPanelVecs; ++v) {
-          const int8_t* sc = reinterpret_cast<const int8_t*>(piece[p] + kQ6KScales) + j * kPanelCols + v * kLanes;
-          const VecF scale = mul(load_f32(block_scales(piece[p]) + v * kLanes), load_int8(sc));   // exact
+          const typename Q::Scales scales = Q::scales(piece[p], j, v);
           for (int m = 0; m < MR; ++m) {
             const int64_t row = row0 + m;
-            const VecI sum = add_lanes(add_lanes(shift_left_lanes(high[m][p * kPanelVecs + v], 7),
-                                                 low[m][p * kPanelVecs + v]),
-                                       splat_i(-32 * a.X_sum[row * 2 * subs + k / kQ6KSub]));
+            const VecI qX = add_lanes(shift_left_lanes(high[m][p * kPanelVecs + v], 7), low[m][p * kPanelVecs + v]);
             VecF& cv = c[m][p * kPanelVecs + v];
-            cv = fma(scale, mul(to_float_lanes(sum), splat(a.unit[row * subs + k / kQ4KSub])), cv);
+            cv = Q::add_block(scales, qX, a.X_sum + row * 2 * subs + k / kQ6KSub, a.unit[row * subs + k / kQ4KSub], cv);
           }
         }
     }
@@ -1866,16 +1953,14 @@ struct Q4Format {
   }
 };
 
-struct Q6KFormat {
-  // At one row 4 panels side by side (on 2 Zen 4 cores, in cache: 0.72-0.76x Q4_1's rate, against 0.68x
-  // with 8 and 0.65x with 2; the AVX2 build from memory 0.75x the time of 1 panel); from 2 rows the int8
-  // tiles' count (at 4 rows 2 panels took 0.7-0.9x the time of 1).
+template <typename Q>
+struct ByteLaneFormat {
   template <int MR>
-  static constexpr int kPanels = MR == 1 ? 4 : kStreamPanels<MR>;
+  static constexpr int kPanels = Q::template kPanels<MR>;
   const SplitActivations* activations;
   template <int MR, int P, typename Out>
   void stream_panels(const float* x, const uint8_t* wq, int64_t, int64_t n0, const Out& out) const {
-    q6k_stream_panels<MR, P>(*activations, x, wq, n0, out);
+    byte_lane_stream_panels<Q, MR, P>(*activations, x, wq, n0, out);
   }
 };
 
@@ -1930,8 +2015,9 @@ struct GgufLayout {
                             : format == kGgufQ6_K ? K / kQ6KBlock * kQ6KBlockBytes
                             : format == kGgufQ4_K ? K / kQ4KBlock * kQ4KBlockBytes
                             : format == kGgufQ4_1 ? K / kQ4KSub * kQ4_1BlockBytes
-                            : format == kGgufQ5 ? K / 32 * kQ5BlockBytes : -1;
-      const int64_t block = format == kGgufQ6_K || format == kGgufQ4_K ? 256 : 32;
+                            : format == kGgufQ5 ? K / 32 * kQ5BlockBytes
+                            : format == kGgufQ5_K ? K / kQ5KBlock * kQ5KBlockBytes : -1;
+      const int64_t block = format == kGgufQ6_K || format == kGgufQ4_K || format == kGgufQ5_K ? 256 : 32;
       TORCH_CHECK(bytes > 0 && K % block == 0, "linear_gguf: format ", format, " with K = ", K);
       TORCH_CHECK(offset >= 0 && offset + rows / kPanelCols * bytes <= w.numel(), "linear_gguf: a segment past the end");
       segments.push_back({format, panel, rows / kPanelCols, base + offset});
@@ -1941,7 +2027,7 @@ struct GgufLayout {
   }
 };
 
-// ---- Q4_K and Q6_K against 8-bit activations (from kByteMinRows rows); Q8_0, Q4_1 and Q5 on 16-bit ones ----
+// ---- Q4_K and Q6_K against 8-bit activations (from kByteMinRows rows); Q8_0, Q4_1 and the Q5s on 16-bit ones ----
 //
 // llama.cpp's way with its K-quants (their q against activations quantized to 8 bits), with a scale
 // per block of 32 activations where its Q8_K has one per 256. Each row's blocks of 32 become int8,
@@ -1978,12 +2064,18 @@ struct GgufLayout {
 
 constexpr int64_t kByteMinRows = 16;
 constexpr int64_t kQ8_0WordMinRows = 8;           // Q8_0's word tiles from here
+// Q5_K's word tiles from here: its byte-lane panel unpacks once a call to the word panel, and the word
+// tiles reuse each unpacked q for up to kPanelRows rows where the streamed tiles' 14-bit byte products
+// hold two sums a row and vector (2 Zen 4 cores, in cache, 1024 x 2048: 3 rows 69 us against 80-83 on
+// the streamed tiles, 4 rows 81 against 99-101, 8 rows 136 against 180-220; Q5_K packed as Q5 before,
+// on its streamed tiles: 79, 92-93 and 126-128 us; 8 rows is the one count where this is slower, 1.07x).
+constexpr int64_t kQ5KWordMinRows = 3;
 constexpr int64_t kByteBlock = 32;                 // activations per int8 scale
 constexpr int kByteRows = 6 / kPanelVecs;          // a tile's rows: 6 int16 accumulators (AVX2: 3 rows x 2)
 constexpr int64_t kByteRowBlockBytes = 128 << 10;  // a thread's rows of int8 x at a time (in L2; as many 16-bit rows)
 constexpr int64_t kByteRowsPanelByPanel = 64;      // up to here (or one row block) every row under each panel
 
-// With AVX512-BF16, Q8_0, Q4_1 and Q5 from 16 rows take no integer tiles: each panel is dequantized to bf16
+// With AVX512-BF16, Q8_0, Q4_1 and the Q5s from 16 rows take no integer tiles: each panel is dequantized to bf16
 // (d q - offset in float32, exact here, then rounded to nearest even, as the load's dequantization to
 // bf16 rounds) and its rows run `vdpbf16ps`, 32 products an instruction on x as given, without the
 // 16-bit rounding of x. So from 16 rows a product equals the one on the weights dequantized at load
@@ -1996,7 +2088,8 @@ constexpr bool kBf16Panels = false;
 #endif
 // From kByteMinRows (at 8 rows Q8_0's word tiles ran 10-15% faster than panels dequantized for so few).
 inline bool on_bf16(int64_t format, int64_t M) {
-  return kBf16Panels && (format == kGgufQ8_0 || format == kGgufQ4_1 || format == kGgufQ5) && M >= kByteMinRows;
+  return kBf16Panels && (format == kGgufQ8_0 || format == kGgufQ4_1 || format == kGgufQ5 || format == kGgufQ5_K) &&
+         M >= kByteMinRows;
 }
 
 // Each row's int8 activations, with what the tiles' float32 steps need.
@@ -2061,8 +2154,8 @@ struct ByteActivations {
 struct BytePanel {
   uint8_t* q;             // [K / 4][16][4] (Q8_0: [K / 2][16][2]; bf16 panels: [K / 2][16][2] bf16)
   int16_t* scale_words;   // Q4_K: [K / 32][16][2], each sub-block's scale twice (vpmaddwd's pairs)
-  float* scale;           // Q4_K: d [K / 256][16]; Q6_K: d sc [K / 16][16]; Q8_0, Q4_1, Q5: d [K / 32][16]
-  float* offset;          // Q4_K: dmin m [K / 32][16]; Q6_K: 32 d sc [K / 16][16]; Q4_1, Q5: its offset [K / 32][16]
+  float* scale;           // Q4_K: d [K / 256][16]; Q6_K: d sc [K / 16][16]; Q8_0, Q4_1, Q5: d [K / 32][16]; Q5_K: d sc
+  float* offset;          // Q4_K: dmin m [K / 32][16]; Q6_K: 32 d sc [K / 16][16]; Q4_1, Q5: its offset [K / 32][16]; Q5_K: dmin m
 };
 
 // The byte panels of a thread's columns, made once a call.
@@ -2208,10 +2301,37 @@ void q4_1_like_word_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePan
   }
 }
 
-// The word panel of a Q8_0, Q4_1 or Q5 segment.
+// Q5_K as Q8_0's word panel: each sub-block's d sc and dmin m (q4k_scale_min's: the load's float32
+// products), and each group's q (0 .. 31, unpacked as the streamed tiles unpack them) split into its
+// columns' pairs of k-rows (4g, 4g + 1) and (4g + 2, 4g + 3).
+void q5k_word_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
+  for (int64_t b = 0; b < K / kQ5KBlock; ++b) {
+    const uint8_t* block = q5k_block(wq, K, n, b);
+    for (int64_t j = 0; j < kQ4KSubs; ++j) {
+      const int64_t sub = b * kQ4KSubs + j;
+      for (int v = 0; v < kPanelVecs; ++v) {
+        VecF scale, min;
+        q4k_scale_min(block, j, v, scale, min);
+        store(p.scale + sub * kPanelCols + v * kLanes, scale);
+        store(p.offset + sub * kPanelCols + v * kLanes, min);
+        for (int h = 0; h < 2; ++h) {
+          VecI q[4];
+          ByteLaneQ5K::unpack(block, j, h, v, q);
+          for (int g = 0; g < 4; ++g) {
+            uint8_t* pairs = p.q + (sub * kQ4KSub + 4 * (4 * h + g)) * kPanelCols + v * 2 * kLanes;
+            store_byte_pairs(q[g], pairs, pairs + 2 * kPanelCols);
+          }
+        }
+      }
+    }
+  }
+}
+
+// The word panel of a Q8_0, Q4_1, Q5 or Q5_K segment.
 void word_panel(int64_t format, const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
   if (format == kGgufQ4_1) q4_1_like_word_panel<false>(wq, K, n, p);
   else if (format == kGgufQ5) q4_1_like_word_panel<true>(wq, K, n, p);
+  else if (format == kGgufQ5_K) q5k_word_panel(wq, K, n, p);
   else q8_0_word_panel(wq, K, n, p);
 }
 
@@ -2477,7 +2597,9 @@ __attribute__((noinline)) void word_tile(const WordActivations& a, int64_t m0, c
 }
 
 // Whether the format's unpacked panels meet the 16-bit activations (the word tiles), not the 8-bit ones.
-inline bool on_words(int64_t format) { return format == kGgufQ8_0 || format == kGgufQ4_1 || format == kGgufQ5; }
+inline bool on_words(int64_t format) {
+  return format == kGgufQ8_0 || format == kGgufQ4_1 || format == kGgufQ5 || format == kGgufQ5_K;
+}
 
 // rows (1 .. kByteRows) rows from m0 on the format's tile of that many rows.
 template <int MR = kByteRows>
@@ -2489,7 +2611,7 @@ void byte_tile_rows(int64_t format, int rows, const ByteActivations& a, const Wo
   if (format == kGgufQ4_K) q4k_byte_tile<MR>(a, m0, p, out);
   else if (format == kGgufQ6_K) q6k_byte_tile<MR>(a, m0, p, out);
   else if (format == kGgufQ8_0) word_tile<kGgufQ8_0, MR>(words, m0, p, out);
-  else word_tile<kGgufQ4_1, MR>(words, m0, p, out);   // Q4_1 and Q5: the same panel, with offsets
+  else word_tile<kGgufQ4_1, MR>(words, m0, p, out);   // Q4_1 and the Q5s: the same panel, with offsets
 }
 
 // The columns [n0, n1) of a segment on the byte tiles (Q8_0: the word tiles): its panels made once,
@@ -2530,7 +2652,9 @@ void byte_columns(const ByteActivations& a, const WordActivations& words, const 
 }
 
 // Whether the format's M rows run on panels unpacked once a call (the byte and word tiles).
-bool on_unpacked_panels(int64_t format, int64_t M) { return M >= (format == kGgufQ8_0 ? kQ8_0WordMinRows : kByteMinRows); }
+bool on_unpacked_panels(int64_t format, int64_t M) {
+  return M >= (format == kGgufQ8_0 ? kQ8_0WordMinRows : format == kGgufQ5_K ? kQ5KWordMinRows : kByteMinRows);
+}
 
 template <typename Out>
 void gguf_columns(const float* x, const uint16_t* xb, const WordActivations* activations, const SplitActivations* split,
@@ -2542,7 +2666,8 @@ void gguf_columns(const float* x, const uint16_t* xb, const WordActivations* act
 #endif
   if (on_unpacked_panels(s.format, M)) byte_columns(*bytes, *activations, s, M, n0, n1, shifted);
   else if (s.format == kGgufQ8_0) quant_row_groups(Int8Format<32>{}, x, s.data, M, K, n0, n1, shifted);
-  else if (s.format == kGgufQ6_K) quant_row_groups(Q6KFormat{split}, x, s.data, M, K, n0, n1, shifted);
+  else if (s.format == kGgufQ6_K) quant_row_groups(ByteLaneFormat<ByteLaneQ6K>{split}, x, s.data, M, K, n0, n1, shifted);
+  else if (s.format == kGgufQ5_K) quant_row_groups(ByteLaneFormat<ByteLaneQ5K>{split}, x, s.data, M, K, n0, n1, shifted);
   else if (s.format == kGgufQ5) quant_row_groups(Q4Format<Q5Blocks>{activations}, x, s.data, M, K, n0, n1, shifted);
   else if (s.format == kGgufQ4_K) quant_row_groups(Q4Format<Q4KBlocks>{activations}, x, s.data, M, K, n0, n1, shifted);
   else quant_row_groups(Q4Format<Q4_1Blocks>{activations}, x, s.data, M, K, n0, n1, shifted);
@@ -2562,7 +2687,7 @@ torch::Tensor linear_gguf(torch::Tensor x, torch::Tensor w, bool float_out) {
   const float* xf = widened_x(x);
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto any_segment = [&](const auto& pred) { return std::any_of(layout.segments.begin(), layout.segments.end(), pred); };
-  // 16-bit activations: the streamed tiles' of Q4_1, Q4_K and Q5, the word tiles' of Q8_0, Q4_1 and Q5.
+  // 16-bit activations: the streamed tiles' of Q4_1, Q4_K and Q5, the word tiles' of Q8_0, Q4_1 and the Q5s.
   const bool words_used = any_segment([&](const GgufSegment& s) {
     const bool unpacked = on_unpacked_panels(s.format, M);
     return unpacked ? on_words(s.format) && !on_bf16(s.format, M)
@@ -2570,7 +2695,7 @@ torch::Tensor linear_gguf(torch::Tensor x, torch::Tensor w, bool float_out) {
   });
   const WordActivations activations = words_used ? WordActivations::of(xf, M, K) : WordActivations{};
   const bool split_used = any_segment([&](const GgufSegment& s) {
-    return s.format == kGgufQ6_K && !on_unpacked_panels(s.format, M);
+    return (s.format == kGgufQ6_K || s.format == kGgufQ5_K) && !on_unpacked_panels(s.format, M);
   });
   const SplitActivations split = split_used ? SplitActivations::of(xf, M, K) : SplitActivations{};
   const bool bytes_used = any_segment([&](const GgufSegment& s) { return !on_words(s.format) && on_unpacked_panels(s.format, M); });

@@ -11,10 +11,10 @@ as the file stores them, in `GGUF_FORMATS`:
 - Q4_K: super-blocks of 256 in 8 blocks of 32: 4-bit q, 6-bit scales and mins, float16 d and dmin;
   values (d * scale) * q - dmin * min.
 - Q5_1: 32 5-bit q (4 low bits, and the fifth in a 32-bit word), float16 d and m; values d * q + m.
-  Q5_K: Q4_K's super-blocks with 5-bit q; values (d * scale) * q - dmin * min. Both pack as one kernel
-  format, Q5: Q4_1's with each q's fifth bit beside its nibbles, d and an offset per block of 32 (-m, or
-  dmin * min: exact in float32), values d * q - offset. Q5_0 (values d * (q - 16)) packs as Q8_0, its
-  q - 16 as the int8.
+  It packs as Q5: Q4_1's block with each q's fifth bit beside its nibbles, values d * q - offset (-m).
+- Q5_K: Q4_K's super-blocks with 5-bit q; values (d * scale) * q - dmin * min. It packs as Q4_K's
+  super-block with its q in Q6_K's byte lanes (nibbles, then the fifth bits). Q5_0 (values d * (q -
+  16)) packs as Q8_0, its q - 16 as the int8.
 These are the float32 operations and order of gguf.quants (and of llama.cpp's dequantization), so the
 values here are its bits; the kernel computes the same ones.
 
@@ -166,20 +166,28 @@ def _q4_k_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return scales, mins
 
 
-def _pack_q4_k(rows: torch.Tensor) -> torch.Tensor:
-    n = rows.shape[0]
-    b = rows.reshape(n, -1, 144)
-    nb = b.shape[1]
-    scales, mins = _q4_k_scales_mins(b[..., 4:16])
-    # 4 runs of 32 bytes: the low nibbles are values 64j..64j+31, the high ones the next 32.
-    qs = b[..., 16:].reshape(n, nb, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
-    q = (qs & 0x0F).reshape(n, nb, 64, 2, 2)          # [.., group g, half h, t]: k-row 4g + 2h + t
-    nibbles = q[..., 0, :] | (q[..., 1, :] << 4)       # [n, nb, 64, 2 (t)]
-    packed = torch.empty(n // GGUF_PANEL, nb, _Q4_K_QUANTS + 128 * GGUF_PANEL, dtype=torch.uint8)
+def _super_block_header(b: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """Panels [n / 16, nb, nbytes] of Q4_K's (or Q5_K's) super-blocks b [n, nb, bytes] with their d, dmin,
+    scales and mins in place (the q's bytes from _Q4_K_QUANTS on are left to the caller)."""
+    n, nb = b.shape[:2]
+    scales, mins = _q4_k_scales_mins(b[..., 4:16])                       # [n, nb, 8]
+    packed = torch.empty(n // GGUF_PANEL, nb, nbytes, dtype=torch.uint8)
     packed[..., :_SCALES] = _panels(_f16(b, 0).unsqueeze(-1)).reshape(-1, nb, GGUF_PANEL).view(torch.uint8)
     packed[..., _SCALES:2 * _SCALES] = _panels(_f16(b, 2).unsqueeze(-1)).reshape(-1, nb, GGUF_PANEL).view(torch.uint8)
     packed[..., _Q4_K_SCALES:_Q4_K_MINS] = _panels(scales).reshape(-1, nb, 8 * GGUF_PANEL)
     packed[..., _Q4_K_MINS:_Q4_K_QUANTS] = _panels(mins).reshape(-1, nb, 8 * GGUF_PANEL)
+    return packed
+
+
+def _pack_q4_k(rows: torch.Tensor) -> torch.Tensor:
+    n = rows.shape[0]
+    b = rows.reshape(n, -1, 144)
+    nb = b.shape[1]
+    # 4 runs of 32 bytes: the low nibbles are values 64j..64j+31, the high ones the next 32.
+    qs = b[..., 16:].reshape(n, nb, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    q = (qs & 0x0F).reshape(n, nb, 64, 2, 2)          # [.., group g, half h, t]: k-row 4g + 2h + t
+    nibbles = q[..., 0, :] | (q[..., 1, :] << 4)       # [n, nb, 64, 2 (t)]
+    packed = _super_block_header(b, _Q4_K_QUANTS + 128 * GGUF_PANEL)
     by_group = _panels(nibbles).view(-1, nb, 64, 2, GGUF_PANEL).transpose(-1, -2)   # [.., g, c, t]
     packed[..., _Q4_K_QUANTS:] = by_group.reshape(-1, nb, 128 * GGUF_PANEL)
     return packed
@@ -193,12 +201,17 @@ def _column_pairs(packed: torch.Tensor, column: torch.Tensor, at: int) -> torch.
     return groups.gather(3, column.view(n, 1, 1, 1, 1).expand(n, nb, count, 1, 2)).squeeze(3)
 
 
-def _q4_k_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
-    n, nb = packed.shape[:2]
+def _super_block_scales(packed: torch.Tensor, column: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sub-block's d * scale and dmin * min of a column of Q4_K's (and Q5_K's) panels: [n, nb, 8] each."""
     d = _column(packed, column, 0, 1, torch.float32)
     dmin = _column(packed, column, _SCALES, 1, torch.float32)
-    scale = d * _column(packed, column, _Q4_K_SCALES, 8, torch.uint8).float()      # [n, nb, 8]
-    low = dmin * _column(packed, column, _Q4_K_MINS, 8, torch.uint8).float()
+    return (d * _column(packed, column, _Q4_K_SCALES, 8, torch.uint8).float(),
+            dmin * _column(packed, column, _Q4_K_MINS, 8, torch.uint8).float())
+
+
+def _q4_k_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    n, nb = packed.shape[:2]
+    scale, low = _super_block_scales(packed, column)
     groups = _column_pairs(packed, column, _Q4_K_QUANTS)               # [n, nb, 64, 2 (t)]
     q = torch.stack([groups & 0x0F, groups >> 4], dim=-2).reshape(n, nb, 8, 32).float()
     return (scale.unsqueeze(-1) * q - low.unsqueeze(-1)).view(n, -1)
@@ -283,19 +296,50 @@ def _pack_q5_1(rows: torch.Tensor) -> torch.Tensor:
     return _pack_q5(_f16(b, 0), -_f16(b, 2), _q5_quants(b[..., 4:8], b[..., 8:]))
 
 
+# Q5_K per panel and super-block: d and dmin (float32, 64 bytes each), the 8 scales and 8 mins (128 bytes
+# each) as Q4_K's, then each sub-block of 32's q (0 .. 31; values (d sc) q - dmin m) in 5 runs of 64 bytes,
+# byte 4c + t of each holding column c's k-row t of a group of 4 k-rows: the fifth bits of groups 0 .. 7
+# (bit g), then the low 4 bits of groups 0 (low nibble) and 1 (high nibble), of 2 and 3, 4 and 5, 6 and 7.
+# 0.72 bytes a weight.
+_Q5_K_RUNS = 5
+_Q5_K_BYTES = _Q4_K_QUANTS + 8 * _Q5_K_RUNS * 4 * GGUF_PANEL
+
+
+def _q5_k_quants(b: torch.Tensor) -> torch.Tensor:
+    """A super-block's 256 q (uint8 0 .. 31, [..., 8 sub-blocks, 32], gguf.quants' order)."""
+    lead = b.shape[:-1]
+    # 4 runs of 32 bytes: the low nibbles are sub-block 2i, the high ones 2i + 1; bit j of qh's byte t is
+    # value t's fifth bit in sub-block j.
+    qs = b[..., 48:].reshape(*lead, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+    high = b[..., 16:48].reshape(*lead, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
+    return (qs & 0x0F).reshape(*lead, 8, 32) | ((high & 1) << 4)
+
+
 def _pack_q5_k(rows: torch.Tensor) -> torch.Tensor:
     n = rows.shape[0]
     b = rows.reshape(n, -1, 176)
     nb = b.shape[1]
-    scales, mins = _q4_k_scales_mins(b[..., 4:16])                       # [n, nb, 8]
-    d = _f16(b, 0).unsqueeze(-1) * scales.float()
-    offset = _f16(b, 2).unsqueeze(-1) * mins.float()
-    # 4 runs of 32 bytes: the low nibbles are sub-block 2i, the high ones 2i + 1; bit j of qh's byte t is
-    # value t's fifth bit in sub-block j.
-    qs = b[..., 48:].reshape(n, nb, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
-    high = b[..., 16:48].reshape(n, nb, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
-    q = (qs & 0x0F).reshape(n, nb, 8, 32) | ((high & 1) << 4)
-    return _pack_q5(d.reshape(n, -1), offset.reshape(n, -1), q.reshape(n, -1, 32))
+    q = _q5_k_quants(b).view(n, nb, 8, 8, 4)                             # [.., sub-block j, group g, t]
+    low, fifth = q & 0x0F, q >> 4
+    fifth_run = torch.zeros(n, nb, 8, 1, 4, dtype=torch.uint8)
+    for g in range(8):   # in uint8 throughout: a model's largest matrix packs without wide temporaries
+        fifth_run[..., 0, :] |= fifth[..., g, :] << g
+    runs = torch.cat([fifth_run, low[..., 0::2, :] | (low[..., 1::2, :] << 4)], dim=3)   # [n, nb, 8, 5, t]
+    packed = _super_block_header(b, _Q5_K_BYTES)
+    by_column = _panels(runs).view(-1, nb, 8, _Q5_K_RUNS, 4, GGUF_PANEL).transpose(-1, -2)   # [.., j, run, c, t]
+    packed[..., _Q4_K_QUANTS:] = by_column.reshape(-1, nb, 8 * _Q5_K_RUNS * 4 * GGUF_PANEL)
+    return packed
+
+
+def _q5_k_values(packed: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    n, nb = packed.shape[:2]
+    scale, low = _super_block_scales(packed, column)
+    runs = packed[..., _Q4_K_QUANTS:].reshape(n, nb, 8, _Q5_K_RUNS, GGUF_PANEL, 4)
+    runs = runs.gather(4, column.view(n, 1, 1, 1, 1, 1).expand(n, nb, 8, _Q5_K_RUNS, 1, 4)).squeeze(4)  # j, run, t
+    nibbles = runs[..., 1:, :]
+    q = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=4).flatten(3, 4)                # [n, nb, 8, 8 (g), t]
+    q = q | (((runs[..., :1, :] >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1) << 4)
+    return (scale.unsqueeze(-1) * q.reshape(n, nb, 8, 32).float() - low.unsqueeze(-1)).view(n, -1)
 
 
 def _pack_q5_0(rows: torch.Tensor) -> torch.Tensor:
@@ -324,7 +368,7 @@ GGUF_FORMATS: dict[str, GGUFFormat] = {f.name: f for f in (
     GGUFFormat("Q4_1", 3, 32, 20, 32, _Q4_1_QUANTS + 16 * GGUF_PANEL, _pack_q4_1, _q4_1_values),
     GGUFFormat("Q4_0", 3, 32, 18, 32, _Q4_1_QUANTS + 16 * GGUF_PANEL, _pack_q4_0, _q4_1_values),   # packed as Q4_1
     GGUFFormat("Q5_1", 4, 32, 24, 32, _Q5_BYTES, _pack_q5_1, _q5_values),
-    GGUFFormat("Q5_K", 4, 256, 176, 32, _Q5_BYTES, _pack_q5_k, _q5_values),   # packed as Q5_1
+    GGUFFormat("Q5_K", 5, 256, 176, 256, _Q5_K_BYTES, _pack_q5_k, _q5_k_values),
     GGUFFormat("Q5_0", 0, 32, 22, 32, _SCALES + 32 * GGUF_PANEL, _pack_q5_0, _int8_values),       # packed as Q8_0
 )}
 
@@ -365,7 +409,7 @@ def gguf_segments(blob: torch.Tensor) -> tuple[int, list[tuple[GGUFFormat, int, 
     fields = blob[24:24 + 24 * count].view(torch.int64).view(count, 3).tolist()
     by_code: dict[int, GGUFFormat] = {}
     for f in GGUF_FORMATS.values():
-        by_code.setdefault(f.code, f)   # Q4_0's packed blocks are Q4_1's, Q5_K's Q5_1's, Q5_0's Q8_0's
+        by_code.setdefault(f.code, f)   # Q4_0's packed blocks are Q4_1's, Q5_0's Q8_0's
     segments, row = [], 0
     for code, rows, offset in fields:
         fmt = by_code[code]

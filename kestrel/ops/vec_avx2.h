@@ -59,14 +59,15 @@ inline VecI with_fifth_bits(VecI w, uint32_t bits) {
   const __m256i set = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(bits)), select), select);
   return _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi16(16)));
 }
-// w with bits 4-5 of each byte taken from h shifted left by Shift (right where negative; in 16-bit
-// lanes, the bits crossing bytes masked off): a 6-bit q's two high bits put above its low nibble.
-template <int Shift>
+// w with the bits Mask of each byte taken from h shifted left by Shift (right where negative; in 16-bit
+// lanes, the bits crossing bytes masked off): a 6-bit q's two high bits (0x30), or a 5-bit q's fifth
+// (0x10), put above its low nibble.
+template <int Shift, int Mask>
 inline VecI with_high_bits(VecI w, VecI h) {
   VecI shifted = h;
   if constexpr (Shift > 0) shifted = _mm256_slli_epi16(h, Shift);
   if constexpr (Shift < 0) shifted = _mm256_srli_epi16(h, -Shift);
-  return _mm256_or_si256(w, _mm256_and_si256(shifted, _mm256_set1_epi8(0x30)));
+  return _mm256_or_si256(w, _mm256_and_si256(shifted, _mm256_set1_epi8(Mask)));
 }
 inline VecI madd_words(VecI a, VecI b) { return _mm256_madd_epi16(a, b); }
 // acc plus the pairs of 16-bit products of a and b summed into 32-bit lanes: one vpdpwssd where the
@@ -92,6 +93,15 @@ inline void store_int16_rounded(int16_t* p, VecF v) {
 // Bytes: kLanes x 4 of them from p; pairs of unsigned x signed byte products summed into 16-bit lanes
 // (vpmaddubsw: each sum saturates past +-32767, which the caller rules out); 16-bit lane sums.
 inline VecI load_bytes(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+// q's bytes 4c + t (column c's k-rows t = 0 .. 3) as pairs: bytes 2c + t of k-rows 0 and 1 to `first`,
+// of k-rows 2 and 3 to `second` (2 kLanes bytes each).
+inline void store_byte_pairs(VecI q, uint8_t* first, uint8_t* second) {
+  const __m256i halves = _mm256_shuffle_epi8(q, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                                0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  const __m256i pairs = _mm256_permute4x64_epi64(halves, 0xD8);   // quads 0, 2, 1, 3
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(first), _mm256_castsi256_si128(pairs));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(second), _mm256_extracti128_si256(pairs, 1));
+}
 inline VecI madd_bytes(VecI u8, VecI s8) { return _mm256_maddubs_epi16(u8, s8); }
 inline VecI add_words(VecI a, VecI b) { return _mm256_add_epi16(a, b); }
 // Whether add_byte_products is one instruction (vpdpbusd: the four u8 x s8 products of each 32-bit

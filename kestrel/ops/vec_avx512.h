@@ -61,15 +61,15 @@ inline VecI high_nibble_words(VecI w) { return _mm512_srli_epi16(w, 4); }
 inline VecI with_fifth_bits(VecI w, uint32_t bits) {
   return _mm512_mask_add_epi16(w, static_cast<__mmask32>(bits), w, _mm512_set1_epi16(16));
 }
-// w with bits 4-5 of each byte taken from h shifted left by Shift (right where negative; in 16-bit
-// lanes, the bits crossing bytes masked off): a 6-bit q's two high bits put above its low nibble. One
-// vpternlogd: w | (shifted & 0x30).
-template <int Shift>
+// w with the bits Mask of each byte taken from h shifted left by Shift (right where negative; in 16-bit
+// lanes, the bits crossing bytes masked off): a 6-bit q's two high bits (0x30), or a 5-bit q's fifth
+// (0x10), put above its low nibble. One vpternlogd: w | (shifted & Mask).
+template <int Shift, int Mask>
 inline VecI with_high_bits(VecI w, VecI h) {
   VecI shifted = h;
   if constexpr (Shift > 0) shifted = _mm512_slli_epi16(h, Shift);
   if constexpr (Shift < 0) shifted = _mm512_srli_epi16(h, -Shift);
-  return _mm512_ternarylogic_epi32(w, shifted, _mm512_set1_epi8(0x30), 0xF8);   // a | (b & c)
+  return _mm512_ternarylogic_epi32(w, shifted, _mm512_set1_epi8(Mask), 0xF8);   // a | (b & c)
 }
 inline VecI madd_words(VecI a, VecI b) { return _mm512_madd_epi16(a, b); }
 // acc plus the pairs of 16-bit products of a and b summed into 32-bit lanes: one vpdpwssd where the
@@ -91,6 +91,15 @@ inline void store_int16_rounded(int16_t* p, VecF v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(v)));
 }
 inline VecI load_bytes(const void* p) { return _mm512_loadu_si512(p); }
+// q's bytes 4c + t (column c's k-rows t = 0 .. 3) as pairs: bytes 2c + t of k-rows 0 and 1 to `first`,
+// of k-rows 2 and 3 to `second` (2 kLanes bytes each).
+inline void store_byte_pairs(VecI q, uint8_t* first, uint8_t* second) {
+  const __m512i halves = _mm512_shuffle_epi8(q, _mm512_broadcast_i32x4(
+      _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15)));
+  const __m512i pairs = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), halves);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(first), _mm512_castsi512_si256(pairs));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(second), _mm512_extracti64x4_epi64(pairs, 1));
+}
 inline VecI madd_bytes(VecI u8, VecI s8) { return _mm512_maddubs_epi16(u8, s8); }
 inline VecI add_words(VecI a, VecI b) { return _mm512_add_epi16(a, b); }
 // Whether add_byte_products is one instruction (vpdpbusd: the four u8 x s8 products of each 32-bit
