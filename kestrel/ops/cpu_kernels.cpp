@@ -1432,20 +1432,19 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 //   Q5_K (Q4_K's super-blocks with 5-bit q): Q4_K's d, dmin, scales and mins, then each sub-block's q
 //     in byte lanes as Q6_K's (kQ5KQuants): 0.72 bytes a weight, against 0.69 in the file.
 //
-// Few rows (decode steps of a few requests: below kQ8_0WordMinRows for Q8_0, kQ5KWordMinRows for Q5_K,
-// kByteMinRows for the others) stream the packed panels through registers. Q8_0's weights are dequantized as they are read,
-// with llama.cpp's (and gguf.quants') float32 arithmetic, q * scale, and summed in linear_bf16's packed
-// order (packed_stream's tiles): one sum down k per piece of K (panel_k_piece), the pieces added in
-// order. Where those values are bf16 numbers, y is bit for bit linear_bf16's on them
-// (tests/test_gguf_quant.py holds it to that). Q6_K's and Q5_K's sum each block (of 16, of 32) in
-// integers against x held as 14-bit integers split in two bytes (SplitActivations). Q4_K's and Q4_1's
-// streamed tiles sum each block of 32 as scale (sum x q) - min (sum x), the inner sums in 32-bit integers on x held as 16-bit integers per
-// block (WordActivations: exact for every bf16 x within 2^7 of the block's largest, the rest within
-// 2^-15 of it): on 2 Zen 3 cores, at 1 row, 0.85 ms against 1.40 with float sums and 1.8 with each
-// weight dequantized (the 1B model's four layer shapes). From those row counts each thread unpacks
-// its panels once a call: Q8_0's, Q4_1's and the Q5s' q against the same 16-bit activations (with
-// AVX512-BF16, from 16 rows, dequantized to bf16 panels instead: see kBf16Panels), Q4_K's and Q6_K's against x
-// quantized to 8 bits, as llama.cpp runs its K-quants (see "against 8-bit activations" below).
+// Few rows (decode steps of a few requests: below kQ8_0WordMinRows for Q8_0, kQ5KWordMinRows for Q5_K, kByteMinRows for
+// the others) stream the packed panels through registers. Q8_0's weights are dequantized as they are read, with
+// llama.cpp's (and gguf.quants') float32 arithmetic, q * scale, and summed in linear_bf16's packed order
+// (packed_stream's tiles): one sum down k per piece of K (panel_k_piece), the pieces added in order. Where those values
+// are bf16 numbers, y is bit for bit linear_bf16's on them (tests/test_gguf_quant.py holds it to that). Q6_K's and
+// Q5_K's sum each block (of 16, of 32) in integers against x held as 14-bit integers split in two bytes
+// (SplitActivations). Q4_K's and Q4_1's streamed tiles sum each block of 32 as scale (sum x q) - min (sum x), the inner
+// sums in 32-bit integers on x held as 16-bit integers per block (WordActivations: exact for every bf16 x within 2^7 of
+// the block's largest, the rest within 2^-15 of it): on 2 Zen 3 cores, at 1 row, 0.85 ms against 1.40 with float sums
+// and 1.8 with each weight dequantized (the 1B model's four layer shapes). From those row counts each thread unpacks
+// its panels once a call: Q8_0's, Q4_1's and the Q5s' q against the same 16-bit activations (with AVX512-BF16, from 16
+// rows, dequantized to bf16 panels instead: see kBf16Panels), Q4_K's and Q6_K's against x quantized to 8 bits, as
+// llama.cpp runs its K-quants (see "against 8-bit activations" below).
 
 namespace {
 
@@ -1511,13 +1510,13 @@ inline const uint8_t* q6k_block(const uint8_t* wq, int64_t K, int64_t n, int64_t
   return wq + ((n / kPanelCols) * (K / kQ6KBlock) + b) * kQ6KBlockBytes;
 }
 
-// Q5_K: Q4_K's super-blocks of 256 in 8 sub-blocks of 32, with 5-bit q (values d sc q - dmin m). Per
-// panel and super-block: Q4_K's d, dmin, scales and mins (so q4k_scale_min reads them), then each
-// sub-block's q (0 .. 31) in 320 bytes, byte 4c + t of each 64 holding column c's k-row t of a group of
-// 4: the fifth bits of groups 0 .. 7 (bit g), then the low 4 bits of groups 0 and 1 (low and high
-// nibble), 2 and 3, 4 and 5, 6 and 7. (Read in that order: with the fifth bits last, so that the tile
-// went back to the nibbles of groups 4 .. 7 after them, it read 30% slower from memory.) 0.72 bytes a weight, against 0.69 in the file, where Q4_1's blocks
-// with the fifth bits beside (Q5) took 0.875 and twice the instructions of Q4_1 a weight.
+// Q5_K: Q4_K's super-blocks of 256 in 8 sub-blocks of 32, with 5-bit q (values d sc q - dmin m). Per panel and
+// super-block: Q4_K's d, dmin, scales and mins (so q4k_scale_min reads them), then each sub-block's q (0 .. 31) in 320
+// bytes, byte 4c + t of each 64 holding column c's k-row t of a group of 4: the fifth bits of groups 0 .. 7 (bit g),
+// then the low 4 bits of groups 0 and 1 (low and high nibble), 2 and 3, 4 and 5, 6 and 7. (Read in that order: with the
+// fifth bits last, so that the tile went back to the nibbles of groups 4 .. 7 after them, it took 1.2-1.3x the time
+// from memory.) 0.72 bytes a weight, against 0.69 in the file, where Q4_1's blocks with the fifth bits beside (Q5) took
+// 0.875 and twice the instructions of Q4_1 a weight.
 constexpr int64_t kQ5KBlock = 256;
 constexpr int64_t kQ5KQuants = kQ4KQuants;
 constexpr int64_t kQ5KNibbles = 4 * kPanelCols;   // within a sub-block's q, after the fifth bits
@@ -1747,13 +1746,13 @@ void q4_stream_panels(const WordActivations& a, const float* xm, const uint8_t* 
   emit_rows<MR, V>(total, n0, out);
 }
 
-// Q6_K's and Q5_K's streamed tiles (below kByteMinRows and kQ5KWordMinRows rows) take x as 14-bit
-// integers per block of 32, X = round(x 2^(14 - e)), 2^e the power of two just above the block's largest
-// |x| (exact for every bf16 x within 2^6 of it, the rest within 2^-14 of it), split in two bytes, X =
-// 128 Xh + Xl (Xh in [-128, 127], Xl in [0, 127]). A group's q (bytes, unpacked in place from the byte lanes) meets the 4 Xh and
-// the 4 Xl of its k-rows in one vpdpbusd each, 64 products an instruction where the 16-bit tiles'
-// vpmaddwd do 32 and need q widened to words first; per block, 128 (sum q Xh) + (sum q Xl) = sum X q
-// exactly (|.| < 2^24), then the block's scale and offset in float32 (ByteLaneQ6K, ByteLaneQ5K).
+// Q6_K's and Q5_K's streamed tiles (below kByteMinRows and kQ5KWordMinRows rows) take x as 14-bit integers per block of
+// 32, X = round(x 2^(14 - e)), 2^e the power of two just above the block's largest |x| (exact for every bf16 x within
+// 2^6 of it, the rest within 2^-14 of it), split in two bytes, X = 128 Xh + Xl (Xh in [-128, 127], Xl in [0, 127]). A
+// group's q (bytes, unpacked in place from the byte lanes) meets the 4 Xh and the 4 Xl of its k-rows in one vpdpbusd
+// each, 64 products an instruction where the 16-bit tiles' vpmaddwd do 32 and need q widened to words first; per block,
+// 128 (sum q Xh) + (sum q Xl) = sum X q exactly (|.| < 2^24), then the block's scale and offset in float32
+// (ByteLaneQ6K, ByteLaneQ5K).
 struct SplitActivations {
   const float* x = nullptr;       // the widened rows [M, K]
   const int8_t* high = nullptr;   // [M, K]: Xh
@@ -1829,8 +1828,7 @@ struct ByteLaneQ6K {
 struct ByteLaneQ5K {
   static constexpr int64_t kPiece = kQ5KBlock, kBlock = kQ4KSub;
   // At one row 4 panels side by side, as Q6_K; at 2 rows (from kQ5KWordMinRows the word tiles run), as
-  // Q4_K's 16-bit tiles, half Q6_K's count (2 Zen 4 cores, in cache, 1024 x 2048: 2 rows 52-67 us against
-  // 64-66, 4 rows 113-115 against 152-156).
+  // Q4_K's 16-bit tiles, half Q6_K's count (2 Zen 4 cores, in cache, 1024 x 2048: 52-67 us against 64-66).
   template <int MR>
   static constexpr int kPanels = MR == 1 ? 4 : std::max(1, 4 / (MR * kPanelVecs));
   static const uint8_t* piece(const uint8_t* wq, int64_t K, int64_t n, int64_t b) { return q5k_block(wq, K, n, b); }
@@ -1838,7 +1836,8 @@ struct ByteLaneQ5K {
   static void unpack(const uint8_t* piece, int64_t j, int h, int v, VecI (&q)[4]) {
     const uint8_t* at = piece + kQ5KQuants + j * kQ5KSubBytes + v * 4 * kLanes;
     const VecI f = load_bytes(at);
-    const VecI n01 = load_bytes(at + kQ5KNibbles + h * 8 * kPanelCols), n23 = load_bytes(at + kQ5KNibbles + (h * 8 + 4) * kPanelCols);
+    const VecI n01 = load_bytes(at + kQ5KNibbles + h * 8 * kPanelCols);
+    const VecI n23 = load_bytes(at + kQ5KNibbles + (h * 8 + 4) * kPanelCols);
     if (h == 0) {
       q[0] = with_high_bits<4, 0x10>(low_nibble_bytes(n01), f);
       q[1] = with_high_bits<3, 0x10>(high_nibble_bytes(n01), f);
