@@ -128,8 +128,7 @@ def test_a_weight_of_several_types_is_one_blob_of_segments():
 
 
 BYTE_MIN_ROWS = 16        # cpu_kernels.cpp's kByteMinRows: from here Q4_K and Q6_K run against 8-bit activations
-# kQ8_0WordMinRows (3 on AVX-512, 5 on AVX2): from here Q8_0 runs against 16-bit activations, in another order
-Q8_0_WORD_MIN_ROWS = kernels.gguf_q8_0_word_min_rows if kernels is not None else 8
+Q8_0_WORD_MIN_ROWS = 8    # kQ8_0WordMinRows: from here Q8_0 runs against 16-bit activations, in another order
 Q5_K_WORD_MIN_ROWS = 3    # kQ5KWordMinRows: from here Q5_K runs its word tiles (16-bit activations)
 
 
@@ -145,7 +144,7 @@ def on_bf16_panels(name: str, m: int) -> bool:
 def integer_bits(name: str, m: int) -> int:
     """The bits x is held in where it meets the weights as integers per block of 32: 15 where the
     16-bit activations (WordActivations) run: the streamed tiles of Q4_K, Q4_1 and Q5_1 (below 16
-    rows), Q8_0's word tiles from 3 or 5 rows, Q5_K's from 3, the others' word tiles from 16 rows where there
+    rows), Q8_0's word tiles from 8 rows, Q5_K's from 3, the others' word tiles from 16 rows where there
     are no bf16 panels; 14 in Q6_K's streamed tiles (SplitActivations, below 16 rows) and Q5_K's (below
     3); else 0 (x itself, the 8-bit activations or the bf16 panels)."""
     if on_bytes(name, m) or on_bf16_panels(name, m):
@@ -168,10 +167,9 @@ def activations_in_integers(x: torch.Tensor, bits: int) -> torch.Tensor:
 @pytest.mark.parametrize("name,n,k", [("Q8_0", 16, 32), ("Q8_0", 48, 96), ("Q8_0", 64, 2080), ("Q5_0", 48, 96),
                                       ("Q5_0", 32, 2080)])
 def test_linear_gguf_is_linear_bf16_bit_for_bit_on_bf16_weights(name, n, k):
-    """Q8_0 (and Q5_0, packed as Q8_0) below Q8_0_WORD_MIN_ROWS rows (their streamed float32 tiles): the
-    same sums in the same order as linear_bf16's packed path, so the same bits, y rounded to bf16 or not.
-    (From there Q8_0 sums 16-bit activations in integers: within rounding of the exact product, tested
-    below.)"""
+    """Q8_0 (and Q5_0, packed as Q8_0) below 8 rows (their streamed float32 tiles): the same sums in the
+    same order as linear_bf16's packed path, so the same bits, y rounded to bf16 or not. (From 8 rows
+    Q8_0 sums 16-bit activations in integers: within rounding of the exact product, tested below.)"""
     gen = torch.Generator().manual_seed(n + k)
     raw = random_rows(name, n, k, gen, bf16=True)
     w = dequantized(name, raw)

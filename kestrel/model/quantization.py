@@ -9,8 +9,8 @@ kernels (cpu_kernels.cpp's linear_gguf, on llama.cpp's float32 values of the wei
 model's layers are Q4_1. Below 16 rows (decode steps of a few requests) Q4_K, Q4_1 (and Q4_0) and
 Q5_1 sum each block of 32 in integers against the activations held as 16-bit integers (exact for bf16
 activations within 2^7 of their block's largest), Q6_K each block of 16 and Q5_K (at 1 and 2 rows)
-each block of 32 against 14-bit ones split in two bytes (within 2^6); Q8_0 from 3 rows (5 on AVX2)
-and Q5_K from 3 take the 16-bit ones too. From 16 rows (prefill chunks,
+each block of 32 against 14-bit ones split in two bytes (within 2^6); Q8_0 from 8 rows and Q5_K from
+3 take the 16-bit ones too. From 16 rows (prefill chunks,
 decode steps of 16 requests or more), Q4_K and Q6_K run, as llama.cpp runs them, against the
 activations quantized to 8 bits (per block of 32, where llama.cpp's Q8_K has one scale per 256); with
 AVX512-BF16, Q8_0, Q4_1 and the Q5s on bf16 panels. Elsewhere, under --quantization int8 or none, and

@@ -2062,6 +2062,7 @@ struct GgufLayout {
 // near-tie of the default model's first answer to "What is the capital of France?".
 
 constexpr int64_t kByteMinRows = 16;
+constexpr int64_t kQ8_0WordMinRows = 8;           // Q8_0's word tiles from here
 // Q5_K's word tiles from here: its byte-lane panel unpacks once a call to the word panel, and the word
 // tiles reuse each unpacked q for up to kPanelRows rows where the streamed tiles' 14-bit byte products
 // hold two sums a row and vector (2 Zen 4 cores, in cache, 1024 x 2048: 3 rows 69 us against 80-83 on
@@ -2070,11 +2071,6 @@ constexpr int64_t kByteMinRows = 16;
 constexpr int64_t kQ5KWordMinRows = 3;
 constexpr int64_t kByteBlock = 32;                 // activations per int8 scale
 constexpr int kByteRows = 6 / kPanelVecs;          // a tile's rows: 6 int16 accumulators (AVX2: 3 rows x 2)
-// Q8_0's word tiles from here: from 3 rows where a word tile holds 6 (2 Zen 4 cores, in cache, 1024 x
-// 2048: 3-7 rows 73-127 us against 100-158 on the streamed float32 tiles, 0.73-0.81x), from 5 where it
-// holds 3 (the AVX2 build on the same CPU: 6 and 7 rows 134-137 and 155-157 us against 150-174 and
-// 215-242; 3 and 4 rows 1.1-1.5x slower; 5 rows as fast).
-constexpr int64_t kQ8_0WordMinRows = kByteRows >= 6 ? 3 : 5;
 constexpr int64_t kByteRowBlockBytes = 128 << 10;  // a thread's rows of int8 x at a time (in L2; as many 16-bit rows)
 constexpr int64_t kByteRowsPanelByPanel = 64;      // up to here (or one row block) every row under each panel
 
@@ -3521,7 +3517,6 @@ class DecodeLayers {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("lanes") = kLanes;  // the vector width this build was compiled for (16: AVX-512, 8: AVX2)
   m.attr("panel_columns") = kPanelCols;  // the columns of a packed bf16 weight's panel
-  m.attr("gguf_q8_0_word_min_rows") = kQ8_0WordMinRows;  // Q8_0 (and Q5_0) on the word tiles from these rows
   m.attr("gguf_bf16_panels") = kBf16Panels;  // Q8_0, Q4_1 and Q5 on bf16 panels from their unpacked-panel rows
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) for float32 [rows, n] (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (CPU)",
