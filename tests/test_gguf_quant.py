@@ -26,7 +26,7 @@ from kestrel.model import quantization as Q
 from kestrel.model.gguf_loader import GGUFWeightReader
 from kestrel.model.layers import Linear, pack_linear_weights_
 from kestrel.model.loader import default_model_path, load_config, resolve_model
-from kestrel.ops import cpu_gemv, cpu_kernels
+from kestrel.ops import cpu_gemv, cpu_kernels, gguf_blocks
 from kestrel.ops.dispatch import amx_gemv, gguf_plan_matmul, pack_bf16_weight
 from kestrel.ops.gguf_blocks import GGUF_FORMATS, gguf_rows, gguf_segments, pack_gguf_weight
 
@@ -125,6 +125,17 @@ def test_a_weight_of_several_types_is_one_blob_of_segments():
     whole = torch.cat([dequantized(name, r) for (name, _), r in zip(parts, rows)])
     ids = torch.arange(144).flip(0)
     assert torch.equal(gguf_rows(blob, ids), whole[ids])
+
+
+def test_a_weight_packed_a_few_rows_at_a_time_is_the_same_blob(monkeypatch):
+    """The load packs long weights (an output head) a slice of rows at a time, to bound the packers'
+    intermediates: slices that end inside a part and parts merged into one segment give the same bytes."""
+    gen = torch.Generator().manual_seed(3)
+    parts = [("Q4_K", 80), ("Q4_K", 48), ("Q6_K", 64), ("Q8_0", 16), ("Q5_K", 48)]
+    weight = [(GGUF_FORMATS[name], random_rows(name, n, 256, gen)) for name, n in parts]
+    whole = pack_gguf_weight(weight, 256)
+    monkeypatch.setattr(gguf_blocks, "_PACK_ROWS", 32)
+    assert torch.equal(pack_gguf_weight(weight, 256), whole)
 
 
 BYTE_MIN_ROWS = 16        # cpu_kernels.cpp's kByteMinRows: from here Q4_K and Q6_K run against 8-bit activations

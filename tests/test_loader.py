@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from kestrel.model import gguf_loader
+from kestrel.model import gguf_loader, hf_loader
 from kestrel.model.loader import (
     DEFAULT_MODEL_FILE,
     ModelSource,
@@ -330,6 +330,44 @@ def test_default_model_weights(default_source: ModelSource) -> None:
         assert np.isfinite(tensor.numpy()).all(), name  # numpy: ~10x faster than torch.isfinite on CPU
         got[name] = tensor.shape
     assert got == expected
+
+
+def resident_kib_of_mappings(path: Path) -> int | None:
+    """The KiB of this process's mappings of `path` that are resident (their Rss in /proc/self/smaps);
+    None where nothing maps it."""
+    total, mapped, current = 0, False, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):   # a mapping's first line
+                current = len(fields) > 5 and fields[5] == str(path)
+                mapped |= current
+            elif current and fields[0] == "Rss:":
+                total += int(fields[1])
+    return total if mapped else None
+
+
+def test_a_gguf_read_leaves_none_of_the_files_pages_in_memory(default_gguf_path: Path) -> None:
+    """A load would otherwise hold the file's size in file pages beside the weights it builds."""
+    reader = gguf_loader.GGUFWeightReader(str(default_gguf_path))
+    matrices = reader.block_types()
+    for name in reader.names():
+        tensor = reader.read_blocks(name) if name in matrices else reader.read(name)
+        assert tensor.numel() > 0
+    resident = resident_kib_of_mappings(default_gguf_path.resolve())
+    assert resident is not None, "the reader maps the file"
+    assert resident < 256 < default_gguf_path.stat().st_size // 1024 // 64
+
+
+def test_a_safetensors_read_keeps_no_file_mapped(tmp_path: Path) -> None:
+    model = tiny_model("llama", tie=False)
+    model.save_pretrained(tmp_path)
+    reader = hf_loader.SafetensorsReader(str(tmp_path))
+    # As a load does: each tensor copied into the model's and let go (safetensors' tensors view the file).
+    weights = {name: reader.read(name).clone() for name in reader.names()}
+    assert torch.equal(weights["model.norm.weight"], model.model.norm.weight.detach())
+    for file in hf_loader.safetensors_files(tmp_path):
+        assert resident_kib_of_mappings(file.resolve()) is None
 
 
 def test_default_tokenizer_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, default_source: ModelSource) -> None:

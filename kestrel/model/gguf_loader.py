@@ -462,6 +462,10 @@ def _dequantize_columns(file_bytes: np.ndarray, info: GGUFTensorInfo, start: int
     return dequantize_tensor(file_bytes, info)[..., start : start + count]
 
 
+# What Linux maps around a page fault in a file mapping, of pages already cached (fault_around_bytes).
+_FAULT_AROUND = 64 << 10
+
+
 class GGUFWeightReader:
     """A GGUF file's tensors by Hugging Face name, whole or one slice at a time, dequantized to float32
     (kestrel/model/loader.py `WeightReader`). A slice reads only its rows' bytes (its columns' bytes
@@ -473,7 +477,9 @@ class GGUFWeightReader:
         _check_architecture(header)
         self._permuted = _rotary_head_counts(header)
         # Copy-on-write, so that torch may view it (nothing writes to it; the file is never changed).
-        self._bytes = np.memmap(header.path, dtype=np.uint8, mode="c")
+        with open(header.path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
         self._infos: dict[str, GGUFTensorInfo] = {}
         for info in header.tensors.values():
             name = hf_tensor_name(info.name)
@@ -503,6 +509,7 @@ class GGUFWeightReader:
             array = unpermute_rotary(array, n_head)
         if np.may_share_memory(array, self._bytes):  # F32 data is a view of the read-only mmap
             array = array.copy()
+        self._unmap_pages(info)
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
 
     def block_types(self) -> dict[str, str]:
@@ -531,7 +538,20 @@ class GGUFWeightReader:
                 rows = rows[:, start // block * block_bytes : (start + size) // block * block_bytes]
         if n_head is not None:
             rows = unpermute_rotary(rows, n_head)
-        return torch.from_numpy(np.array(rows, dtype=np.uint8))   # a copy: the rows leave the mmap
+        blocks = torch.from_numpy(np.array(rows, dtype=np.uint8))   # a copy: the rows leave the mmap
+        self._unmap_pages(info)
+        return blocks
+
+    def _unmap_pages(self, info: GGUFTensorInfo) -> None:
+        """Drop the file pages of a tensor just copied out from this process's memory (they stay in the
+        page cache). Otherwise every page read stays in the process's RSS while the reader lives, and a
+        load peaked at the file's size above the weights it builds. The range reaches past the
+        tensor's ends by what the kernel maps around a fault; a later read faults back in any of a
+        neighbour's pages it takes."""
+        first = max(0, (info.offset - _FAULT_AROUND) // mmap.PAGESIZE * mmap.PAGESIZE)
+        end = min(-(-(info.offset + info.n_bytes + _FAULT_AROUND) // mmap.PAGESIZE) * mmap.PAGESIZE, len(self._map))
+        if hasattr(mmap, "MADV_DONTNEED") and end > first:
+            self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
 
     @staticmethod
     def _slice(name: str, info: GGUFTensorInfo, dim: int, start: int, size: int | None) -> tuple[int, int]:

@@ -26,6 +26,7 @@ from kestrel.ops.dispatch import (  # noqa: F401
     silu_and_mul_reference,
 )
 from kestrel.ops.dispatch import Linear as LinearFn
+from kestrel.ops.huge_pages import return_freed_memory
 
 
 class RMSNorm(nn.Module):
@@ -104,6 +105,7 @@ def pack_linear_weights_(model: nn.Module) -> int:
         if (layout := pack(weight)) is not None:
             weight.data = layout
             packed += 1
+            return_freed_memory()  # the weight's old layout
     return packed
 
 

@@ -50,6 +50,7 @@ from torch import nn
 from kestrel.model.layers import Linear
 from kestrel.ops.dispatch import PlanMatmul, amx_gemv, gguf_plan_matmul, int8_kernels
 from kestrel.ops.gguf_blocks import GGUF_FORMATS, GGUFFormat, gguf_packable, gguf_rows, pack_gguf_weight
+from kestrel.ops.huge_pages import return_freed_memory
 
 # (x [M, K], qweight [N, K], scale [N]) -> y [M, N] in x's dtype
 Int8Matmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -300,4 +301,5 @@ def pack_gguf_weights_(model: nn.Module) -> int:
     layers = [module for module in model.modules() if isinstance(module, GGUFLinear)]
     for layer in layers:
         layer.pack_()
+        return_freed_memory()  # the file's layout of these blocks: the RSS peaks at one layer's two copies
     return len(layers)

@@ -381,26 +381,48 @@ def gguf_packable(fmt: GGUFFormat, n: int, k: int) -> bool:
 def pack_gguf_weight(parts: list[tuple[GGUFFormat, torch.Tensor]], k: int) -> torch.Tensor:
     """A weight [N, k] from its parts stacked along N, each (format, its file rows [n, row bytes] uint8),
     as linear_gguf's uint8 blob (header, then one segment per part, parts of one format in a row merged)."""
-    segments: list[tuple[GGUFFormat, torch.Tensor]] = []
+    segments: list[tuple[GGUFFormat, list[torch.Tensor]]] = []
     for fmt, rows in parts:
-        packed = fmt.pack(rows.contiguous())
         if segments and segments[-1][0] is fmt:
-            packed = torch.cat([segments.pop()[1], packed])
-        segments.append((fmt, packed))
+            segments[-1][1].append(rows)
+        else:
+            segments.append((fmt, [rows]))
+    counts = [sum(r.shape[0] for r in rows) for _, rows in segments]
     header_bytes = -(-8 * (3 + 3 * len(segments)) // _ALIGN) * _ALIGN
     offsets, total = [], header_bytes
-    for _, packed in segments:
+    for (fmt, _), count in zip(segments, counts):
         offsets.append(total)
-        total += -(-packed.numel() // _ALIGN) * _ALIGN
-    n = sum(packed.shape[0] * GGUF_PANEL for _, packed in segments)
-    header = [k, n, len(segments)]
-    for (fmt, packed), offset in zip(segments, offsets):
-        header += [fmt.code, packed.shape[0] * GGUF_PANEL, offset]
+        total += -(-_packed_bytes(fmt, count, k) // _ALIGN) * _ALIGN
+    header = [k, sum(counts), len(segments)]
+    for (fmt, _), count, offset in zip(segments, counts, offsets):
+        header += [fmt.code, count, offset]
     blob = torch.zeros(total, dtype=torch.uint8)
     blob[:8 * len(header)] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
-    for (_, packed), offset in zip(segments, offsets):
-        blob[offset:offset + packed.numel()] = packed.reshape(-1)
+    for (fmt, rows), count, offset in zip(segments, counts, offsets):
+        end = offset + _packed_bytes(fmt, count, k)
+        for part in rows:
+            offset = _pack_rows_into(blob, offset, fmt, part)
+        assert offset == end, f"{fmt.name}: packed {offset} bytes where its segment ends at {end}"
     return blob
+
+
+# Rows packed at a time: a packer's intermediates (several bytes a weight) then stay a few MB, where
+# over a whole output head (32k x 2k weights, say) they made the load's RSS peak.
+_PACK_ROWS = 1024
+
+
+def _pack_rows_into(blob: torch.Tensor, offset: int, fmt: GGUFFormat, rows: torch.Tensor) -> int:
+    """`rows` (file rows of `fmt`, whole panels) packed into `blob` from `offset`; where they end."""
+    for start in range(0, rows.shape[0], _PACK_ROWS):
+        packed = fmt.pack(rows[start:start + _PACK_ROWS].contiguous()).reshape(-1)
+        blob[offset:offset + packed.numel()] = packed
+        offset += packed.numel()
+    return offset
+
+
+def _packed_bytes(fmt: GGUFFormat, rows: int, k: int) -> int:
+    """The bytes of `rows` rows of `fmt` in the kernel's panels."""
+    return rows // GGUF_PANEL * (k // fmt.block) * fmt.packed_bytes
 
 
 def gguf_segments(blob: torch.Tensor) -> tuple[int, list[tuple[GGUFFormat, int, torch.Tensor]]]:
@@ -413,7 +435,7 @@ def gguf_segments(blob: torch.Tensor) -> tuple[int, list[tuple[GGUFFormat, int, 
     segments, row = [], 0
     for code, rows, offset in fields:
         fmt = by_code[code]
-        size = rows // GGUF_PANEL * (k // fmt.block) * fmt.packed_bytes
+        size = _packed_bytes(fmt, rows, k)
         segments.append((fmt, row, blob[offset:offset + size].view(rows // GGUF_PANEL, k // fmt.block, -1)))
         row += rows
     return k, segments

@@ -119,12 +119,14 @@ def move_to_huge_pages(module: torch.nn.Module) -> int:
                                                             + t.storage_offset(), t.shape, t.stride())
             offset += _to_cache_line(old.nbytes())
             del old, new
-            _return_freed_memory()
+            return_freed_memory()
     return total
 
 
-def _return_freed_memory() -> None:
-    """glibc keeps freed heap memory (the old copies of the weights, among it) mapped until trimmed."""
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system. glibc keeps freed heap memory mapped until it is
+    trimmed, and a load frees much of it in small pieces between live ones (the old copies of the
+    weights as they are packed and moved, the profile forward's activations), which it would keep."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -20,7 +20,7 @@ from kestrel.model import build_model, local_attention_config, shard_of_this_ran
 from kestrel.model.layers import pack_linear_weights_
 from kestrel.model.loader import ModelSource, resolve_model, weight_reader
 from kestrel.model.quantization import keep_gguf_blocks_, pack_gguf_weights_, quantize_model_
-from kestrel.ops.huge_pages import move_to_huge_pages
+from kestrel.ops.huge_pages import move_to_huge_pages, return_freed_memory
 from kestrel.worker.memory import MemoryProfile, num_blocks_for, profile_cpu, profile_cuda
 from kestrel.worker.model_runner import ModelRunner
 from kestrel.worker.spec_decode import DraftModelProposer
@@ -58,9 +58,7 @@ class Worker:
         self.attn_backend = select_attention_backend(local_attention_config(config, self.shard))  # once
         start = time.perf_counter()
         self.model = build_model(config.model, self.device, self.attn_backend)
-        reader = weight_reader(source)
-        kept = keep_gguf_blocks_(self.model, reader, config.model.quantization)
-        self.model.load_weights(reader)
+        kept = self._read_weights(source)
         quantize_model_(self.model, config.model.quantization)
         packed = pack_linear_weights_(self.model) + pack_gguf_weights_(self.model)
         in_huge_pages = self._into_huge_pages(self.model)
@@ -71,6 +69,15 @@ class Worker:
         self.runner = ModelRunner(config, self.model, self.attn_backend, self._load_draft_model())
         self.memory_profile: MemoryProfile | None = None
         self.profiler: torch.profiler.profile | None = None  # between /start_profile and /stop_profile
+
+    def _read_weights(self, source: ModelSource) -> int:
+        """The checkpoint's weights into the model, the GGUF blocks the kernels run kept as they are;
+        how many were kept. The reader is closed on return, before the weights are packed and moved:
+        the checkpoint's mapped pages leave the process's memory before the copies are made."""
+        reader = weight_reader(source)
+        kept = keep_gguf_blocks_(self.model, reader, self.config.model.quantization)
+        self.model.load_weights(reader)
+        return kept
 
     def _thread_governor(self) -> ThreadGovernor | None:
         """The CPU worker's torch pool size, decided once here and between steps after (None on GPUs).
@@ -131,6 +138,8 @@ class Worker:
     def determine_num_kv_blocks(self) -> int:
         profile = profile_cuda if self.device.type == "cuda" else profile_cpu
         self.memory_profile = profile(self.config, self.runner.profile_run)
+        if self.device.type == "cpu":
+            return_freed_memory()  # the profile forward's activations: a decode step needs few of them
         return num_blocks_for(self.config, self.memory_profile, self.runner.kv_bytes_per_token())
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

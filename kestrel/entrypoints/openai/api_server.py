@@ -71,6 +71,7 @@ from kestrel.entrypoints.openai.serving_engine import (
 )
 from kestrel.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kestrel.entrypoints.openai.serving_tools import ToolSettings
+from kestrel.ops.huge_pages import return_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -349,6 +350,7 @@ def run_server(args) -> int:
         signal.signal(signal.SIGTERM, _exit_on_signal)
         signal.signal(signal.SIGINT, _exit_on_signal)
         freeze_startup_heap()
+        return_freed_memory()  # what reading the model's config and tokenizer left (~30 MB)
         print(f"kestrel: serving {args.served_model_name or engine.model_name} on http://{args.host}:{args.port}",
               flush=True)
         server.run()
