@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kestrel.sample import Sampler, SamplerOutput, SamplingMetadata
-from kestrel.sample.sampler import apply_penalties
+from kestrel.sample.sampler import RANDOM_ROWS_AT_A_TIME, apply_penalties
 from kestrel.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -162,6 +162,22 @@ def test_seeded_row_same_alone_and_in_any_batch():
         assert alone.sampled_token_ids[0] == batched.sampled_token_ids[2]
         tokens_by_position.append(int(alone.sampled_token_ids[0]))
     assert len(set(tokens_by_position)) > 5  # each position gets its own draw
+
+
+def test_seeded_rows_far_into_a_large_batch_draw_as_alone():
+    """Large batches are drawn a slice of rows at a time (RANDOM_ROWS_AT_A_TIME): each seeded row, in
+    whichever slice, keeps its own filters and its own draw."""
+    torch.manual_seed(5)
+    rows = 3 * RANDOM_ROWS_AT_A_TIME + 5
+    logits = torch.randn(rows, 64)
+    settings = [dict(temperature=0.8, top_k=10), dict(temperature=1.2, top_p=0.5), dict(min_p=0.1),
+                dict(temperature=0.0), dict(temperature=0.3)]   # 5: no slice starts on the same setting
+    params = [SamplingParams(**settings[row % 5], seed=row) if row % 3 == 0 else SamplingParams(**settings[row % 5])
+              for row in range(rows)]
+    batched = run_sampler(logits, params, outputs=[[1] * (row % 7) for row in range(rows)]).sampled_token_ids
+    for row in range(0, rows, 3):
+        alone = run_sampler(logits[row:row + 1], [params[row]], outputs=[[2] * (row % 7)]).sampled_token_ids
+        assert alone[0] == batched[row], row
 
 
 def test_different_seeds_give_different_draws():
