@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from kestrel.sample import Sampler, SamplerOutput, SamplingMetadata
-from kestrel.sample.sampler import RANDOM_ROWS_AT_A_TIME, apply_penalties
+from kestrel.sample.sampler import (
+    RANDOM_ROWS_AT_A_TIME,
+    TOP_CANDIDATES,
+    apply_penalties,
+    apply_top_k_top_p,
+    top_k_top_p_among_candidates,
+    top_k_top_p_by_sort,
+)
 from kestrel.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -247,6 +254,28 @@ def test_filters_apply_per_row_in_one_batch():
     for index, (_, allowed) in enumerate(settings):
         chunk = tokens[index * per_setting:(index + 1) * per_setting]
         assert set(chunk.tolist()) == allowed
+
+
+def test_top_k_top_p_among_candidates_keeps_what_the_sort_keeps():
+    """Past TOP_CANDIDATES tokens a row is filtered among its most likely ones when its set lies there,
+    by the whole sort otherwise (top_k above it, or so flat a distribution that top_p's mass is not
+    reached within it); either way the kept tokens are the sort's."""
+    torch.manual_seed(6)
+    vocab = 3 * TOP_CANDIDATES + 7
+    top_ks = [5, 50, TOP_CANDIDATES, TOP_CANDIDATES + 1, 2 * TOP_CANDIDATES, vocab]
+    top_ps = [0.3, 0.9, 0.99, 1.0]
+    settings = [(k, p) for k in top_ks for p in top_ps]
+    scales = [4.0 if row % 3 else 0.01 for row in range(len(settings))]   # every third row nearly flat
+    logits = torch.randn(len(settings), vocab) * torch.tensor(scales).unsqueeze(1)
+    top_k = torch.tensor([k for k, _ in settings])
+    top_p = torch.tensor([p for _, p in settings])
+    done = top_k_top_p_among_candidates(logits.clone(), top_k, top_p)
+    assert done.any() and not done.all()   # both ways are taken
+    filtered = apply_top_k_top_p(logits.clone(), top_k, top_p)
+    by_sort = top_k_top_p_by_sort(logits.clone(), top_k, top_p)
+    assert torch.equal(filtered.isinf(), by_sort.isinf())
+    assert torch.equal(filtered[~filtered.isinf()], logits[~filtered.isinf()])
+    assert (~filtered.isinf()).sum(dim=-1).min() >= 1
 
 
 def test_frequencies_match_softmax_at_temperature():

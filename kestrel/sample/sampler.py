@@ -203,8 +203,62 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, float("-inf"))
 
 
+# A row's top_k / top_p set is looked for among its most likely tokens before the whole vocabulary is
+# sorted: torch's topk of 1024 of a 49k vocabulary takes ~0.23 ms a row where the sort took 1.8 (2 Zen 4
+# cores), which made top_p sampling cost more than a batch-1 decode step of the default model.
+TOP_CANDIDATES = 1024
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                       top_p: torch.Tensor | None) -> torch.Tensor:
+    """-inf outside each row's top_k, then outside the smallest most-likely set holding top_p of the
+    remaining mass, in place. Rows whose set lies among their TOP_CANDIDATES most likely tokens are
+    filtered there; the others (top_k above it, or a flat distribution) by sorting the vocabulary."""
+    if logits.shape[-1] <= TOP_CANDIDATES:
+        return top_k_top_p_by_sort(logits, top_k, top_p)
+    rest = (~top_k_top_p_among_candidates(logits, top_k, top_p)).nonzero().squeeze(1)
+    if rest.numel() > 0:
+        logits[rest] = top_k_top_p_by_sort(logits[rest], None if top_k is None else top_k[rest],
+                                           None if top_p is None else top_p[rest])
+    return logits
+
+
+def top_k_top_p_among_candidates(logits: torch.Tensor, top_k: torch.Tensor | None,
+                                 top_p: torch.Tensor | None) -> torch.Tensor:
+    """The filters of apply_top_k_top_p on the rows whose kept tokens are all among their
+    TOP_CANDIDATES most likely, in place (-inf below the row's smallest kept logit: ties with it
+    stay); [B] bool, which rows those were. Rows without a filter count as done."""
+    rows, vocab = logits.shape
+    done = torch.ones(rows, dtype=torch.bool, device=logits.device)
+    floor = torch.full((rows, 1), float("-inf"), dtype=logits.dtype, device=logits.device)
+    filtering_p = top_p is not None and bool((top_p < 1).any())
+    wanted = TOP_CANDIDATES
+    if top_k is not None and not filtering_p:
+        wanted = int(torch.where(top_k < vocab, top_k, 1).max().clamp(max=TOP_CANDIDATES))
+    candidates = logits.topk(wanted, dim=-1).values   # descending
+    if top_k is not None:
+        k_within = top_k <= wanted
+        done &= k_within | (top_k >= vocab)            # top_k = V: no top-k on that row
+        kth = candidates.gather(1, (top_k.clamp(max=wanted) - 1).unsqueeze(1))
+        floor = torch.where(k_within.unsqueeze(1), kth, floor)
+    if filtering_p:
+        # Each candidate's probability after top-k, and the mass of the more likely ones before it:
+        # a candidate stays while that mass is below top_p (the most likely always stays).
+        normalizer = logits.masked_fill(logits < floor, float("-inf")).logsumexp(dim=-1, keepdim=True)
+        probs = (candidates.masked_fill(candidates < floor, float("-inf")) - normalizer).exp()
+        mass_before = probs.cumsum(dim=-1) - probs
+        kept = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp(min=1)
+        cutoff = candidates.gather(1, kept - 1)
+        filtered = top_p < 1
+        floor = torch.where(filtered.unsqueeze(1), torch.maximum(floor, cutoff), floor)
+        # Past the candidates the mass before is at least theirs: they are all dropped once it reaches top_p.
+        done &= ~filtered | (probs.sum(dim=-1) >= top_p)
+    logits.masked_fill_(done.unsqueeze(1) & (logits < floor), float("-inf"))
+    return done
+
+
+def top_k_top_p_by_sort(logits: torch.Tensor, top_k: torch.Tensor | None,
+                        top_p: torch.Tensor | None) -> torch.Tensor:
     """-inf outside each row's top_k, then outside the smallest most-likely set holding top_p of
     the remaining mass. One ascending sort serves both filters; the most likely token is last."""
     sorted_logits, sorted_ids = logits.sort(dim=-1)
