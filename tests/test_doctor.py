@@ -60,6 +60,15 @@ def test_chunked_prefill_is_read_from_the_traces():
     assert any("--max-num-batched-tokens" in f for f in finding.flags)
 
 
+def test_prefill_steps_of_preempted_requests_are_not_the_chunked_prefill_budget():
+    """A preempted request computes its tokens again, in more prefill steps: the trace's prefill_chunks
+    then count those, which the prefill budget did not cause (seen under a tiny KV pool)."""
+    traces = [{"ttft_ms": 900.0, "prefill_chunks": 5, "preemptions": 2}, {"ttft_ms": 850.0, "prefill_chunks": 3,
+                                                                          "preemptions": 1}]
+    finding = diagnose(figures(batch=8.0, config={"max_num_batched_tokens": "2048"}), traces)
+    assert "chunked-prefill" not in finding.verdict
+
+
 def test_short_queueing_between_two_steps_is_not_a_diagnosis():
     finding = diagnose(figures(waiting=1, queue_p50=0.001), traces=[])
     assert finding.box == "model_runner"

@@ -214,7 +214,9 @@ def scheduler_limits(f: Figures, traces: list[dict[str, Any]]) -> Finding | None
 
 def chunked_prefill(f: Figures, traces: list[dict[str, Any]]) -> Finding | None:
     budget = float(f.config.get("max_num_batched_tokens", 0) or 0)
-    chunked = [t for t in traces if t.get("prefill_chunks", 0) > 1 and t.get("ttft_ms") is not None]
+    # A preempted request computes its tokens again in more prefill steps: the KV pool's doing, not the budget's.
+    chunked = [t for t in traces if t.get("prefill_chunks", 0) > 1 and not t.get("preemptions")
+               and t.get("ttft_ms") is not None]
     if traces and len(chunked) * 2 >= len([t for t in traces if t.get("ttft_ms") is not None]) and chunked:
         most = max(t["prefill_chunks"] for t in chunked)
         ttft = sorted(t["ttft_ms"] for t in chunked)[len(chunked) // 2]
