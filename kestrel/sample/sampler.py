@@ -232,6 +232,8 @@ def top_k_top_p_among_candidates(logits: torch.Tensor, top_k: torch.Tensor | Non
     done = torch.ones(rows, dtype=torch.bool, device=logits.device)
     floor = torch.full((rows, 1), float("-inf"), dtype=logits.dtype, device=logits.device)
     filtering_p = top_p is not None and bool((top_p < 1).any())
+    if top_k is None and not filtering_p:
+        return done   # a slice of the batch whose rows have no filter: no topk to pay for
     wanted = TOP_CANDIDATES
     if top_k is not None and not filtering_p:
         wanted = int(torch.where(top_k < vocab, top_k, 1).max().clamp(max=TOP_CANDIDATES))
