@@ -231,7 +231,8 @@ def top_k_top_p_among_candidates(logits: torch.Tensor, top_k: torch.Tensor | Non
     rows, vocab = logits.shape
     done = torch.ones(rows, dtype=torch.bool, device=logits.device)
     floor = torch.full((rows, 1), float("-inf"), dtype=logits.dtype, device=logits.device)
-    filtering_p = top_p is not None and bool((top_p < 1).any())
+    filtered = None if top_p is None else top_p < 1   # the rows top_p filters
+    filtering_p = filtered is not None and bool(filtered.any())
     if top_k is None and not filtering_p:
         return done   # a slice of the batch whose rows have no filter: no topk to pay for
     wanted = TOP_CANDIDATES
@@ -251,7 +252,6 @@ def top_k_top_p_among_candidates(logits: torch.Tensor, top_k: torch.Tensor | Non
         mass_before = probs.cumsum(dim=-1) - probs
         kept = (mass_before < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp(min=1)
         cutoff = candidates.gather(1, kept - 1)
-        filtered = top_p < 1
         floor = torch.where(filtered.unsqueeze(1), torch.maximum(floor, cutoff), floor)
         # Past the candidates the mass before is at least theirs: they are all dropped once it reaches top_p.
         done &= ~filtered | (probs.sum(dim=-1) >= top_p)
