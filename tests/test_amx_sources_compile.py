@@ -5,7 +5,7 @@ under `#if defined(__AMX_TILE__) ...`, which the engine's build (-march=native) 
 with AMX. On the others a change to the code around them (a renamed helper, a changed template) could
 break the AMX build unseen until an AMX machine loads it, and there the engine would fall back to the
 PyTorch path. Here each source is compiled for Sapphire Rapids (AMX, AVX512-BF16; -O0, which still
-checks every intrinsic's instruction set; ~40 s for the three on 2 cores) to assembly, which must
+checks every intrinsic's instruction set; ~20 s for the three on 2 cores) to assembly, which must
 hold AMX instructions. On an AMX CPU the engine's own build is this check, and the kernels' tests run
 what it built.
 """
@@ -55,7 +55,7 @@ def test_the_amx_code_compiles_for_sapphire_rapids(tmp_path):
     if probe.returncode != 0:
         pytest.skip(f"{COMPILER} does not know -march=sapphirerapids")
     assert "__AMX_TILE__" in probe.stdout and "__AMX_BF16__" in probe.stdout
-    # Two compilers at a time, one a core (~40 s for the three on 2 cores, 61-73 s one after the other).
+    # Two compilers at a time, one a core (~20 s for the three on 2 cores).
     pending, running = list(SOURCES.items()), []
     try:
         while pending or running:

@@ -1,5 +1,5 @@
 """`python -m kestrel.ops [--all-isas]`: build the CPU kernels this machine runs, now rather than in
-the first request or test that needs them (~100 s each on 2 cores; already built ones load at once).
+the first request or test that needs them (about a minute each on 2 cores; already built ones load at once).
 
 `--all-isas` also builds cpu_kernels.cpp for AVX2 on an AVX-512 CPU, the build the test suite runs in
 a child process (`make test` asks for it). A kernel that cannot be built is reported, not fatal: the

@@ -23,7 +23,7 @@
 //
 // The bf16 kernels accumulate in float32 throughout and round each output once to bf16 (to nearest even), as
 // torch rounds a float32 result; only the order of the float32 sums differs from torch's.
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -697,16 +697,16 @@ struct PackedX {
 
 }  // namespace
 
-torch::Tensor linear_bf16_avx512(torch::Tensor x, torch::Tensor w, bool float_out) {
+at::Tensor linear_bf16_avx512(at::Tensor x, at::Tensor w, bool float_out) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x and w must be 2-D");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "bf16 only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 only");
   TORCH_CHECK(x.size(1) == w.size(1), "x and w disagree on K");
   TORCH_CHECK(x.size(1) % 32 == 0, "K must be a multiple of 32");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 128, "M must be 1..128");
   TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
   x = x.contiguous();
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
-  auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat32 : torch::kBFloat16));
+  auto y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   if (M >= kLaneRowsMin) {
@@ -721,10 +721,10 @@ torch::Tensor linear_bf16_avx512(torch::Tensor x, torch::Tensor w, bool float_ou
 }
 
 #if KESTREL_AMX
-torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, bool float_out) {
+at::Tensor linear_bf16_amx(at::Tensor x, at::Tensor w, bool float_out) {
   TORCH_CHECK(amx_usable(), "this CPU or kernel does not allow AMX");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x and w must be 2-D");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "bf16 only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 only");
   TORCH_CHECK(x.size(1) == w.size(1), "x and w disagree on K");
   TORCH_CHECK(x.size(1) % 32 == 0, "K must be a multiple of 32");
   TORCH_CHECK(w.size(0) % 16 == 0, "N must be a multiple of 16");
@@ -732,7 +732,7 @@ torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, bool float_out) 
   TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
   x = x.contiguous();
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
-  auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat32 : torch::kBFloat16));
+  auto y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   PackedX xb(M, K * 2);
   pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xb.data);
   const Operands<Bf16Tiles> op{reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), xb.data, M, N, K};
@@ -741,11 +741,11 @@ torch::Tensor linear_bf16_amx(torch::Tensor x, torch::Tensor w, bool float_out) 
   return y;
 }
 
-torch::Tensor linear_int8_amx(torch::Tensor x, torch::Tensor qweight, torch::Tensor wscale) {
+at::Tensor linear_int8_amx(at::Tensor x, at::Tensor qweight, at::Tensor wscale) {
   TORCH_CHECK(amx_usable(), "this CPU or kernel does not allow AMX");
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && wscale.dim() == 1, "x and qweight must be 2-D, wscale 1-D");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x must be bf16");
-  TORCH_CHECK(qweight.scalar_type() == torch::kInt8 && wscale.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bf16");
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && wscale.scalar_type() == at::kFloat,
               "qweight must be int8 and wscale float32");
   TORCH_CHECK(x.size(1) == qweight.size(1), "x and qweight disagree on K");
   TORCH_CHECK(wscale.size(0) == qweight.size(0), "wscale needs one scale per row of qweight");
@@ -755,7 +755,7 @@ torch::Tensor linear_int8_amx(torch::Tensor x, torch::Tensor qweight, torch::Ten
   TORCH_CHECK(qweight.is_contiguous() && wscale.is_contiguous(), "qweight and wscale must be contiguous");
   x = x.contiguous();
   const int64_t M = x.size(0), N = qweight.size(0), K = x.size(1);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   PackedX xb(M, K);
   quantize_pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, xb.data, xb.scales);
   const Operands<Int8Tiles> op{qweight.data_ptr<int8_t>(), xb.data, M, N, K};
@@ -765,16 +765,16 @@ torch::Tensor linear_int8_amx(torch::Tensor x, torch::Tensor qweight, torch::Ten
 }
 
 #else
-torch::Tensor linear_bf16_amx(torch::Tensor, torch::Tensor, bool) { TORCH_CHECK(false, "built without AMX"); }
-torch::Tensor linear_int8_amx(torch::Tensor, torch::Tensor, torch::Tensor) { TORCH_CHECK(false, "built without AMX"); }
+at::Tensor linear_bf16_amx(at::Tensor, at::Tensor, bool) { TORCH_CHECK(false, "built without AMX"); }
+at::Tensor linear_int8_amx(at::Tensor, at::Tensor, at::Tensor) { TORCH_CHECK(false, "built without AMX"); }
 bool amx_usable() { return false; }
 #endif
 
 namespace {
 // The plan's matmuls as MatmulFn (matmul_fn.h), whose addresses `matmul_address` gives cpu_kernels.cpp's
 // DecodeLayers.
-torch::Tensor avx512_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_bf16_avx512(x, w, false); }
-torch::Tensor amx_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_bf16_amx(x, w, false); }
+at::Tensor avx512_matmul(const at::Tensor& x, const at::Tensor& w) { return linear_bf16_avx512(x, w, false); }
+at::Tensor amx_matmul(const at::Tensor& x, const at::Tensor& w) { return linear_bf16_amx(x, w, false); }
 
 // linear_bf16_avx512's share for one thread (matmul_fn.h's MatmulSliceFn): its 1..15-row path, whose
 // blocks of 16 weight rows give every output the same sum whichever thread computes it.

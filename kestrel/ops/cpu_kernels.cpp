@@ -18,7 +18,7 @@
 // (AVX512-VNNI or AVX2; see "int8 linear layers" below). linear_gguf: products with a GGUF file's Q8_0,
 // Q6_K, Q4_K, Q4_1 (Q4_0) and Q5_1, Q5_K (Q5_0) weights as the file stores them, or nearly (see "GGUF
 // quantized weights" below).
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -229,8 +229,8 @@ void attend_segment(const float* q, const T* kp, const T* vp, const std::vector<
 }
 
 template <typename T, int D, int G>
-void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-         const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
          int64_t block_size, float scale) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), kv_heads = k_cache.size(1);
   const int64_t max_blocks = block_tables.size(1), stride = kv_heads * D;
@@ -309,10 +309,10 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
 // A decode kernel's float32 result, rounded once to `dtype` (bf16, round to nearest even, as .to()
 // rounds) or returned as is. Here, not through .to(): on so small a tensor .to() costs ~10 µs of
 // dispatch, 30 times a decode step.
-torch::Tensor in_dtype(const torch::Tensor& out, c10::ScalarType dtype) {
-  if (dtype == torch::kFloat32) return out;
-  TORCH_CHECK(dtype == torch::kBFloat16, "q must be float32 or bfloat16");
-  auto rounded = torch::empty(out.sizes(), out.options().dtype(torch::kBFloat16));
+at::Tensor in_dtype(const at::Tensor& out, c10::ScalarType dtype) {
+  if (dtype == at::kFloat) return out;
+  TORCH_CHECK(dtype == at::kBFloat16, "q must be float32 or bfloat16");
+  auto rounded = at::empty(out.sizes(), out.options().dtype(at::kBFloat16));
   const float* src = out.data_ptr<float>();
   c10::BFloat16* dst = rounded.data_ptr<c10::BFloat16>();
   for (int64_t i = 0, n = out.numel(); i < n; ++i) dst[i] = c10::BFloat16(src[i]);
@@ -321,21 +321,21 @@ torch::Tensor in_dtype(const torch::Tensor& out, c10::ScalarType dtype) {
 
 // Where the bf16 cache goes to the AVX-512 build's own kernel: AMX scores need q exactly in bf16 (it
 // is, in a bf16 model) and whole 16-row tiles in memory; the AVX-512 scores take the rest.
-bool bf16_decode(torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                 const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
+bool bf16_decode(at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
                  int64_t block_size, float scale) {
 #if defined(KESTREL_VEC_AVX512)
   namespace bd = kestrel_bf16_decode;
-  if (k_cache.scalar_type() != torch::kBFloat16) return false;
+  if (k_cache.scalar_type() != at::kBFloat16) return false;
   bool amx = false;
 #ifdef KESTREL_AMX
-  amx = q.scalar_type() == torch::kBFloat16 && block_size % 16 == 0 && bd::amx_usable();
+  amx = q.scalar_type() == at::kBFloat16 && block_size % 16 == 0 && bd::amx_usable();
 #endif
   bool dot = false;
 #ifdef KESTREL_BF16_DOT
-  dot = !amx && q.scalar_type() == torch::kBFloat16;
+  dot = !amx && q.scalar_type() == at::kBFloat16;
 #endif
-  q = amx || dot ? q.contiguous() : q.to(torch::kFloat32).contiguous();
+  q = amx || dot ? q.contiguous() : q.to(at::kFloat).contiguous();
   return with_head_shape(q.size(2), q.size(1) / k_cache.size(1), [&](auto d, auto g) {
     constexpr int D = decltype(d)::value, G = decltype(g)::value;
     if (amx) bd::run_bf16<D, G, true, false>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, scale);
@@ -354,24 +354,24 @@ bool bf16_decode(torch::Tensor& q, const torch::Tensor& k_cache, const torch::Te
 // q [num_seqs, num_heads, head_dim] float32 or bfloat16; k_cache, v_cache [num_slots, kv_heads, head_dim] float32 or
 // bfloat16; block_tables [num_seqs, max_blocks] int64; seq_lens [num_seqs] int64 (keys 0..len-1 visible).
 // Returns [num_seqs, num_heads, head_dim]: float32, or with `in_q_dtype` q's dtype (see in_dtype).
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens,
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                     at::Tensor block_tables, at::Tensor seq_lens,
                                      int64_t block_size, double scale, bool in_q_dtype) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V dtypes differ");
-  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(bf16 || k_cache.scalar_type() == torch::kFloat32, "the KV cache must be float32 or bfloat16");
+  const bool bf16 = k_cache.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || k_cache.scalar_type() == at::kFloat, "the KV cache must be float32 or bfloat16");
   const auto q_dtype = q.scalar_type();
-  auto out = torch::empty(q.sizes(), q.options().dtype(torch::kFloat32));
-  block_tables = block_tables.to(torch::kInt64).contiguous();
-  seq_lens = seq_lens.to(torch::kInt64).contiguous();
+  auto out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  block_tables = block_tables.to(at::kLong).contiguous();
+  seq_lens = seq_lens.to(at::kLong).contiguous();
   const float sc = static_cast<float>(scale);
   const int64_t d = q.size(2), g = q.size(1) / k_cache.size(1);
   const bool done = bf16_decode(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, sc) ||
                     with_head_shape(d, g, [&](auto dd, auto gg) {
     constexpr int D = decltype(dd)::value, G = decltype(gg)::value;
-    q = q.to(torch::kFloat32).contiguous();
+    q = q.to(at::kFloat).contiguous();
     if (bf16) run<c10::BFloat16, D, G>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, sc);
     else run<float, D, G>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, sc);
   });
@@ -388,8 +388,8 @@ bool supports(int64_t head_dim, int64_t group) {
 namespace {
 
 template <typename T>
-void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& weight,
-                   torch::Tensor& out, double eps) {
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                   at::Tensor& out, double eps) {
   const int64_t rows = x.size(0), hidden = x.size(1);
   const T* xp = x.data_ptr<T>();
   T* rp = residual.defined() ? residual.data_ptr<T>() : nullptr;
@@ -417,7 +417,7 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& residual, const 
 }
 
 template <typename T>
-void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
+void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0), d = out.size(1);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -437,8 +437,8 @@ void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
 // f<T>() for the dtype of a float32 or bfloat16 tensor; `what` names the kernel in the error.
 template <typename F>
 void with_float_dtype(c10::ScalarType dtype, const char* what, const F& f) {
-  if (dtype == torch::kBFloat16) f(c10::BFloat16{});
-  else if (dtype == torch::kFloat32) f(float{});
+  if (dtype == at::kBFloat16) f(c10::BFloat16{});
+  else if (dtype == at::kFloat) f(float{});
   else TORCH_CHECK(false, what, ": float32 or bfloat16 only");
 }
 
@@ -446,20 +446,20 @@ void with_float_dtype(c10::ScalarType dtype, const char* what, const F& f) {
 
 // out = rms_norm(x) * weight, or with `residual` given: residual += x, out = rms_norm(residual) * weight.
 // x, residual, out [rows, hidden] contiguous, hidden % kLanes == 0; float32 or bfloat16, all one dtype.
-torch::Tensor rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % kLanes == 0, "rms_norm: bad input");
-  torch::Tensor res = residual.has_value() ? residual.value() : torch::Tensor();
+  at::Tensor res = residual.has_value() ? residual.value() : at::Tensor();
   if (res.defined()) TORCH_CHECK(res.is_contiguous() && res.sizes() == x.sizes(), "rms_norm: bad residual");
   weight = weight.contiguous();
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   with_float_dtype(x.scalar_type(), "rms_norm", [&](auto t) { rms_norm_impl<decltype(t)>(x, res, weight, out, eps); });
   return out;
 }
 
 // x [rows, 2 d] = gate | up → silu(gate) * up [rows, d]; d % kLanes == 0.
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % (2 * kLanes) == 0, "silu_and_mul: bad input");
-  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
   with_float_dtype(x.scalar_type(), "silu_and_mul", [&](auto t) { silu_and_mul_impl<decltype(t)>(x, out); });
   return out;
 }
@@ -486,7 +486,7 @@ void rotate_row(T* x, const T* cos, const T* sin, int64_t half) {
 // Rotates the q and k heads of every token of qkv in place, then hands the token's row to
 // write(t, row) (the cache write, in whichever layout), in parallel over tokens.
 template <typename T, typename Write>
-void rotate_tokens(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, int64_t num_heads,
+void rotate_tokens(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
                    int64_t grain, const Write& write) {
   const int64_t n = qkv.size(0), all_heads = qkv.size(1), d = qkv.size(2);
   const int64_t rotated = num_heads + (all_heads - num_heads) / 2, half = d / 2;
@@ -503,8 +503,8 @@ void rotate_tokens(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Te
 }
 
 template <typename T>
-void rotary_write_kv_impl(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                          torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots,
+void rotary_write_kv_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                          at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
                           int64_t num_heads) {
   const int64_t d = qkv.size(2), kv_heads = (qkv.size(1) - num_heads) / 2, kv_row = kv_heads * d;
   T* kp = k_cache.data_ptr<T>();
@@ -523,16 +523,16 @@ void rotary_write_kv_impl(torch::Tensor& qkv, const torch::Tensor& cos, const to
 // (Hugging Face's rotate_half layout; cos, sin [tokens, head_dim] in qkv's dtype) and, with
 // slot_mapping given, writes each token's k and v heads to slot_mapping[t] of the
 // [num_slots, kv_heads, head_dim] caches. head_dim % (2 kLanes) == 0; float32 or bfloat16, one dtype.
-void rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
-                     torch::Tensor v_cache, c10::optional<torch::Tensor> slot_mapping, int64_t num_heads) {
+void rotary_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k_cache,
+                     at::Tensor v_cache, c10::optional<at::Tensor> slot_mapping, int64_t num_heads) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(2) % (2 * kLanes) == 0, "rotary_write_kv: bad qkv");
   TORCH_CHECK((qkv.size(1) - num_heads) % 2 == 0 && qkv.size(1) > num_heads, "rotary_write_kv: bad head count");
   cos = cos.reshape({qkv.size(0), qkv.size(2)}).contiguous();
   sin = sin.reshape({qkv.size(0), qkv.size(2)}).contiguous();
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "rotary_write_kv: dtypes differ");
-  torch::Tensor slots;
+  at::Tensor slots;
   if (slot_mapping.has_value()) {
-    slots = slot_mapping.value().to(torch::kInt64).contiguous();
+    slots = slot_mapping.value().to(at::kLong).contiguous();
     const int64_t kv_heads = (qkv.size(1) - num_heads) / 2;
     TORCH_CHECK(slots.numel() == qkv.size(0), "rotary_write_kv: one slot per token");
     TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
@@ -583,9 +583,9 @@ inline float quantize_row(const float* x, int64_t d, int8_t* q, int64_t q_stride
 }
 
 template <typename T>
-void rotary_write_kv_int8_impl(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                               torch::Tensor& k_t, torch::Tensor& k_scale, torch::Tensor& v, torch::Tensor& v_scale,
-                               const torch::Tensor& slots, int64_t num_heads) {
+void rotary_write_kv_int8_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                               at::Tensor& k_t, at::Tensor& k_scale, at::Tensor& v, at::Tensor& v_scale,
+                               const at::Tensor& slots, int64_t num_heads) {
   const int64_t d = qkv.size(2), kv_heads = (qkv.size(1) - num_heads) / 2;
   int8_t* ktp = k_t.data_ptr<int8_t>();
   float* ksp = k_scale.data_ptr<float>();
@@ -630,9 +630,9 @@ constexpr int kInt8VChunk = kRegisters >= 32 ? C : (G <= 2 ? 4 : (G <= 5 ? 2 : 1
 constexpr int64_t kInt8PrefetchUnits = 5;
 
 template <int D, int G>
-void run_int8(const torch::Tensor& q, const torch::Tensor& k_t, const torch::Tensor& k_scale,
-              const torch::Tensor& v, const torch::Tensor& v_scale, const torch::Tensor& block_tables,
-              const torch::Tensor& seq_lens, torch::Tensor& out, float scale) {
+void run_int8(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor& k_scale,
+              const at::Tensor& v, const at::Tensor& v_scale, const at::Tensor& block_tables,
+              const at::Tensor& seq_lens, at::Tensor& out, float scale) {
   constexpr int C = D / kLanes, JC = kInt8HeadChunk<G>, P = kInt8Partials<G>, VC = kInt8VChunk<G, C>;
   static_assert(C % VC == 0 && G % JC == 0 && 4 % P == 0, "whole chunks of heads and of dimensions");
   constexpr int64_t BS = kInt8Block;
@@ -748,8 +748,8 @@ void run_int8(const torch::Tensor& q, const torch::Tensor& k_t, const torch::Ten
 }  // namespace
 
 // rotary_write_kv for the int8 cache: rotates q and k in place and writes k, v quantized.
-void rotary_write_kv_int8(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_t,
-                          torch::Tensor k_scale, torch::Tensor v, torch::Tensor v_scale, torch::Tensor slot_mapping,
+void rotary_write_kv_int8(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k_t,
+                          at::Tensor k_scale, at::Tensor v, at::Tensor v_scale, at::Tensor slot_mapping,
                           int64_t num_heads) {
   const auto slots = kestrel_int8_kv::checked_write_args(qkv, cos, sin, k_t, k_scale, v, v_scale, slot_mapping,
                                                         num_heads, kLanes);
@@ -760,15 +760,15 @@ void rotary_write_kv_int8(torch::Tensor qkv, torch::Tensor cos, torch::Tensor si
 
 // Decode attention over the int8 cache (layout above; block_size 16). Returns float32, or with
 // `in_q_dtype` q's dtype.
-torch::Tensor paged_decode_attention_int8(torch::Tensor q, torch::Tensor k_t, torch::Tensor k_scale, torch::Tensor v,
-                                          torch::Tensor v_scale, torch::Tensor block_tables, torch::Tensor seq_lens,
+at::Tensor paged_decode_attention_int8(at::Tensor q, at::Tensor k_t, at::Tensor k_scale, at::Tensor v,
+                                          at::Tensor v_scale, at::Tensor block_tables, at::Tensor seq_lens,
                                           int64_t block_size, double scale, bool in_q_dtype) {
   kestrel_int8_kv::check_decode_args(q, k_t, k_scale, v, v_scale, block_size);
   const auto out_dtype = q.scalar_type();
-  auto qf = q.to(torch::kFloat32).contiguous();
-  auto out = torch::empty(qf.sizes(), qf.options());
-  block_tables = block_tables.to(torch::kInt64).contiguous();
-  seq_lens = seq_lens.to(torch::kInt64).contiguous();
+  auto qf = q.to(at::kFloat).contiguous();
+  auto out = at::empty(qf.sizes(), qf.options());
+  block_tables = block_tables.to(at::kLong).contiguous();
+  seq_lens = seq_lens.to(at::kLong).contiguous();
   const int64_t d = q.size(2), g = q.size(1) / v.size(1);
   const float sc = static_cast<float>(scale);
   const bool done = with_head_shape(d, g, [&](auto dd, auto gg) {
@@ -819,11 +819,11 @@ int64_t argmax_row(const float* x, int64_t n) {
 }  // namespace
 
 // x [rows, n] float32 contiguous (n < 2^31) → int64 [rows]: torch.argmax(x, dim=-1).
-torch::Tensor argmax_rows(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32 && x.size(1) > 0 &&
+at::Tensor argmax_rows(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(1) > 0 &&
               x.size(1) < (int64_t(1) << 31), "argmax_rows: float32 [rows, n] contiguous");
   const int64_t rows = x.size(0), n = x.size(1);
-  auto out = torch::empty({rows}, x.options().dtype(torch::kInt64));
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
@@ -949,14 +949,14 @@ inline int64_t k_piece(int64_t K) {
 
 }  // namespace
 
-torch::Tensor linear_f32(torch::Tensor x, torch::Tensor w) {
+at::Tensor linear_f32(at::Tensor x, at::Tensor w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_f32: x [M, K], w [N, K]");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32, "linear_f32: float32 only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "linear_f32: float32 only");
   TORCH_CHECK(x.size(1) % 8 == 0, "linear_f32: K must be a multiple of 8");
   x = x.contiguous();
   w = w.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -1352,7 +1352,7 @@ void linear_bf16_packed_columns(const float* x, const uint16_t* wp, int64_t M, i
 
 // x [M, K] bf16 widened into this thread's buffer, kept and grown across calls (no allocation nor
 // zeroing per call); large ones by all the threads.
-const float* widened_x(const torch::Tensor& x) {
+const float* widened_x(const at::Tensor& x) {
   thread_local std::vector<float> x_buffer;
   const int64_t n = x.numel();
   float* xf = scratch(x_buffer, n);
@@ -1364,16 +1364,16 @@ const float* widened_x(const torch::Tensor& x) {
 
 }  // namespace
 
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, bool float_out) {
+at::Tensor linear_bf16(at::Tensor x, at::Tensor w, bool float_out) {
   const bool packed = w.dim() == 3;
   TORCH_CHECK(x.dim() == 2 && (w.dim() == 2 || (packed && w.size(2) == kPanelCols)) && x.size(1) == w.size(1),
               "linear_bf16: x [M, K], w [N, K] or packed [N / ", kPanelCols, ", K, ", kPanelCols, "]");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16, "linear_bf16: bf16 only");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 only");
   TORCH_CHECK(x.size(1) % kLanes == 0, "linear_bf16: K must be a multiple of ", kLanes);
   x = x.contiguous();
   w = w.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = packed ? w.size(0) * kPanelCols : w.size(0);
-  auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat32 : torch::kBFloat16));
+  auto y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (M == 0 || N == 0) return y;
   const float* xf = widened_x(x);
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
@@ -1994,8 +1994,8 @@ struct GgufLayout {
   int64_t K = 0, N = 0;
   std::vector<GgufSegment> segments;
 
-  explicit GgufLayout(const torch::Tensor& w) {
-    TORCH_CHECK(w.dim() == 1 && w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() >= 24,
+  explicit GgufLayout(const at::Tensor& w) {
+    TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() >= 24,
                 "linear_gguf: w must be a packed GGUF weight (contiguous uint8, dispatch.py: pack_gguf_weight)");
     const uint8_t* base = w.data_ptr<uint8_t>();
     const auto header = [&](int64_t i) {
@@ -2674,14 +2674,14 @@ void gguf_columns(const float* x, const uint16_t* xb, const WordActivations* act
 
 }  // namespace
 
-torch::Tensor linear_gguf(torch::Tensor x, torch::Tensor w, bool float_out) {
+at::Tensor linear_gguf(at::Tensor x, at::Tensor w, bool float_out) {
   const GgufLayout layout(w);
   const int64_t K = layout.K, N = layout.N;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kBFloat16,
               "linear_gguf: x must be bf16 [M, ", K, "]");
   x = x.contiguous();
   const int64_t M = x.size(0);
-  auto y = torch::empty({M, N}, x.options().dtype(float_out ? torch::kFloat32 : torch::kBFloat16));
+  auto y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
   const float* xf = widened_x(x);
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
@@ -2749,7 +2749,7 @@ inline const float* raw(const float* p) { return p; }
 // K of every KV head as panels of kPanelCols keys, kp [KV][lk_pad / 16][D][16], and V as vp
 // [KV][lk_pad][D], both float32, keys past Lk zero.
 template <typename T>
-void pack_keys_and_values(const torch::Tensor& k, const torch::Tensor& v, const PrefillShape& s, float* kp,
+void pack_keys_and_values(const at::Tensor& k, const at::Tensor& v, const PrefillShape& s, float* kp,
                           float* vp) {
   const T* kd = k.data_ptr<T>();
   const T* vd = v.data_ptr<T>();
@@ -2808,7 +2808,7 @@ void softmax_chunk_row(float* s, int64_t width, int64_t visible, float scale, fl
 
 // Work item (KV head h, block of queries): the block's rows of out.
 template <typename T>
-void attend_query_block(const torch::Tensor& q, const PrefillShape& s, const float* kp, const float* vp, int64_t h,
+void attend_query_block(const at::Tensor& q, const PrefillShape& s, const float* kp, const float* vp, int64_t h,
                         int64_t block, float scale, T* out) {
   thread_local std::vector<float> q_buffer, s_buffer, o_buffer, stats_buffer;
   const int64_t d = s.d, g = s.group, q0 = block * s.block_queries;
@@ -2857,11 +2857,11 @@ void attend_query_block(const torch::Tensor& q, const PrefillShape& s, const flo
 
 }  // namespace
 
-torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+at::Tensor prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && q.size(2) == k.size(2),
               "prefill_attention: q [Lq, H, D], k and v [Lk, KV, D]");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
-                  (q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16),
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "prefill_attention: q, k and v all float32 or all bfloat16");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "prefill_attention: head_dim must be contiguous");
   TORCH_CHECK(q.size(2) % kPanelCols == 0 && q.size(2) > 0, "prefill_attention: head_dim must be a multiple of ", kPanelCols);
@@ -2870,11 +2870,11 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   PrefillShape s{q.size(0), k.size(0), q.size(1), k.size(1), q.size(2), q.size(1) / k.size(1), 0, 0};
   s.lk_pad = (s.lk + kPanelCols - 1) / kPanelCols * kPanelCols;
   s.block_queries = std::max<int64_t>(1, kAttentionRows / s.group);
-  auto out = torch::empty({s.lq, s.heads, s.d}, q.options());
+  auto out = at::empty({s.lq, s.heads, s.d}, q.options());
   if (s.lq == 0) return out;
   // Not zeroed: every float is written by the packing.
-  auto kp = torch::empty({s.kv_heads, s.lk_pad, s.d}, q.options().dtype(torch::kFloat32));
-  auto vp = torch::empty({s.kv_heads, s.lk_pad, s.d}, q.options().dtype(torch::kFloat32));
+  auto kp = at::empty({s.kv_heads, s.lk_pad, s.d}, q.options().dtype(at::kFloat));
+  auto vp = at::empty({s.kv_heads, s.lk_pad, s.d}, q.options().dtype(at::kFloat));
   const int64_t blocks = (s.lq + s.block_queries - 1) / s.block_queries;
   const auto keys_of = [&](int64_t item) { return s.lk - s.lq + std::min(s.lq, (item % blocks + 1) * s.block_queries); };
   with_float_dtype(q.scalar_type(), "prefill_attention", [&](auto tag) {
@@ -3280,10 +3280,10 @@ void int8_run(const Int8Operands& op) {
 
 }  // namespace
 
-torch::Tensor linear_int8(torch::Tensor x, torch::Tensor qweight, torch::Tensor wscale) {
+at::Tensor linear_int8(at::Tensor x, at::Tensor qweight, at::Tensor wscale) {
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && wscale.dim() == 1, "linear_int8: x and qweight 2-D, wscale 1-D");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "linear_int8: x must be bf16");
-  TORCH_CHECK(qweight.scalar_type() == torch::kInt8 && wscale.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_int8: x must be bf16");
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && wscale.scalar_type() == at::kFloat,
               "linear_int8: qweight must be int8 and wscale float32");
   TORCH_CHECK(x.size(1) == qweight.size(1), "linear_int8: x and qweight disagree on K");
   TORCH_CHECK(wscale.size(0) == qweight.size(0), "linear_int8: wscale needs one scale per row of qweight");
@@ -3292,7 +3292,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
   TORCH_CHECK(qweight.is_contiguous() && wscale.is_contiguous(), "linear_int8: qweight and wscale must be contiguous");
   x = x.contiguous();
   const int64_t M = x.size(0), N = qweight.size(0), K = x.size(1);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const QuantizedX xq(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K);
   const Int8Operands op{xq, qweight.data_ptr<int8_t>(), wscale.data_ptr<float>(),
@@ -3307,7 +3307,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor qweight, torch::Tensor 
 }
 
 #else
-torch::Tensor linear_int8(torch::Tensor, torch::Tensor, torch::Tensor) {
+at::Tensor linear_int8(at::Tensor, at::Tensor, at::Tensor) {
   TORCH_CHECK(false, "linear_int8: this build has no int8 kernel (AVX-512 without VNNI)");
 }
 #endif
@@ -3319,12 +3319,12 @@ torch::Tensor linear_int8(torch::Tensor, torch::Tensor, torch::Tensor) {
 using kestrel_matmul::MatmulFn;
 using kestrel_matmul::MatmulSliceFn;
 
-torch::Tensor linear_f32_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_f32(x, w); }
-torch::Tensor linear_bf16_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_bf16(x, w, false); }
-torch::Tensor linear_gguf_matmul(const torch::Tensor& x, const torch::Tensor& w) { return linear_gguf(x, w, false); }
+at::Tensor linear_f32_matmul(const at::Tensor& x, const at::Tensor& w) { return linear_f32(x, w); }
+at::Tensor linear_bf16_matmul(const at::Tensor& x, const at::Tensor& w) { return linear_bf16(x, w, false); }
+at::Tensor linear_gguf_matmul(const at::Tensor& x, const at::Tensor& w) { return linear_gguf(x, w, false); }
 
 // A projection's output features: w [N, K], or a packed bf16 weight [N / 16, K, 16].
-inline int64_t out_features(const torch::Tensor& w) { return w.dim() == 3 ? w.size(0) * w.size(2) : w.size(0); }
+inline int64_t out_features(const at::Tensor& w) { return w.dim() == 3 ? w.size(0) * w.size(2) : w.size(0); }
 
 // The first error of a region's threads.
 struct RegionError {
@@ -3348,7 +3348,7 @@ class Team {
   }
 
   // y = x w^T by the slice matmul.
-  void matmul(MatmulSliceFn slice, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& y) {
+  void matmul(MatmulSliceFn slice, const at::Tensor& x, const at::Tensor& w, const at::Tensor& y) {
     guarded([&] {
       const int64_t N = out_features(w);
       const auto [begin, end] = share(N);
@@ -3369,7 +3369,7 @@ class Team {
     }
   }
 
-  static uint16_t* bits(const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); }
+  static uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<c10::BFloat16>()); }
 
   // This thread's output columns of N: whole blocks of kSliceColumns, as even as they go.
   std::pair<int64_t, int64_t> share(int64_t N) const {
@@ -3417,7 +3417,7 @@ class DecodeLayers {
   // per layer, each [num_slots, kv_heads, head_dim]; matmul_address: a MatmulFn for the projections;
   // slice_address: its MatmulSliceFn for 1..15 rows (bf16 only; for packed weights, the packed one), or 0.
   // The projections are all [N, K] or all packed ([N / 16, K, 16] bf16, or linear_gguf's layout).
-  DecodeLayers(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> caches, int64_t heads,
+  DecodeLayers(std::vector<at::Tensor> weights, std::vector<at::Tensor> caches, int64_t heads,
                double eps, double scale, int64_t matmul_address, int64_t slice_address)
       : weights_(std::move(weights)), caches_(std::move(caches)), heads_(heads), eps_(eps), scale_(scale),
         matmul_(reinterpret_cast<MatmulFn>(matmul_address)), slice_(reinterpret_cast<MatmulSliceFn>(slice_address)) {
@@ -3427,7 +3427,7 @@ class DecodeLayers {
     for (size_t i = 0; i < weights_.size(); ++i)  // the norms in one dtype, the projections in one
       TORCH_CHECK(weights_[i].scalar_type() == weights_[i % 6 == 0 || i % 6 == 3 ? 0 : 1].scalar_type() &&
                   weights_[i].is_contiguous(), "DecodeLayers: contiguous norms of one dtype, projections of one");
-    TORCH_CHECK(slice_ == nullptr || weights_.empty() || weights_[1].scalar_type() == torch::kBFloat16,
+    TORCH_CHECK(slice_ == nullptr || weights_.empty() || weights_[1].scalar_type() == at::kBFloat16,
                 "DecodeLayers: a slice matmul takes bf16 weights");
     for (size_t i = 0; i < weights_.size(); ++i)
       TORCH_CHECK(i % 6 == 0 || i % 6 == 3 || weights_[i].dim() == weights_[1].dim(),
@@ -3435,15 +3435,15 @@ class DecodeLayers {
   }
 
   // x [n, hidden]: the embedded tokens. Returns the hidden states before the final norm.
-  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
-                        torch::Tensor table, torch::Tensor seq_lens, int64_t block_size) const {
+  at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
+                        at::Tensor table, at::Tensor seq_lens, int64_t block_size) const {
     if (slice_ != nullptr && x.size(0) < kestrel_matmul::kSliceMaxRows && !caches_.empty())
       return forward_in_regions(x, cos, sin, slots, table, seq_lens, block_size);
     const int64_t n = x.size(0), layers = static_cast<int64_t>(caches_.size() / 2);
-    torch::Tensor residual, h;
+    at::Tensor residual, h;
     for (int64_t l = 0; l < layers; ++l) {
-      const torch::Tensor* w = weights_.data() + 6 * l;
-      const torch::Tensor &k_cache = caches_[2 * l], &v_cache = caches_[2 * l + 1];
+      const at::Tensor* w = weights_.data() + 6 * l;
+      const at::Tensor &k_cache = caches_[2 * l], &v_cache = caches_[2 * l + 1];
       if (!residual.defined()) {
         residual = x;
         h = rms_norm(x, c10::nullopt, w[0], eps_);
@@ -3451,31 +3451,31 @@ class DecodeLayers {
         h = rms_norm(x, residual, w[0], eps_);  // residual += x, in place
       }
       const int64_t head_dim = k_cache.size(2), kv_heads = k_cache.size(1);
-      torch::Tensor qkv = matmul_(h, w[1]).view({n, heads_ + 2 * kv_heads, head_dim});
+      at::Tensor qkv = matmul_(h, w[1]).view({n, heads_ + 2 * kv_heads, head_dim});
       rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads_);
-      torch::Tensor out = paged_decode_attention(qkv.slice(1, 0, heads_), k_cache, v_cache, table, seq_lens,
+      at::Tensor out = paged_decode_attention(qkv.slice(1, 0, heads_), k_cache, v_cache, table, seq_lens,
                                                  block_size, scale_, true);
       h = rms_norm(matmul_(out.view({n, heads_ * head_dim}), w[2]), residual, w[3], eps_);
       x = matmul_(silu_and_mul(matmul_(h, w[4])), w[5]);
     }
-    return x + residual;
+    return at::add(x, residual);
   }
 
  private:
   // The loop above for 1..15 rows on the slice matmul, a layer in three parallel regions (see the class).
-  torch::Tensor forward_in_regions(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                                   const torch::Tensor& slots, const torch::Tensor& table,
-                                   const torch::Tensor& seq_lens, int64_t block_size) const {
+  at::Tensor forward_in_regions(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                   const at::Tensor& slots, const at::Tensor& table,
+                                   const at::Tensor& seq_lens, int64_t block_size) const {
     const int64_t n = x.size(0), layers = static_cast<int64_t>(caches_.size() / 2);
     const int64_t head_dim = caches_[0].size(2), kv_heads = caches_[0].size(1);
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2 &&
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 2 &&
                 x.size(1) == weights_[1].size(1), "DecodeLayers: x must be contiguous bf16 [n, hidden]");
-    const auto w = [&](int64_t l, int i) -> const torch::Tensor& { return weights_[6 * l + i]; };
-    torch::Tensor residual = x, h, act;
-    torch::Tensor qkv = torch::empty({n, out_features(w(0, 1))}, x.options());
-    torch::Tensor o = torch::empty({n, out_features(w(0, 2))}, x.options());
-    torch::Tensor gate_up = torch::empty({n, out_features(w(0, 4))}, x.options());
-    torch::Tensor down = torch::empty({n, out_features(w(0, 5))}, x.options());
+    const auto w = [&](int64_t l, int i) -> const at::Tensor& { return weights_[6 * l + i]; };
+    at::Tensor residual = x, h, act;
+    at::Tensor qkv = at::empty({n, out_features(w(0, 1))}, x.options());
+    at::Tensor o = at::empty({n, out_features(w(0, 2))}, x.options());
+    at::Tensor gate_up = at::empty({n, out_features(w(0, 4))}, x.options());
+    at::Tensor down = at::empty({n, out_features(w(0, 5))}, x.options());
     const auto qkv_heads = qkv.view({n, heads_ + 2 * kv_heads, head_dim});
     // The first layer's input norm, qkv projection and rotary write; each region below ends with the
     // next layer's.
@@ -3488,7 +3488,7 @@ class DecodeLayers {
       into_qkv(team, 0);
     });
     for (int64_t l = 0; l < layers; ++l) {
-      const torch::Tensor out = paged_decode_attention(qkv_heads.slice(1, 0, heads_), caches_[2 * l],
+      const at::Tensor out = paged_decode_attention(qkv_heads.slice(1, 0, heads_), caches_[2 * l],
                                                        caches_[2 * l + 1], table, seq_lens, block_size, scale_, true)
                                     .view({n, heads_ * head_dim});
       const bool last = l + 1 == layers;
@@ -3504,10 +3504,10 @@ class DecodeLayers {
         }
       });
     }
-    return down + residual;
+    return at::add(down, residual);
   }
 
-  std::vector<torch::Tensor> weights_, caches_;
+  std::vector<at::Tensor> weights_, caches_;
   int64_t heads_;
   double eps_, scale_;
   MatmulFn matmul_;
@@ -3564,7 +3564,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "the address of one thread's share of a matmul (1..15 rows) as a MatmulSliceFn, for DecodeLayers",
         py::arg("name"));
   py::class_<DecodeLayers>(m, "DecodeLayers")
-      .def(py::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, double, double, int64_t,
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, double, double, int64_t,
                     int64_t>(),
            py::arg("weights"), py::arg("caches"), py::arg("heads"), py::arg("eps"), py::arg("scale"),
            py::arg("matmul_address"), py::arg("slice_address") = 0)

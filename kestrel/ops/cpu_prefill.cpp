@@ -20,7 +20,7 @@
 //   weights);
 //   O^T += V^T P^T in float32 C tiles, loaded from and stored to the block's buffer.
 // Rows are finally divided by their sums of weights and transposed back.
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
@@ -340,19 +340,19 @@ namespace {
 // Causal attention of q [Lq, H, D] over k, v [Lk, KV, D] (bf16, last dim contiguous, Lk >= Lq, the
 // queries being the last Lq positions) → bf16 [Lq, H, D] contiguous. D % 32 == 0, D <= 256.
 template <bool AMX>
-torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+at::Tensor prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "prefill_attention: bad ranks or K/V shapes");
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && k.scalar_type() == torch::kBFloat16 &&
-              v.scalar_type() == torch::kBFloat16, "prefill_attention: bfloat16 only");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+              v.scalar_type() == at::kBFloat16, "prefill_attention: bfloat16 only");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "prefill_attention: the last dim must be contiguous");
   const int64_t lq = q.size(0), heads = q.size(1), d = q.size(2), lk = k.size(0), kv_heads = k.size(1);
   TORCH_CHECK(k.size(2) == d && d % 32 == 0 && d <= kMaxD, "prefill_attention: head_dim must be a multiple of 32, at most 256");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "prefill_attention: heads must be a multiple of KV heads");
   TORCH_CHECK(lq >= 1 && lk >= lq, "prefill_attention: need 1 <= Lq <= Lk");
-  auto out = torch::empty({lq, heads, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto out = at::empty({lq, heads, d}, q.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t group = heads / kv_heads, lk_pad = (lk + kChunk - 1) / kChunk * kChunk, per_head = lk_pad * d;
-  auto kt = torch::empty({kv_heads, per_head}, k.options());
-  auto vt = torch::empty({kv_heads, per_head}, v.options());
+  auto kt = at::empty({kv_heads, per_head}, k.options());
+  auto vt = at::empty({kv_heads, per_head}, v.options());
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr());
   const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr());
@@ -406,7 +406,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_usable", &amx_usable, "whether prefill_attention_amx runs here (built with AMX, and granted to this process)");
 #ifdef KESTREL_PREFILL_AMX
-  m.def("prefill_attention_amx", [](torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  m.def("prefill_attention_amx", [](at::Tensor q, at::Tensor k, at::Tensor v, double scale) {
     TORCH_CHECK(amx_usable(), "prefill_attention: this CPU (or process) cannot use AMX");
     return prefill_attention<true>(q, k, v, scale);
   }, "causal prefill attention on AMX tiles (bf16, CPU)");

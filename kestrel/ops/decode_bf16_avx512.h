@@ -5,7 +5,7 @@
 // widening each row as it loads it). Part of each kernel's build key.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
@@ -432,8 +432,8 @@ struct alignas(64) HeadState {
 
 // q [num_seqs, num_heads, D]: bf16 with AMX or DOT (vdpbf16ps scores), else float32 (see the top of this part).
 template <int D, int G, bool AMX, bool DOT>
-void run_bf16(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-              const torch::Tensor& block_tables, const torch::Tensor& seq_lens, torch::Tensor& out,
+void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
               int64_t block_size, float scale) {
   constexpr int C2 = D / 32;
   constexpr int CT = AMX ? kChunkTiles : kAvxChunkTiles;  // tiles per chunk

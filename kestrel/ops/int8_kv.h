@@ -7,7 +7,7 @@
 // Part of each kernel's build key (kestrel/ops/__init__.py hashes the headers).
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_api.h"
 
 #include <immintrin.h>
 
@@ -19,10 +19,10 @@ constexpr int64_t kBlock = 16;
 
 // rotary_write_kv_int8's arguments checked (head_dim a multiple of 2 * lanes, at most 256); cos and
 // sin reshaped to [tokens, head_dim]; returns the slots as contiguous int64.
-inline torch::Tensor checked_write_args(const torch::Tensor& qkv, torch::Tensor& cos, torch::Tensor& sin,
-                                        const torch::Tensor& k_t, const torch::Tensor& k_scale,
-                                        const torch::Tensor& v, const torch::Tensor& v_scale,
-                                        const torch::Tensor& slot_mapping, int64_t num_heads, int64_t lanes) {
+inline at::Tensor checked_write_args(const at::Tensor& qkv, at::Tensor& cos, at::Tensor& sin,
+                                        const at::Tensor& k_t, const at::Tensor& k_scale,
+                                        const at::Tensor& v, const at::Tensor& v_scale,
+                                        const at::Tensor& slot_mapping, int64_t num_heads, int64_t lanes) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(2) % (2 * lanes) == 0, "rotary_write_kv_int8: bad qkv");
   TORCH_CHECK((qkv.size(1) - num_heads) % 2 == 0 && qkv.size(1) > num_heads, "rotary_write_kv_int8: bad head count");
   const int64_t kv_heads = (qkv.size(1) - num_heads) / 2, d = qkv.size(2);
@@ -30,14 +30,14 @@ inline torch::Tensor checked_write_args(const torch::Tensor& qkv, torch::Tensor&
   cos = cos.reshape({qkv.size(0), d}).contiguous();
   sin = sin.reshape({qkv.size(0), d}).contiguous();
   TORCH_CHECK(cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(), "rotary_write_kv_int8: dtypes differ");
-  TORCH_CHECK(k_t.scalar_type() == torch::kInt8 && v.scalar_type() == torch::kInt8 &&
-              k_scale.scalar_type() == torch::kFloat32 && v_scale.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(k_t.scalar_type() == at::kChar && v.scalar_type() == at::kChar &&
+              k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat &&
               k_t.is_contiguous() && v.is_contiguous() && k_scale.is_contiguous() && v_scale.is_contiguous() &&
               k_t.dim() == 4 && k_t.size(1) == kv_heads && k_t.size(2) == d && k_t.size(3) == kBlock &&
               v.dim() == 3 && v.size(0) == k_t.size(0) * kBlock && v.size(1) == kv_heads && v.size(2) == d &&
               k_scale.numel() == v.size(0) * kv_heads && v_scale.numel() == v.size(0) * kv_heads,
               "rotary_write_kv_int8: bad cache");
-  auto slots = slot_mapping.to(torch::kInt64).contiguous();
+  auto slots = slot_mapping.to(at::kLong).contiguous();
   TORCH_CHECK(slots.numel() == qkv.size(0), "rotary_write_kv_int8: one slot per token");
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < slots.numel(); ++t)
@@ -45,11 +45,11 @@ inline torch::Tensor checked_write_args(const torch::Tensor& qkv, torch::Tensor&
   return slots;
 }
 
-inline void check_decode_args(const torch::Tensor& q, const torch::Tensor& k_t, const torch::Tensor& k_scale,
-                              const torch::Tensor& v, const torch::Tensor& v_scale, int64_t block_size) {
+inline void check_decode_args(const at::Tensor& q, const at::Tensor& k_t, const at::Tensor& k_scale,
+                              const at::Tensor& v, const at::Tensor& v_scale, int64_t block_size) {
   TORCH_CHECK(block_size == kBlock, "the int8 KV cache takes blocks of 16 tokens");
-  TORCH_CHECK(q.dim() == 3 && k_t.dim() == 4 && v.dim() == 3 && k_t.scalar_type() == torch::kInt8 &&
-              v.scalar_type() == torch::kInt8 && k_t.is_contiguous() && v.is_contiguous() &&
+  TORCH_CHECK(q.dim() == 3 && k_t.dim() == 4 && v.dim() == 3 && k_t.scalar_type() == at::kChar &&
+              v.scalar_type() == at::kChar && k_t.is_contiguous() && v.is_contiguous() &&
               k_scale.is_contiguous() && v_scale.is_contiguous(), "paged_decode_attention_int8: bad cache");
 }
 

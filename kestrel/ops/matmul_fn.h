@@ -5,13 +5,13 @@
 // valid. Part of each kernel's build key (kestrel/ops/__init__.py hashes the headers).
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_api.h"
 
 #include <cstdint>
 
 namespace kestrel_matmul {
 
-using MatmulFn = torch::Tensor (*)(const torch::Tensor& x, const torch::Tensor& w);
+using MatmulFn = at::Tensor (*)(const at::Tensor& x, const at::Tensor& w);
 
 // One thread's share of a bf16 y = x w^T (x [M, K], w [N, K], y [M, N], 1 <= M < kSliceMaxRows),
 // computed on the calling thread inside a layer loop's own parallel region: the output columns
