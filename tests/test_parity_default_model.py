@@ -14,7 +14,7 @@ import torch
 from parity import assert_greedy_close, hf_greedy, kestrel_greedy
 
 from kestrel import LLM
-from kestrel.model.loader import resolve_model
+from kestrel.model.loader import iter_weights, load_config, resolve_model
 
 pytestmark = pytest.mark.slow
 
@@ -32,13 +32,24 @@ TEXTS = [
 KW = dict(dtype="float32", max_model_len=1024, kv_cache_memory=256 << 20)
 
 
+def transformers_default_model(dtype: torch.dtype):
+    """transformers' Llama on the file's weights dequantized (then rounded to `dtype`), as its GGUF
+    load gives them. Read by Kestrel's GGUF reader, which test_loader checks against transformers'
+    own GGUF load (tiny files) and gguf's decoding (this file): transformers' GGUF path took ~17 s a
+    load here, most of it building the vocabulary's fields."""
+    from transformers import LlamaForCausalLM
+    src = resolve_model(None)
+    model = LlamaForCausalLM(load_config(src)).eval()
+    missing, unexpected = model.load_state_dict(dict(iter_weights(src)), strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected   # the head is tied to the embedding
+    model.tie_weights()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model.to(dtype)
+
+
 @pytest.fixture(scope="module")
 def hf_model():
-    from transformers import AutoModelForCausalLM, GgufConfig
-    src = resolve_model(None)
-    return AutoModelForCausalLM.from_pretrained(
-        src.path, gguf_file=src.gguf_file, dtype=torch.float32,
-        quantization_config=GgufConfig(gguf_file=src.gguf_file, dequantize=True)).eval()
+    return transformers_default_model(torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -153,12 +164,7 @@ def test_bf16_batch_close_to_transformers_bf16(prompts):
     orders are as close to the exact product as torch's). Hence the looser logprob bound and half
     matching exactly. (Those figures are from before the blocks were kept, 2026-12-05: the layers' bf16
     weights then went to the AMX or dot-product kernels where the CPU has them.)"""
-    from transformers import AutoModelForCausalLM, GgufConfig
-    src = resolve_model(None)
-    hf = AutoModelForCausalLM.from_pretrained(
-        src.path, gguf_file=src.gguf_file, dtype=torch.bfloat16,
-        quantization_config=GgufConfig(gguf_file=src.gguf_file, dequantize=True)).eval()
-    reference = hf_greedy(hf, prompts, BF16_NEW_TOKENS)
+    reference = hf_greedy(transformers_default_model(torch.bfloat16), prompts, BF16_NEW_TOKENS)
     llm = LLM(dtype="bfloat16", max_model_len=1024, kv_cache_memory=256 << 20)
     ours = kestrel_greedy(llm, prompts, BF16_NEW_TOKENS)
     assert assert_greedy_close(reference, ours, exact=False, logprob_atol=BF16_LOGPROB_ATOL) >= len(prompts) // 2
