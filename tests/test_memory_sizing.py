@@ -81,3 +81,37 @@ def test_every_parameter_comes_from_the_checkpoint():
 
     with pytest.raises(ValueError, match=r"lacks 1 weights, e.g. \['layers.3.down_proj.weight'\]"):
         build_model(config.model, torch.device("cpu")).load_weights(Lacking())
+
+
+def test_the_profile_forward_peaks_in_two_layers_as_in_all(tmp_path):
+    """The profile runs the largest batch through two layers (PROFILE_LAYERS): each layer's activations
+    are freed before the next runs, so later layers peak no higher than the second. A model that kept
+    its layers' activations alive (8 layers here, ~100 MB each at 4096 tokens) would fail this."""
+    from parity import save_tiny_model
+    from transformers import LlamaConfig
+
+    from kestrel.worker.worker import Worker
+
+    save_tiny_model(tmp_path, LlamaConfig(
+        vocab_size=49152, hidden_size=256, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True))
+    config, source, _ = create_engine_config(EngineArgs(
+        model=str(tmp_path), dtype="float32", max_model_len=4096, max_num_batched_tokens=4096, max_num_seqs=8))
+    runner = Worker(config, source).runner
+    ran = []
+    hooks = [layer.register_forward_hook(lambda module, args, out, i=i: ran.append(i))
+             for i, layer in enumerate(runner.model.layers)]
+    runner.profile_run()
+    assert ran == [0, 1]
+    runner.profile_run(None)  # first-use allocations (thread stacks, kernels' scratch) out of the way
+    assert ran == [0, 1, *range(8)]
+    for hook in hooks:
+        hook.remove()
+
+    def peak(num_layers: int | None) -> int:
+        return memory.profile_cpu(config, lambda: runner.profile_run(num_layers)).activation_peak_bytes
+
+    two, every = [peak(2), peak(2)], [peak(None), peak(None)]
+    # 2026-12-06, Zen 3: one layer 125-129 MB, two 139-143, three to eight 141-154.
+    assert min(two) > 64 << 20, two   # the layers' activations show in the measure
+    assert max(every) < 1.2 * min(two), (two, every)

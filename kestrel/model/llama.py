@@ -153,13 +153,15 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache] | None,
                 meta: object, intermediate: IntermediateTensors | None = None,
-                output_rows: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+                output_rows: torch.Tensor | None = None,
+                num_layers: int | None = None) -> torch.Tensor | IntermediateTensors:
         """Hidden states [num_tokens, hidden] (before the final norm) on the last pipeline stage, the
         stage's IntermediateTensors on the others. `meta`: the attention backend's metadata for the
         step; `kv_caches`: one per layer of this stage; `intermediate`: the previous stage's output
         (stages after the first, which take it instead of `input_ids`). `output_rows` (last stage):
         only these rows' hidden states, in that order; the last layer computes the rest of its rows
-        only as far as the KV cache needs them, as llama.cpp skips the unused outputs."""
+        only as far as the KV cache needs them, as llama.cpp skips the unused outputs. `num_layers`:
+        run only the stage's first layers (the memory profile: see ModelRunner.profile_run)."""
         if self.shard.is_first_stage:
             x, residual = self._embed(input_ids), None
         else:
@@ -167,8 +169,9 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"pipeline stage {self.shard.pp_rank} needs the previous stage's tensors")
             x, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary.lookup(positions)
-        last = len(self.layers) - 1 if self.shard.is_last_stage else -1
-        for i, layer in enumerate(self.layers):
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        last = len(layers) - 1 if self.shard.is_last_stage else -1
+        for i, layer in enumerate(layers):
             x, residual = layer(x, residual, rope, kv_caches[i] if kv_caches is not None else None, meta,
                                 output_rows if i == last else None)
         if not self.shard.is_last_stage:

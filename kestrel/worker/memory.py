@@ -5,7 +5,7 @@ else the smaller of 4 GiB (vLLM's CPU default) and this worker's share of 90% of
 available once weights are loaded and the profile's peak activations are set aside. Where the pool's
 size is stated (`kv_cache_memory` or `num_kv_blocks`), the profile could not change it, so it is not
 run (vLLM's CPU backend never runs one): a forward pass at the largest batch costs seconds on a CPU
-(6 s on 2 cores for the default model, 30 s for a 1B one); stated bytes are still checked against
+(it runs one layer: ModelRunner.profile_run); stated bytes are still checked against
 the free RAM. CUDA:
 `gpu_memory_utilization` × device memory, minus the peak that torch saw during the profile and what
 other allocations hold.
@@ -21,6 +21,7 @@ import psutil
 import torch
 
 from kestrel.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from kestrel.ops.huge_pages import return_freed_memory
 
 GiB = 1 << 30
 
@@ -54,6 +55,9 @@ def _peak_rss_bytes() -> int:
 def profile_cpu(config: EngineConfig, run_profile: Callable[[], None]) -> MemoryProfile:
     if _pool_size_is_stated(config):
         return _stated_cpu_budget(config)
+    # Freed heap memory still resident would take the profile's allocations without raising the RSS,
+    # and the peak would read low.
+    return_freed_memory()
     before = _rss_bytes()
     can_measure_peak = _reset_peak_rss()
     run_profile()

@@ -65,6 +65,9 @@ from kestrel.sampling_params import SamplingParams
 from kestrel.worker.batch import describe_batch
 from kestrel.worker.spec_decode import DraftModelProposer, NgramProposer
 
+# Layers the memory profile's forward runs through (ModelRunner.profile_run).
+PROFILE_LAYERS = 2
+
 # Prompt rows turned into logits at a time for prompt logprobs (bounds the [rows, vocab] tensors).
 PROMPT_LOGPROBS_ROWS = 256
 
@@ -170,9 +173,15 @@ class ModelRunner:
             self.drafter.initialize_kv_cache(num_blocks)
 
     @torch.inference_mode()
-    def profile_run(self) -> None:
+    def profile_run(self, num_layers: int | None = PROFILE_LAYERS) -> None:
         """A forward pass at the largest batch the scheduler can send (no KV cache), then logits and
-        sampling for the most sequences, so that peak activation memory can be measured."""
+        sampling for the most sequences, so that peak activation memory can be measured.
+
+        Through the first `num_layers` layers (None: all). A layer's activations are freed before the
+        next one runs and the layers have the same shapes, so the second layer (the first with a
+        residual to add) peaks as high as any later one (tests/test_memory_sizing.py), and two
+        layers take 1/15 of the default model's forward: the whole of it took 4.3-6.7 s of a 2-core
+        start, ~30 s for a 1B model."""
         sched = self.config.scheduler
         num_tokens = sched.max_num_batched_tokens
         spans, start = [], 0
@@ -184,7 +193,8 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.cat([torch.arange(s.token_end - s.token_start, device=self.device) for s in spans])
         intermediate = None if self.is_first_stage else self._empty_intermediate(num_tokens)
-        hidden = self.model(ids, positions, None, self.attn.build_metadata(common), intermediate)
+        hidden = self.model(ids, positions, None, self.attn.build_metadata(common), intermediate,
+                            num_layers=num_layers)
         if self.drafter is not None:
             self.drafter.forward(ids, positions, common, with_cache=False)
         if not self.is_last_stage:
