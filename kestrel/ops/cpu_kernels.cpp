@@ -355,8 +355,8 @@ bool bf16_decode(at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_c
 // bfloat16; block_tables [num_seqs, max_blocks] int64; seq_lens [num_seqs] int64 (keys 0..len-1 visible).
 // Returns [num_seqs, num_heads, head_dim]: float32, or with `in_q_dtype` q's dtype (see in_dtype).
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                                     at::Tensor block_tables, at::Tensor seq_lens,
-                                     int64_t block_size, double scale, bool in_q_dtype) {
+                                  at::Tensor block_tables, at::Tensor seq_lens,
+                                  int64_t block_size, double scale, bool in_q_dtype) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V dtypes differ");
@@ -761,8 +761,8 @@ void rotary_write_kv_int8(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Te
 // Decode attention over the int8 cache (layout above; block_size 16). Returns float32, or with
 // `in_q_dtype` q's dtype.
 at::Tensor paged_decode_attention_int8(at::Tensor q, at::Tensor k_t, at::Tensor k_scale, at::Tensor v,
-                                          at::Tensor v_scale, at::Tensor block_tables, at::Tensor seq_lens,
-                                          int64_t block_size, double scale, bool in_q_dtype) {
+                                       at::Tensor v_scale, at::Tensor block_tables, at::Tensor seq_lens,
+                                       int64_t block_size, double scale, bool in_q_dtype) {
   kestrel_int8_kv::check_decode_args(q, k_t, k_scale, v, v_scale, block_size);
   const auto out_dtype = q.scalar_type();
   auto qf = q.to(at::kFloat).contiguous();
@@ -3436,7 +3436,7 @@ class DecodeLayers {
 
   // x [n, hidden]: the embedded tokens. Returns the hidden states before the final norm.
   at::Tensor forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
-                        at::Tensor table, at::Tensor seq_lens, int64_t block_size) const {
+                     at::Tensor table, at::Tensor seq_lens, int64_t block_size) const {
     if (slice_ != nullptr && x.size(0) < kestrel_matmul::kSliceMaxRows && !caches_.empty())
       return forward_in_regions(x, cos, sin, slots, table, seq_lens, block_size);
     const int64_t n = x.size(0), layers = static_cast<int64_t>(caches_.size() / 2);
@@ -3454,7 +3454,7 @@ class DecodeLayers {
       at::Tensor qkv = matmul_(h, w[1]).view({n, heads_ + 2 * kv_heads, head_dim});
       rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads_);
       at::Tensor out = paged_decode_attention(qkv.slice(1, 0, heads_), k_cache, v_cache, table, seq_lens,
-                                                 block_size, scale_, true);
+                                              block_size, scale_, true);
       h = rms_norm(matmul_(out.view({n, heads_ * head_dim}), w[2]), residual, w[3], eps_);
       x = matmul_(silu_and_mul(matmul_(h, w[4])), w[5]);
     }
@@ -3464,8 +3464,8 @@ class DecodeLayers {
  private:
   // The loop above for 1..15 rows on the slice matmul, a layer in three parallel regions (see the class).
   at::Tensor forward_in_regions(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
-                                   const at::Tensor& slots, const at::Tensor& table,
-                                   const at::Tensor& seq_lens, int64_t block_size) const {
+                                const at::Tensor& slots, const at::Tensor& table,
+                                const at::Tensor& seq_lens, int64_t block_size) const {
     const int64_t n = x.size(0), layers = static_cast<int64_t>(caches_.size() / 2);
     const int64_t head_dim = caches_[0].size(2), kv_heads = caches_[0].size(1);
     TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 2 &&
@@ -3489,7 +3489,7 @@ class DecodeLayers {
     });
     for (int64_t l = 0; l < layers; ++l) {
       const at::Tensor out = paged_decode_attention(qkv_heads.slice(1, 0, heads_), caches_[2 * l],
-                                                       caches_[2 * l + 1], table, seq_lens, block_size, scale_, true)
+                                                    caches_[2 * l + 1], table, seq_lens, block_size, scale_, true)
                                     .view({n, heads_ * head_dim});
       const bool last = l + 1 == layers;
       in_one_region([&](Team& team) {

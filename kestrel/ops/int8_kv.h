@@ -20,9 +20,9 @@ constexpr int64_t kBlock = 16;
 // rotary_write_kv_int8's arguments checked (head_dim a multiple of 2 * lanes, at most 256); cos and
 // sin reshaped to [tokens, head_dim]; returns the slots as contiguous int64.
 inline at::Tensor checked_write_args(const at::Tensor& qkv, at::Tensor& cos, at::Tensor& sin,
-                                        const at::Tensor& k_t, const at::Tensor& k_scale,
-                                        const at::Tensor& v, const at::Tensor& v_scale,
-                                        const at::Tensor& slot_mapping, int64_t num_heads, int64_t lanes) {
+                                     const at::Tensor& k_t, const at::Tensor& k_scale,
+                                     const at::Tensor& v, const at::Tensor& v_scale,
+                                     const at::Tensor& slot_mapping, int64_t num_heads, int64_t lanes) {
   TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(2) % (2 * lanes) == 0, "rotary_write_kv_int8: bad qkv");
   TORCH_CHECK((qkv.size(1) - num_heads) % 2 == 0 && qkv.size(1) > num_heads, "rotary_write_kv_int8: bad head count");
   const int64_t kv_heads = (qkv.size(1) - num_heads) / 2, d = qkv.size(2);
