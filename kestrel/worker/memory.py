@@ -4,8 +4,8 @@ CPU: the budget is `kv_cache_memory` bytes per worker when given (as vLLM's CPU 
 else the smaller of 4 GiB (vLLM's CPU default) and this worker's share of 90% of the RAM still
 available once weights are loaded and the profile's peak activations are set aside. Where the pool's
 size is stated (`kv_cache_memory` or `num_kv_blocks`), the profile could not change it, so it is not
-run (vLLM's CPU backend never runs one): a forward pass at the largest batch costs seconds on a CPU
-(it runs one layer: ModelRunner.profile_run); stated bytes are still checked against
+run (vLLM's CPU backend never runs one): a forward pass at the largest batch costs ~1 s on a CPU even
+through the two layers it runs (ModelRunner.profile_run); stated bytes are still checked against
 the free RAM. CUDA:
 `gpu_memory_utilization` × device memory, minus the peak that torch saw during the profile and what
 other allocations hold.
