@@ -154,6 +154,38 @@ def test_bitmask_rows_follow_the_drafts(tokenizer):
     assert request.grammar.valid_prefix(drafts) == drafts  # the rows left the matcher as it was
 
 
+def byte_token(tokenizer, byte: int) -> int:
+    """The default model's token for one byte (its byte-level BPE spells byte b as GPT-2's unicode for b)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    spelled = {b: chr(b) for b in printable}
+    spelled.update({b: chr(256 + n) for n, b in enumerate(b for b in range(256) if b not in printable)})
+    return tokenizer.get_vocab()[spelled[byte]]
+
+
+def test_no_surrogate_or_overlong_continuation_follows_a_lead_byte(tokenizer):
+    """After ED, xgrammar alone lets A0-BF through (U+D800-DFFF, three U+FFFD to Python, which broke a
+    maxLength); the mask allows only 80-9F there. After C3 (no narrower range) nothing changes."""
+    quote = tokenizer.encode('"', add_special_tokens=False)
+    schema = Constraint(json=json.dumps({"type": "string", "maxLength": 2}))
+    for lead, allowed, refused in [(0xED, 0x9F, 0xA0), (0xE0, 0xA0, 0x9F), (0xF0, 0x90, 0x8F), (0xF4, 0x8F, 0x90),
+                                   (0xC3, 0xA9, None)]:
+        manager, request = manager_with_grammar(tokenizer, schema, quote + [byte_token(tokenizer, lead)])
+        raw, _ = manager.bitmask([(request, [])])
+        row = allowed_tokens(torch.frombuffer(bytearray(raw), dtype=torch.int32).view(-1, manager.bitmask_width),
+                             VOCAB)[0]
+        assert row[byte_token(tokenizer, allowed)], hex(lead)
+        if refused is not None:
+            assert not row[byte_token(tokenizer, refused)], hex(lead)
+        if lead == 0xED:   # xgrammar's matcher takes the surrogate's byte: the mask is what refuses it
+            assert request.grammar.valid_prefix([byte_token(tokenizer, 0xA0)]) == [byte_token(tokenizer, 0xA0)]
+    # A draft ending on a lead narrows the next row the same way.
+    manager, request = manager_with_grammar(tokenizer, schema, quote)
+    raw, _ = manager.bitmask([(request, [byte_token(tokenizer, 0xED)])])
+    rows = allowed_tokens(torch.frombuffer(bytearray(raw), dtype=torch.int32).view(-1, manager.bitmask_width), VOCAB)
+    assert rows[0, byte_token(tokenizer, 0xED)] and not rows[1, byte_token(tokenizer, 0xA0)]
+    assert rows[1, byte_token(tokenizer, 0x80)]
+
+
 # ---- the engine against a masked reference ---------------------------------------------------------------
 
 @pytest.fixture(scope="module")

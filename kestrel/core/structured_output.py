@@ -11,6 +11,11 @@ Invariants:
 - Bitmask layout (xgrammar's): int32 words, ceil(V / 32) per row; token t is allowed when bit t % 32 of
   word t // 32 is set. A constrained request that samples gets one row per sampled position (1 + its
   drafts), its rows consecutive; rows of a matcher that has terminated allow every token.
+- Output bytes are UTF-8 that Python decodes as the grammar read them. xgrammar 0.2.9 takes a 3-byte
+  lead's continuations by shape alone: after ED it accepts A0-BF (a UTF-16 surrogate, three U+FFFD
+  once decoded, which broke a JSON string's maxLength). After a token that ends on a lead byte whose
+  first continuation is narrower than 80-BF (E0, ED, F0, F4), a row also allows only the tokens that
+  start inside that range (`Utf8Continuations`).
 """
 
 from __future__ import annotations
@@ -102,6 +107,33 @@ class RequestGrammar:
         return drafts[:accepted]
 
 
+# Lead bytes whose first continuation byte is narrower than 80-BF (RFC 3629): the range it must lie in.
+NARROW_LEADS = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
+
+
+class Utf8Continuations:
+    """For each lead byte of NARROW_LEADS, the bitmask row of the tokens that may follow a token ending
+    on it (those whose bytes start inside its continuation range); each token's last byte."""
+
+    def __init__(self, token_bytes: list[bytes], bitmask_width: int) -> None:
+        first = torch.tensor([b[0] if b else -1 for b in token_bytes], dtype=torch.int32)
+        self.last_byte = [b[-1] if b else -1 for b in token_bytes]
+        self.allowed_after: dict[int, torch.Tensor] = {}
+        for lead, (low, high) in NARROW_LEADS.items():
+            bits = torch.zeros(bitmask_width * 32, dtype=torch.int64)
+            bits[: len(first)] = ((first >= low) & (first <= high)).to(torch.int64)
+            words = (bits.view(bitmask_width, 32) << torch.arange(32)).sum(dim=1)
+            self.allowed_after[lead] = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+    def restrict(self, row: torch.Tensor, previous_token: int | None) -> None:
+        """Narrow `row` (one bitmask row) to what may follow `previous_token`."""
+        if previous_token is None or not 0 <= previous_token < len(self.last_byte):
+            return
+        allowed = self.allowed_after.get(self.last_byte[previous_token])
+        if allowed is not None:
+            row &= allowed
+
+
 class StructuredOutputManager:
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_token_id: int | None) -> None:
         self.vocab_size = vocab_size
@@ -109,6 +141,7 @@ class StructuredOutputManager:
         self._load_tokenizer = load_tokenizer
         self._eos_token_id = eos_token_id
         self._compiler: Any = None
+        self._utf8: Utf8Continuations | None = None   # with the compiler
         self._executor: ThreadPoolExecutor | None = None
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
 
@@ -152,6 +185,7 @@ class StructuredOutputManager:
             stop = sorted({t for t in (tokenizer.eos_token_id, self._eos_token_id) if t is not None})
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=stop or None)
+            self._utf8 = Utf8Continuations(info.decoded_vocab, self.bitmask_width)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
@@ -184,9 +218,13 @@ class StructuredOutputManager:
             first_rows[request.request_id] = row
             matcher = request.grammar.matcher
             accepted = 0
+            last = request.output_token_ids[-1] if request.output_token_ids else None
+            previous = [last, *drafts]   # the token before each row's position
             for j in range(len(drafts) + 1):
                 if not matcher.is_terminated():
                     matcher.fill_next_token_bitmask(bitmask, row + j)
+                    if self._utf8 is not None:
+                        self._utf8.restrict(bitmask[row + j], previous[j])
                 if j < len(drafts) and matcher.accept_token(drafts[j]):
                     accepted += 1
             if accepted:
