@@ -11,9 +11,9 @@ Invariants:
 - Bitmask layout (xgrammar's): int32 words, ceil(V / 32) per row; token t is allowed when bit t % 32 of
   word t // 32 is set. A constrained request that samples gets one row per sampled position (1 + its
   drafts), its rows consecutive; rows of a matcher that has terminated allow every token.
-- Output bytes are UTF-8 that Python decodes as the grammar read them. xgrammar 0.2.9 takes a 3-byte
-  lead's continuations by shape alone: after ED it accepts A0-BF (a UTF-16 surrogate, three U+FFFD
-  once decoded, which broke a JSON string's maxLength). After a token that ends on a lead byte whose
+- Output bytes are UTF-8 that Python decodes as the grammar read them. xgrammar 0.2.9 refuses an
+  overlong E0 80 but after ED accepts A0-BF (a UTF-16 surrogate, three U+FFFD once decoded, which
+  broke a JSON string's maxLength). After a token that ends on a lead byte whose
   first continuation is narrower than 80-BF (E0, ED, F0, F4), a row also allows only the tokens that
   start inside that range (`Utf8Continuations`).
 """
