@@ -30,7 +30,13 @@ from server_process import Server, assert_error
 
 from kestrel import LLM, SamplingParams
 from kestrel.core.request import Request
-from kestrel.core.structured_output import StructuredOutputManager, check_structured_outputs, choice_grammar
+from kestrel.core.structured_output import (
+    StructuredOutputManager,
+    Utf8Continuations,
+    check_structured_outputs,
+    choice_grammar,
+    holds_invalid_utf8,
+)
 from kestrel.model.loader import load_tokenizer, resolve_model
 from kestrel.sample.sampler import apply_token_bitmask, token_bitmask_bias
 from kestrel.sampling_params import StructuredOutputsParams as Constraint
@@ -184,6 +190,22 @@ def test_no_surrogate_or_overlong_continuation_follows_a_lead_byte(tokenizer):
     rows = allowed_tokens(torch.frombuffer(bytearray(raw), dtype=torch.int32).view(-1, manager.bitmask_width), VOCAB)
     assert rows[0, byte_token(tokenizer, 0xED)] and not rows[1, byte_token(tokenizer, 0xA0)]
     assert rows[1, byte_token(tokenizer, 0x80)]
+
+
+def test_no_row_allows_a_token_holding_an_invalid_sequence():
+    """A token whose bytes hold a surrogate, an overlong form, a byte no UTF-8 has or four continuations
+    is never allowed; partial characters at a token's edges are."""
+    vocab = [b"a", b"\xa9b", b"b\xc3", b"\xe2\x82", b"\xed\xa0\x80", b"x\xe0\x80y", b"\xc0", b"\xff",
+             b"\x80\x80\x80\x80", b"\xf0\x9f\x98\x80", b""]
+    invalid = [holds_invalid_utf8(b) for b in vocab]
+    assert invalid == [False, False, False, False, True, True, True, True, True, False, False]
+    utf8 = Utf8Continuations(vocab, bitmask_width=1)
+    row = torch.full((1,), -1, dtype=torch.int32)
+    utf8.restrict(row, previous_token=None)
+    allowed = allowed_tokens(row.view(1, 1), len(vocab))[0].tolist()
+    assert allowed == [not bad for bad in invalid]
+    # A vocabulary without such tokens leaves rows as xgrammar fills them.
+    assert Utf8Continuations([b"a", b"\xc3", b"\xa9"], bitmask_width=1).valid is None
 
 
 # ---- the engine against a masked reference ---------------------------------------------------------------

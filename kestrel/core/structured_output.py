@@ -15,7 +15,8 @@ Invariants:
   overlong E0 80 but after ED accepts A0-BF (a UTF-16 surrogate, three U+FFFD once decoded, which
   broke a JSON string's maxLength). After a token that ends on a lead byte whose
   first continuation is narrower than 80-BF (E0, ED, F0, F4), a row also allows only the tokens that
-  start inside that range (`Utf8Continuations`).
+  start inside that range (`Utf8Continuations`), and no row allows a token that holds an invalid
+  sequence inside it (the default model's vocabulary has none).
 """
 
 from __future__ import annotations
@@ -113,25 +114,51 @@ NARROW_LEADS = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4
 
 class Utf8Continuations:
     """For each lead byte of NARROW_LEADS, the bitmask row of the tokens that may follow a token ending
-    on it (those whose bytes start inside its continuation range); each token's last byte."""
+    on it (those whose bytes start inside its continuation range); each token's last byte; and, where
+    the vocabulary has any, the row without the tokens that hold an invalid sequence inside them
+    (`holds_invalid_utf8`), which no constrained output takes."""
 
     def __init__(self, token_bytes: list[bytes], bitmask_width: int) -> None:
+        self.bitmask_width = bitmask_width
         first = torch.tensor([b[0] if b else -1 for b in token_bytes], dtype=torch.int32)
         self.last_byte = [b[-1] if b else -1 for b in token_bytes]
-        self.allowed_after: dict[int, torch.Tensor] = {}
-        for lead, (low, high) in NARROW_LEADS.items():
-            bits = torch.zeros(bitmask_width * 32, dtype=torch.int64)
-            bits[: len(first)] = ((first >= low) & (first <= high)).to(torch.int64)
-            words = (bits.view(bitmask_width, 32) << torch.arange(32)).sum(dim=1)
-            self.allowed_after[lead] = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+        self.allowed_after = {lead: self._row((first >= low) & (first <= high))
+                              for lead, (low, high) in NARROW_LEADS.items()}
+        invalid = torch.tensor([holds_invalid_utf8(b) for b in token_bytes], dtype=torch.bool)
+        self.valid: torch.Tensor | None = self._row(~invalid) if bool(invalid.any()) else None
+
+    def _row(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A bitmask row (int32 words) allowing the tokens where `allowed` [len(vocab)] is true."""
+        bits = torch.zeros(self.bitmask_width * 32, dtype=torch.int64)
+        bits[: len(allowed)] = allowed.to(torch.int64)
+        words = (bits.view(self.bitmask_width, 32) << torch.arange(32)).sum(dim=1)
+        return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
     def restrict(self, row: torch.Tensor, previous_token: int | None) -> None:
         """Narrow `row` (one bitmask row) to what may follow `previous_token`."""
+        if self.valid is not None:
+            row &= self.valid
         if previous_token is None or not 0 <= previous_token < len(self.last_byte):
             return
         allowed = self.allowed_after.get(self.last_byte[previous_token])
         if allowed is not None:
             row &= allowed
+
+
+def holds_invalid_utf8(token: bytes) -> bool:
+    """Whether a token's bytes hold a sequence that no UTF-8 text contains (a surrogate, an overlong
+    form, a stray lead byte), apart from its edges: continuation bytes at its start may end the previous
+    token's character and a lead byte at its end may start the next one's."""
+    start = 0
+    while start < len(token) and 0x80 <= token[start] <= 0xBF:
+        start += 1
+    if start > 3:  # a character has at most three
+        return True
+    try:
+        token[start:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc.reason != "unexpected end of data"
+    return False
 
 
 class StructuredOutputManager:
