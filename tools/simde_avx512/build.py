@@ -1,6 +1,6 @@
 """Builds a kernel source of kestrel/ops (cpu_kernels.cpp's AVX-512 build, KESTREL_VEC_AVX512;
-cpu_gemv.cpp; cpu_prefill.cpp) for AVX-512 with BF16 and VNNI, without AMX, onto SIMDe, for an AVX2
-machine to run, and prints the module's path. Usage: build.py SOURCE [BUILD_DIR].
+cpu_gemv.cpp; cpu_prefill.cpp) for the AVX-512 CPU that KESTREL_SIMDE_CPU names (cpus.py; never AMX),
+onto SIMDe, for an AVX2 machine to run, and prints the module's path. Usage: build.py SOURCE [BUILD_DIR].
 
 SIMDe's functions are kept out of line (SIMDE_NO_INLINE): inlined, GCC had not finished
 cpu_kernels.cpp after 30 minutes; out of line it takes about 3. Two edits to the staged copy only:
@@ -14,6 +14,10 @@ from pathlib import Path
 from torch.utils.cpp_extension import load
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from aliases import header  # noqa: E402
+from cpus import MACROS, selected  # noqa: E402
+
 OPS = HERE.parent.parent / "kestrel" / "ops"
 EDITS = (('asm("" : "+v"(', 'asm("" : "+m"('),
          ('asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w.biased), "v"(x));',
@@ -22,18 +26,15 @@ FLAGS = ["-O2", "-march=x86-64-v3", "-mtune=native", "-fopenmp", "-w", "-DKESTRE
          "-DSIMDE_NO_INLINE", "-include", "kestrel_simde_avx512.h"]
 
 
-def stage(source: str, build_dir: Path) -> None:
+def stage(source: str, build_dir: Path, cpu: str) -> None:
     """The sources, edited, written only where they changed (a new mtime would make ninja rebuild)."""
-    sys.path.insert(0, str(HERE))
-    from aliases import header
-
     files = {p.name: p.read_text() for p in (OPS / source, *OPS.glob("*.h"), HERE / "own_intrinsics.h")}
     for name in files:
         for old, new in EDITS:
             files[name] = files[name].replace(old, new)
         if '"v"(' in files[name] or '"+v"(' in files[name]:  # a zmm operand EDITS does not know yet
             raise SystemExit(f"{name}: inline asm on a zmm register; add its emulated form to EDITS")
-    files["kestrel_simde_avx512.h"] = header()
+    files["kestrel_simde_avx512.h"] = header(MACROS[cpu])
     for name, text in files.items():
         path = build_dir / name
         if not path.exists() or path.read_text() != text:
@@ -42,13 +43,13 @@ def stage(source: str, build_dir: Path) -> None:
 
 def main() -> None:
     source = sys.argv[1]
-    stem = Path(source).stem
-    build_dir = Path(sys.argv[2]) if len(sys.argv) > 2 else Path.home() / ".cache/kestrel/simde_avx512" / stem
+    stem, cpu = Path(source).stem, selected()
+    build_dir = Path(sys.argv[2]) if len(sys.argv) > 2 else Path.home() / ".cache/kestrel/simde_avx512" / cpu / stem
     build_dir.mkdir(parents=True, exist_ok=True)
     (build_dir / "lock").unlink(missing_ok=True)  # torch's lock file, left behind by a killed build
-    stage(source, build_dir)
+    stage(source, build_dir, cpu)
     flags = [f if f != "kestrel_simde_avx512.h" else str(build_dir / f) for f in FLAGS]
-    module = load(name=f"kestrel_{stem}_simde", sources=[str(build_dir / source)],
+    module = load(name=f"kestrel_{stem}_simde_{cpu}", sources=[str(build_dir / source)],
                   build_directory=str(build_dir), extra_cflags=flags, extra_ldflags=["-fopenmp"])
     print(module.__file__)
 

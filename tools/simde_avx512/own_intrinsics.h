@@ -108,3 +108,10 @@ static inline simde__m512bh kshim_mm512_cvtne2ps_pbh(simde__m512 a, simde__m512 
   }
   KSHIM_PACK(simde__m512bh, r);
 }
+// vmovntdqa: a load (the non-temporal hint aside), which faults unless the address is 64-byte aligned.
+static inline simde__m512i kshim_mm512_stream_load_si512(void* p) {
+  if (reinterpret_cast<uintptr_t>(p) % 64 != 0) __builtin_trap();
+  simde__m512i r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs tests against the AVX-512 builds of kestrel/ops' kernels emulated on this AVX2 machine (README.md).
-# Usage: tools/simde_avx512/run.sh [pytest arguments]   (default: the kernel and GGUF test files)
+# Usage: [KESTREL_SIMDE_CPU=zen4|icelake|skylake] tools/simde_avx512/run.sh [pytest arguments]
+#   (default: zen4, and the kernel and GGUF test files)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ ! -d /usr/include/simde ]; then
@@ -8,7 +9,7 @@ if [ ! -d /usr/include/simde ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsimde-dev >/dev/null
 fi
 modules=""
-for source in cpu_kernels.cpp cpu_gemv.cpp cpu_prefill.cpp; do
+for source in $(.venv/bin/python tools/simde_avx512/cpus.py sources); do
   modules="$modules${modules:+:}$source=$(.venv/bin/python tools/simde_avx512/build.py $source | tail -1)"
 done
 [ $# -gt 0 ] || set -- tests/test_cpu_kernels.py tests/test_gguf_quant.py tests/test_decode_plan.py \

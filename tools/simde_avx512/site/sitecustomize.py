@@ -1,18 +1,22 @@
 """tools/simde_avx512 only (run.sh puts this folder on PYTHONPATH, so that the engine's own processes
 load it too): where KESTREL_SIMDE_MODULES names the emulated builds (`source=module path`, separated
-by `:`), kestrel.ops reads this CPU's flags plus AVX-512 (F, BW, VL, DQ, CD, BF16, VNNI; not AMX) and
-loads those modules in place of its own builds (cpu_kernels.cpp's: its AVX-512 one)."""
+by `:`), kestrel.ops reads this CPU's flags plus the AVX-512 features of the CPU stood in for
+(KESTREL_SIMDE_CPU, see cpus.py; never AMX) and loads those modules in place of its own builds
+(cpu_kernels.cpp's: its AVX-512 one)."""
 import os
 
 if os.environ.get("KESTREL_SIMDE_MODULES"):
     import importlib.machinery
     import importlib.util
+    import sys
+    from pathlib import Path
 
     import kestrel.ops as ops
 
-    # /proc/cpuinfo's names for what aliases.py's FEATURES compile in.
-    _flags = ops._cpu_flags() | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_bf16",
-                                 "avx512_vnni"}
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from cpus import flags, selected
+
+    _flags = ops._cpu_flags() | flags(selected())
     ops._cpu_flags = lambda: _flags
 
     _modules = dict(item.split("=", 1) for item in os.environ["KESTREL_SIMDE_MODULES"].split(":"))
