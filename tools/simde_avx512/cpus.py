@@ -8,11 +8,10 @@ kestrel.ops builds for such a CPU (cpu_gemv.cpp and cpu_prefill.cpp need AVX512-
 - skylake: neither (Intel Skylake-SP and -X): the 16-bit and byte products on vpmaddwd / vpmaddubsw,
   no int8 linear.
 
-Usage: cpus.py sources | flags   (for the selected CPU, one a line)
+Usage: cpus.py   (the sources to build for the selected CPU, one a line; run.sh reads them)
 """
 
 import os
-import sys
 
 _BASE = ("AVX512F", "AVX512BW", "AVX512VL", "AVX512DQ", "AVX512CD")
 MACROS = {
@@ -42,7 +41,4 @@ def sources(cpu: str) -> tuple[str, ...]:
 
 
 if __name__ == "__main__":
-    what = sys.argv[1] if len(sys.argv) > 1 else ""
-    if what not in ("sources", "flags"):
-        raise SystemExit(__doc__.split("Usage: ")[1])
-    print("\n".join(sorted(flags(selected())) if what == "flags" else sources(selected())))
+    print("\n".join(sources(selected())))

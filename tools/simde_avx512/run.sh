@@ -9,7 +9,7 @@ if [ ! -d /usr/include/simde ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsimde-dev >/dev/null
 fi
 modules=""
-for source in $(.venv/bin/python tools/simde_avx512/cpus.py sources); do
+for source in $(.venv/bin/python tools/simde_avx512/cpus.py); do
   modules="$modules${modules:+:}$source=$(.venv/bin/python tools/simde_avx512/build.py $source | tail -1)"
 done
 [ $# -gt 0 ] || set -- tests/test_cpu_kernels.py tests/test_gguf_quant.py tests/test_decode_plan.py \
