@@ -26,8 +26,8 @@ from kestrel.model import quantization as Q
 from kestrel.model.gguf_loader import GGUFWeightReader
 from kestrel.model.layers import Linear, pack_linear_weights_
 from kestrel.model.loader import default_model_path, load_config, resolve_model
-from kestrel.ops import cpu_gemv, cpu_kernels, gguf_blocks
-from kestrel.ops.dispatch import amx_gemv, gguf_plan_matmul, pack_bf16_weight
+from kestrel.ops import cpu_kernels, gguf_blocks
+from kestrel.ops.dispatch import gguf_plan_matmul
 from kestrel.ops.gguf_blocks import GGUF_FORMATS, gguf_rows, gguf_segments, pack_gguf_weight
 
 kernels = cpu_kernels()
@@ -139,30 +139,26 @@ def test_a_weight_packed_a_few_rows_at_a_time_is_the_same_blob(monkeypatch):
 
 
 BYTE_MIN_ROWS = 16        # cpu_kernels.cpp's kByteMinRows: from here Q4_K and Q6_K run against 8-bit activations
-Q8_0_WORD_MIN_ROWS = 8    # kQ8_0WordMinRows: from here Q8_0 runs against 16-bit activations, in another order
 Q5_K_WORD_MIN_ROWS = 3    # kQ5KWordMinRows: from here Q5_K runs its word tiles (16-bit activations)
+# Formats whose every row count sums a row in one order (batch invariance): the word tiles and the streamed
+# tiles of the 16-bit activations agree bit for bit.
+ROW_COUNT_INVARIANT = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
 def on_bytes(name: str, m: int) -> bool:
     return name in ("Q4_K", "Q6_K") and m >= BYTE_MIN_ROWS
 
 
-def on_bf16_panels(name: str, m: int) -> bool:
-    return bool(kernels.gguf_bf16_panels) and m >= BYTE_MIN_ROWS and name in ("Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1",
-                                                                             "Q5_K")
-
-
 def integer_bits(name: str, m: int) -> int:
     """The bits x is held in where it meets the weights as integers per block of 32: 15 where the
-    16-bit activations (WordActivations) run: the streamed tiles of Q4_K, Q4_1 and Q5_1 (below 16
-    rows), Q8_0's word tiles from 8 rows, Q5_K's from 3, the others' word tiles from 16 rows where there
-    are no bf16 panels; 14 in Q6_K's streamed tiles (SplitActivations, below 16 rows) and Q5_K's (below
-    3); else 0 (x itself, the 8-bit activations or the bf16 panels)."""
-    if on_bytes(name, m) or on_bf16_panels(name, m):
+    16-bit activations (WordActivations) run: Q8_0's, Q4_1's and the Q5s' tiles at every row count, the
+    streamed tiles of Q4_K (below 16 rows), Q5_K's word tiles from 3; 14 in Q6_K's streamed tiles
+    (SplitActivations, below 16 rows) and Q5_K's (below 3); else 0 (the 8-bit activations)."""
+    if on_bytes(name, m):
         return 0
     if name == "Q6_K" or (name == "Q5_K" and m < Q5_K_WORD_MIN_ROWS):
         return 14
-    return 0 if name in ("Q8_0", "Q5_0") and m < Q8_0_WORD_MIN_ROWS else 15
+    return 15
 
 
 def activations_in_integers(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -175,54 +171,21 @@ def activations_in_integers(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 @needs_kernel
-@pytest.mark.parametrize("name,n,k", [("Q8_0", 16, 32), ("Q8_0", 48, 96), ("Q8_0", 64, 2080), ("Q5_0", 48, 96),
-                                      ("Q5_0", 32, 2080)])
-def test_linear_gguf_is_linear_bf16_bit_for_bit_on_bf16_weights(name, n, k):
-    """Q8_0 (and Q5_0, packed as Q8_0) below 8 rows (their streamed float32 tiles): the same sums in the
-    same order as linear_bf16's packed path, so the same bits, y rounded to bf16 or not. (From 8 rows
-    Q8_0 sums 16-bit activations in integers: within rounding of the exact product, tested below.)"""
-    gen = torch.Generator().manual_seed(n + k)
-    raw = random_rows(name, n, k, gen, bf16=True)
-    w = dequantized(name, raw)
-    assert torch.equal(w.bfloat16().float(), w)
+@pytest.mark.parametrize("name", ROW_COUNT_INVARIANT)
+@pytest.mark.parametrize("k", [576, 1536])
+def test_a_row_is_the_same_bits_at_every_row_count(name, k):
+    """Batch invariance: a row's product is the same bits alone, among 2..15 rows (the streamed tiles),
+    among 16 and more (the word tiles) and past a row block, y rounded to bf16 or not."""
+    gen = torch.Generator().manual_seed(k)
+    raw = random_rows(name, 64, k, gen)
     packed = pack_gguf_weight([(GGUF_FORMATS[name], raw)], k)
-    bf16 = pack_bf16_weight(w.bfloat16(), kernels.panel_columns, kernels.lanes)
-    rows = (1, 2, 3, 5, 6, 7, 12, 13)
-    for m in [m for m in rows if m < Q8_0_WORD_MIN_ROWS]:
-        x = torch.randn(m, k, generator=gen).bfloat16()
-        bits = kernels.linear_bf16(x, bf16).view(torch.int16)
-        assert torch.equal(kernels.linear_gguf(x, packed).view(torch.int16), bits)
-        assert torch.equal(kernels.linear_gguf(x, packed, float_out=True), kernels.linear_bf16(x, bf16, float_out=True))
-
-
-@needs_kernel
-@pytest.mark.skipif(kernels is None or not kernels.gguf_bf16_panels or cpu_gemv() is None,
-                    reason="the bf16 panels are the AVX512-BF16 build's")
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q5_K"])
-def test_q8_0_and_q4_1_from_16_rows_are_the_dequantized_bf16_product_on_avx512_bf16(name):
-    """From 16 rows with AVX512-BF16 their panels are the load's bf16 dequantization (gguf.quants' float32
-    values rounded to bf16: any d and offsets) and their rows run as linear_bf16_avx512 runs 16 rows and
-    more, so the same bits as that kernel on the weights dequantized to bf16, alone and beside a Q4_K
-    segment, y rounded to bf16 or not."""
-    gemv = cpu_gemv()
-    gen = torch.Generator().manual_seed(11)
-    for n, k in ((48, 576), (32, 1536)):
-        if k % GGUF_FORMATS[name].file_block:
-            continue
-        raw = random_rows(name, n, k, gen)
-        w = dequantized(name, raw).bfloat16()
-        other = random_rows("Q4_K", 32, k, gen) if k % 256 == 0 else None
-        parts = [(GGUF_FORMATS[name], raw)] + ([(GGUF_FORMATS["Q4_K"], other)] if other is not None else [])
-        packed = pack_gguf_weight(parts, k)
-        for m in (16, 17, 40, 64, 100, 128, 300):   # 300: the panels made first, then rows a block at a time
-            x = torch.randn(m, k, generator=gen).bfloat16()
-            # linear_bf16_avx512 takes up to 128 rows, and a row's result does not depend on the others
-            chunks = [x[i:i + 128] for i in range(0, m, 128)]
-            expected = torch.cat([gemv.linear_bf16_avx512(c, w) for c in chunks])
-            expected32 = torch.cat([gemv.linear_bf16_avx512(c, w, float_out=True) for c in chunks])
-            y = kernels.linear_gguf(x, packed)[:, :n]
-            assert torch.equal(y.view(torch.int16), expected.view(torch.int16)), (name, k, m)
-            assert torch.equal(kernels.linear_gguf(x, packed, float_out=True)[:, :n], expected32), (name, k, m)
+    x = torch.randn(300, k, generator=gen).bfloat16()
+    x[7, 3:40] *= 500   # an outlier block: the 16-bit activations' units differ by row and block
+    full = kernels.linear_gguf(x, packed, float_out=True)
+    assert torch.equal(kernels.linear_gguf(x, packed), full.bfloat16())
+    for m in (1, 2, 3, 7, 8, 15, 16, 17, 64, 129):
+        assert torch.equal(kernels.linear_gguf(x[:m], packed, float_out=True), full[:m]), m
+        assert torch.equal(kernels.linear_gguf(x[m - 1:m + 5], packed, float_out=True), full[m - 1:m + 5]), m
 
 
 def activations_in_8_bits(x: torch.Tensor) -> torch.Tensor:
@@ -244,9 +207,8 @@ def activations_in_8_bits(x: torch.Tensor) -> torch.Tensor:
 def test_q4_k_and_q6_k_from_16_rows_are_the_product_with_8_bit_activations(parts, k):
     """From 16 rows, Q4_K and Q6_K meet x quantized to 8 bits per block of 32 (llama.cpp's scheme): y is
     the dequantized weights' product with those activations, within float32 sums and the one bf16
-    rounding of y; where x meets the weights as 15- or 14-bit integers (integer_bits), the product with x
-    in those units; Q8_0 below 8 rows, the product with x itself; where the bf16 panels run
-    (AVX512-BF16), x's product with the weights rounded to bf16."""
+    rounding of y; elsewhere x meets the weights as 15- or 14-bit integers (integer_bits): the product
+    with x in those units."""
     gen = torch.Generator().manual_seed(k)
     raw = [random_rows(name, n, k, gen) for name, n in parts]
     w = torch.cat([dequantized(name, r) for (name, _), r in zip(parts, raw)]).double()
@@ -256,15 +218,12 @@ def test_q4_k_and_q6_k_from_16_rows_are_the_product_with_8_bit_activations(parts
         x[m // 2, 5:37] *= 1000   # a block across two of Q4_K's sub-blocks, far above the rest
         y = kernels.linear_gguf(x, blob, float_out=True).double()
         columns_on_bytes = torch.tensor([on_bytes(name, m) for name, n in parts for _ in range(n)])
-        columns_on_bf16 = torch.tensor([on_bf16_panels(name, m) for name, n in parts for _ in range(n)])
         bits = torch.tensor([integer_bits(name, m) for name, n in parts for _ in range(n)])
         seen = activations_in_8_bits(x)
         in_15, in_14 = activations_in_integers(x, 15), activations_in_integers(x, 14)
         assert not torch.equal(seen, x.float()) and not torch.equal(in_15, x.float()) and not torch.equal(in_14, in_15)
         in_integers = torch.where(bits == 15, in_15.double() @ w.T, in_14.double() @ w.T)
-        expected = torch.where(columns_on_bytes, seen.double() @ w.T,
-                               torch.where(columns_on_bf16, x.double() @ w.bfloat16().double().T,
-                                           torch.where(bits > 0, in_integers, x.double() @ w.T)))
+        expected = torch.where(columns_on_bytes, seen.double() @ w.T, in_integers)
         assert ((y - expected).abs() <= expected.abs() * 2 ** -8 + 1e-5 * expected.abs().max()).all(), m
 
 
@@ -289,8 +248,7 @@ def test_linear_gguf_is_the_product_of_the_dequantized_weights(name):
     """Within float32 sums and the bf16 rounding of y of the exact product; where 8-bit activations run
     (Q4_K and Q6_K from 16 rows), also within what they move: each x by at most half its block's step
     max|x| / 127, so y[c] by at most sum_k |w[c, k]| step_k / 2; where x is held as 15- or 14-bit
-    integers (integer_bits), within what that moves; where the bf16 panels run (AVX512-BF16: Q8_0 from 8
-    rows, Q4_1 and Q4_0 from 16), within the weights' rounding to bf16 (2^-9 of each)."""
+    integers (integer_bits), within what that moves."""
     gen = torch.Generator().manual_seed(7)
     raw = random_rows(name, 256, 1024, gen)
     w = dequantized(name, raw).double()
@@ -306,8 +264,6 @@ def test_linear_gguf_is_the_product_of_the_dequantized_weights(name):
         if on_bytes(name, m):
             step = x.double().reshape(m, -1, 32).abs().amax(-1, keepdim=True).expand(-1, -1, 32).reshape(m, -1) / 127
             bound = bound + (step / 2) @ w.abs().T
-        if on_bf16_panels(name, m):
-            bound = bound + x.double().abs() @ (w.abs() * 2 ** -9).T
         if integer_bits(name, m):
             bound = bound + (x.double() - activations_in_integers(x, integer_bits(name, m)).double()).abs() @ w.abs().T
         assert ((y - exact).abs() <= bound).all()
@@ -549,19 +505,15 @@ def _assert_close_logits(kept: torch.Tensor, plain: torch.Tensor) -> None:
 
 @needs_kernel
 def test_an_untied_output_head_keeps_its_blocks_too(tmp_path):
-    """The head's logits come from linear_gguf (float_out), the layers' from their blocks. A 7-token
-    prefill (Q8_0's float32 tiles) gives the dequantized model's logits where its bf16 products run
-    linear_bf16 (AVX2), within the bf16 roundings elsewhere; a 20-token one (the word tiles: 16-bit
-    activations summed in integers, in another order) within a bf16 rounding or two."""
+    """The head's logits come from linear_gguf (float_out), the layers' from their blocks. Q8_0 runs its
+    word tiles (16-bit activations summed in integers) at every row count: a 7-token prefill and a
+    20-token one give the dequantized model's logits within a bf16 rounding or two."""
     path = tmp_path / "tiny.gguf"
     _write_q8_0_tiny_gguf(path)
     kept = _prefill_logits(path, True, 4 * 2 + 2, n=7)   # the projections, embedding and head
     plain = _prefill_logits(path, False, 0, n=7)
     assert kept.dtype == torch.float32 and kept.shape == plain.shape
-    if amx_gemv() is None and cpu_gemv() is None:
-        assert torch.equal(kept, plain)
-    else:
-        torch.testing.assert_close(kept, plain, rtol=0.02, atol=0.05)
+    torch.testing.assert_close(kept, plain, rtol=0.02, atol=0.05)
     _assert_close_logits(_prefill_logits(path, True, 4 * 2 + 2), _prefill_logits(path, False, 0))
 
 

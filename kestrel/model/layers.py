@@ -53,7 +53,8 @@ class Embedding(nn.Embedding):
         pass
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, hidden] -> float32 [rows, vocab]: x W^T, rounded in the model's dtype."""
+        """x [rows, hidden] -> float32 [rows, vocab]: x W^T summed in float32 and not rounded to the model's
+        dtype (bf16 logits tie where the reference's differ)."""
         return self.linear_to_float(x, self.weight)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

@@ -226,7 +226,7 @@ class GGUFLinear(nn.Module):
         return cls(module.embedding_dim, module.num_embeddings, None, plan_matmul, parts, module.weight.dtype)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """As the output head: float32 logits [rows, vocab], rounded as bf16 (Embedding.logits)."""
+        """As the output head: float32 logits [rows, vocab], not rounded to bf16 (Embedding.logits)."""
         return self.matmul(x, self.weight, float_out=True)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

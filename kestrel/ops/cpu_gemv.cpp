@@ -2,13 +2,13 @@
 // the weights at a fraction of memory bandwidth.
 //
 // linear_bf16_avx512(x [M, K], w [N, K]) -> y [M, N], M <= 128, K % 32 == 0 (AVX512-BF16, for CPUs
-// without AMX); y bf16, or float32 holding the bf16-rounded values. Up to 15 rows: dot products along
+// without AMX); y bf16, or float32 as summed (the output head's logits). Up to 15 rows: dot products along
 // K of blocks of rows of x and of w, each 64-byte piece of a weight row loaded once per block of x rows;
 // from 16 rows: x repacked into pairs along K, 16 rows to a vector, against broadcast pairs of w (see
 // below for both).
 //
 // linear_bf16_amx(x [M, K], w [N, K]) -> y [M, N], M <= 128, K % 32 == 0, N % 16 == 0 (AMX-BF16);
-// y bf16, or float32 holding the bf16-rounded values (the output head: logits go on in float32).
+// y bf16, or float32 as summed (the output head: logits are never rounded to bf16).
 // The weights, unpacked, are the A operand: 16 of their rows by 32 of K make one tile, loaded
 // straight from w. x is the B operand, repacked once per call into the VNNI pair layout; the
 // result tiles are y transposed, turned back on the way out. Tile loads wait out cache misses, so
@@ -70,7 +70,7 @@ inline __m512 reduce16(const __m512 a[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
 }
 
-// Where the results go: y[m, n] as bf16, or as float32 holding the bf16-rounded value (the output head).
+// Where the results go: y[m, n] rounded to bf16, or the float32 sum as it is (the output head's logits).
 template <typename Out>
 struct DpSink {
   Out* y;
@@ -79,17 +79,14 @@ struct DpSink {
   template <int R>
   void store(__m512 sums, int64_t m0, int mb, int64_t n0, int r_valid) const {
     alignas(64) uint32_t bits[16];
-    _mm512_store_si512(bits, kestrel_simd::round_to_bf16_bits(sums));
+    if constexpr (std::is_same_v<Out, float>) _mm512_store_ps(reinterpret_cast<float*>(bits), sums);
+    else _mm512_store_si512(bits, kestrel_simd::round_to_bf16_bits(sums));
     for (int mi = 0; mi < mb; ++mi)
       for (int r = 0; r < r_valid; ++r) {
         const uint32_t b = bits[mi * R + r];
         Out* out = y + (m0 + mi) * N + n0 + r;
-        if constexpr (std::is_same_v<Out, float>) {
-          const uint32_t widened = b << 16;
-          std::memcpy(out, &widened, 4);
-        } else {
-          *out = static_cast<uint16_t>(b);
-        }
+        if constexpr (std::is_same_v<Out, float>) std::memcpy(out, &b, 4);
+        else *out = static_cast<uint16_t>(b);
       }
   }
 };
@@ -263,7 +260,8 @@ void lanes_columns(const uint32_t* xp, int64_t Mp, const uint32_t* w, int64_t K2
   }
 }
 
-// ct [cols][kGroupRows] (y transposed) → y rows m0 .. m0 + rows, columns n0 .. n0 + cols, rounded to bf16.
+// ct [cols][kGroupRows] (y transposed) → y rows m0 .. m0 + rows, columns n0 .. n0 + cols, rounded to bf16
+// (or float32 as summed).
 template <typename Out>
 void store_transposed(const float* ct, int64_t rows, int64_t cols, Out* y, int64_t N, int64_t m0, int64_t n0) {
   for (int64_t c = 0; c < cols; c += 16) {
@@ -273,12 +271,13 @@ void store_transposed(const float* ct, int64_t rows, int64_t cols, Out* y, int64
       for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(ct + (c + i) * kGroupRows + 16 * v);
       kestrel_simd::transpose16(r);
       for (int j = 0; j < 16 && v * 16 + j < rows; ++j) {
-        const __m512i bits = kestrel_simd::round_to_bf16_bits(_mm512_castsi512_ps(r[j]));
         Out* out = y + (m0 + v * 16 + j) * N + n0 + c;
-        if constexpr (std::is_same_v<Out, float>)
-          _mm512_mask_storeu_epi32(out, valid, _mm512_slli_epi32(bits, 16));
-        else
+        if constexpr (std::is_same_v<Out, float>) {
+          _mm512_mask_storeu_epi32(out, valid, r[j]);
+        } else {
+          const __m512i bits = kestrel_simd::round_to_bf16_bits(_mm512_castsi512_ps(r[j]));
           _mm256_mask_storeu_epi16(out, valid, _mm512_cvtepi32_epi16(bits));
+        }
       }
     }
   }
@@ -444,8 +443,8 @@ void quantize_pack_x(const uint16_t* x, int64_t M, int64_t K, char* xb, float* x
 }
 
 // Where the C tiles go. Each takes one tile, C^T [16 n][16 m] as stored, for x rows m0 .. m0 + rows
-// and weight rows n0 .. n0 + 15, and writes y[m, n] rounded to bf16 (to nearest even).
-// bf16 products: y bf16, or float32 holding the same bf16-rounded values (logits).
+// and weight rows n0 .. n0 + 15, and writes y[m, n] rounded to bf16 (to nearest even), or as float32
+// sums (logits).
 template <typename Y>
 struct FloatSink {
   Y* y;
@@ -455,12 +454,13 @@ struct FloatSink {
     for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(buf + i * 16);
     transpose16(r);
     for (int m = 0; m < rows; ++m) {
-      const __m512i bits = round_to_bf16_bits(_mm512_castsi512_ps(r[m]));
       Y* out = y + (m0 + m) * N + n0;
-      if constexpr (std::is_same_v<Y, float>)
-        _mm512_storeu_si512(out, _mm512_slli_epi32(bits, 16));
-      else
+      if constexpr (std::is_same_v<Y, float>) {
+        _mm512_storeu_si512(out, r[m]);
+      } else {
+        const __m512i bits = round_to_bf16_bits(_mm512_castsi512_ps(r[m]));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(bits));
+      }
     }
   }
 };
@@ -787,10 +787,10 @@ void avx512_matmul_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int6
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_avx512", &linear_bf16_avx512,
-        "y = x w^T for bf16 x of 1..128 rows (CPU, AVX512-BF16, no AMX); float_out: y in float32, rounded as bf16",
+        "y = x w^T for bf16 x of 1..128 rows (CPU, AVX512-BF16, no AMX); float_out: y in float32, unrounded",
         py::arg("x"), py::arg("w"), py::arg("float_out") = false);
   m.def("linear_bf16_amx", &linear_bf16_amx,
-        "y = x w^T for bf16 x of 1..128 rows (CPU, AMX-BF16); float_out: y in float32, rounded as bf16",
+        "y = x w^T for bf16 x of 1..128 rows (CPU, AMX-BF16); float_out: y in float32, unrounded",
         py::arg("x"), py::arg("w"), py::arg("float_out") = false);
   m.def("linear_int8_amx", &linear_int8_amx,
         "y = x w^T, bf16 x quantized per row to int8, w int8 with a float32 scale per row; y bf16 (CPU, AMX-INT8)",

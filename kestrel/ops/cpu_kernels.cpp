@@ -44,6 +44,7 @@
 #include <limits>
 #include <type_traits>
 #include <utility>
+#include <cstdlib>
 #include <vector>
 
 namespace {
@@ -987,7 +988,7 @@ at::Tensor linear_f32(at::Tensor x, at::Tensor w) {
 //
 // linear_bf16(x [M, K], w [N, K]) -> y [M, N] = x w^T for bf16 x and w, any M, K % kLanes == 0: the
 // products summed in float32 and rounded once to bf16, as torch's bf16 F.linear gives them (to an ulp
-// where the order of the float32 sums differs); float_out: y in float32, holding those bf16 values.
+// where the order of the float32 sums differs); float_out: y in float32, as summed.
 // For CPUs without AVX512-BF16, where torch's bf16 GEMM runs at a fraction of its float32 rate (AVX2,
 // Zen 3, 2026-12-03: ~17 GFLOP/s at every size from 16 to 512 rows, against 130-140 in float32). x
 // is widened to float32 once per call. At 1..4 rows each weight row streams from memory and is widened
@@ -1028,16 +1029,16 @@ inline T* scratch(std::vector<T>& buffer, int64_t n) {
   return buffer.data();
 }
 
-// Where linear_bf16 puts y[m, n]: rounded to bf16, or that value in float32. Rounded as c10::BFloat16
+// Where linear_bf16 puts y[m, n]: rounded to bf16, or the float32 sum as it is (the output head's
+// logits, which are never rounded to bf16: two close candidates would tie). Rounded as c10::BFloat16
 // rounds: to nearest even, every NaN to the one quiet NaN 0x7FC0.
 struct Bf16Out {
   void* y;
   int64_t N;
   bool float_out;
   void operator()(int64_t m, int64_t n, float v) const {
-    const c10::BFloat16 r(v);
-    if (float_out) static_cast<float*>(y)[m * N + n] = static_cast<float>(r);
-    else static_cast<c10::BFloat16*>(y)[m * N + n] = r;
+    if (float_out) static_cast<float*>(y)[m * N + n] = v;
+    else static_cast<c10::BFloat16*>(y)[m * N + n] = c10::BFloat16(v);
   }
   // y[m, n0 + c] for c < cols from v[c], a vector at a time: at prefill sizes the outputs are as many
   // as a few percent of the FMAs, too many to round one by one.
@@ -1046,9 +1047,8 @@ struct Bf16Out {
     int64_t c = 0;
     for (; c + kLanes <= cols; c += kLanes) {
       const VecF x = load_f32(v + c);
-      const VecF r = select(is_nan(x), nan, x);
-      if (float_out) store(static_cast<float*>(y) + m * N + n0 + c, bf16_round_trip(r));
-      else store_bf16(static_cast<uint16_t*>(y) + m * N + n0 + c, r);
+      if (float_out) store(static_cast<float*>(y) + m * N + n0 + c, x);
+      else store_bf16(static_cast<uint16_t*>(y) + m * N + n0 + c, select(is_nan(x), nan, x));
     }
     for (; c < cols; ++c) (*this)(m, n0 + c, v[c]);
   }
@@ -1448,18 +1448,17 @@ void linear_bf16_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_
 //   Q5_K (Q4_K's super-blocks with 5-bit q): Q4_K's d, dmin, scales and mins, then each sub-block's q
 //     in byte lanes as Q6_K's (kQ5KQuants): 0.72 bytes a weight, against 0.69 in the file.
 //
-// Few rows (decode steps of a few requests: below kQ8_0WordMinRows for Q8_0, kQ5KWordMinRows for Q5_K, kByteMinRows for
-// the others) stream the packed panels through registers. Q8_0's weights are dequantized as they are read, with
-// llama.cpp's (and gguf.quants') float32 arithmetic, q * scale, and summed in linear_bf16's packed order
-// (packed_stream's tiles): one sum down k per piece of K (panel_k_piece), the pieces added in order. Where those values
-// are bf16 numbers, y is bit for bit linear_bf16's on them (tests/test_gguf_quant.py holds it to that). Q6_K's and
-// Q5_K's sum each block (of 16, of 32) in integers against x held as 14-bit integers split in two bytes
-// (SplitActivations). Q4_K's and Q4_1's streamed tiles sum each block of 32 as scale (sum x q) - min (sum x), the inner
-// sums in 32-bit integers on x held as 16-bit integers per block (WordActivations: exact for every bf16 x within 2^7 of
-// the block's largest, the rest within 2^-15 of it): on 2 Zen 3 cores, at 1 row, 0.85 ms against 1.40 with float sums
-// and 1.8 with each weight dequantized (the 1B model's four layer shapes). From those row counts each thread unpacks
-// its panels once a call: Q8_0's, Q4_1's and the Q5s' q against the same 16-bit activations (with AVX512-BF16, from 16
-// rows, dequantized to bf16 panels instead: see kBf16Panels), Q4_K's and Q6_K's against x quantized to 8 bits, as
+// Q8_0 (and Q5_0, packed as it) runs its word tiles at every row count: each thread unpacks its panels once a call and
+// sums each block of 32 in integers against x held as 16-bit integers per block (WordActivations: exact for every bf16
+// x within 2^7 of the block's largest, the rest within 2^-15 of it), times d and the block's unit. Few rows (decode
+// steps of a few requests: below kQ5KWordMinRows for Q5_K, kByteMinRows for the others) stream the packed panels
+// through registers: Q6_K's and Q5_K's sum each block (of 16, of 32) in integers against x held as 14-bit integers
+// split in two bytes (SplitActivations); Q4_K's, Q4_1's and the Q5s' sum each block of 32 as scale (sum x q) - min
+// (sum x), the inner sums in 32-bit integers on the same 16-bit activations: on 2 Zen 3 cores, at 1 row, 0.85 ms
+// against 1.40 with float sums and 1.8 with each weight dequantized (the 1B model's four layer shapes). From those
+// row counts each thread unpacks its panels once a call: Q4_1's and the Q5s' q against the same 16-bit activations,
+// summed in the streamed tiles' order (word_tile), so that Q8_0, Q4_0, Q4_1 and the Q5s give a row the same bits at
+// every row count (batch invariance); Q4_K's and Q6_K's against x quantized to 8 bits, as
 // llama.cpp runs its K-quants (see "against 8-bit activations" below).
 
 namespace {
@@ -1564,40 +1563,6 @@ inline void q4k_scale_min(const uint8_t* block, int64_t j, int v, VecF& scale, V
 // operands of a 16-bit multiply-add against the pair of activations. Vector v (kLanes columns) of group g:
 inline VecI q4k_group_words(const uint8_t* block, int64_t g, int v) {
   return load_u8_words(block + kQ4KQuants + g * 2 * kPanelCols + v * 2 * kLanes);
-}
-
-// out.row() of MR rows of x (widened, [MR, K]) and the P panels of [n0, n0 + P x kPanelCols) of an
-// int8 weight: the packed bf16 tile's loop, each weight row dequantized in registers.
-template <int64_t B, int MR, int P, typename Out>
-void int8_stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, const Out& out) {
-  constexpr int V = P * kPanelVecs;
-  const int64_t piece = panel_k_piece(K);
-  VecF total[MR][V];
-  for (int64_t k0 = 0; k0 < K; k0 += piece) {
-    const int64_t end = std::min(K, k0 + piece);
-    VecF c[MR][V];
-    for (int m = 0; m < MR; ++m)
-      for (int v = 0; v < V; ++v) c[m][v] = zero();
-    for (int64_t k = k0; k < end;) {
-      const int64_t b = k / B, stop = std::min(end, (b + 1) * B);
-      const uint8_t* block[P];
-      for (int p = 0; p < P; ++p) block[p] = int8_block<B>(wq, K, n0 + p * kPanelCols, b);
-      for (; k < stop; ++k) {
-        const int64_t row = (k - b * B) * kPanelCols;
-        VecF w[V];
-        for (int p = 0; p < P; ++p)
-          for (int v = 0; v < kPanelVecs; ++v)
-            w[p * kPanelVecs + v] = mul(load_int8(block_int8(block[p]) + row + v * kLanes),
-                                        load_f32(block_scales(block[p]) + v * kLanes));
-        for (int m = 0; m < MR; ++m) {
-          const VecF a = splat(x[m * K + k]);
-          for (int v = 0; v < V; ++v) c[m][v] = fma(a, w[v], c[m][v]);
-        }
-      }
-    }
-    add_piece<MR, V>(total, c, k0 == 0);
-  }
-  emit_rows<MR, V>(total, n0, out);
 }
 
 // A block of 32 x as integers X = round(x 2^(Bits - e)), 2^e the power of two just above its largest
@@ -1944,16 +1909,6 @@ void byte_lane_stream_panels(const SplitActivations& a, const float* xm, const u
 }
 
 // A format's streamed tiles.
-template <int64_t B>
-struct Int8Format {
-  template <int MR>
-  static constexpr int kPanels = kStreamPanels<MR>;
-  template <int MR, int P, typename Out>
-  void stream_panels(const float* x, const uint8_t* wq, int64_t K, int64_t n0, const Out& out) const {
-    int8_stream_panels<B, MR, P>(x, wq, K, n0, out);
-  }
-};
-
 template <typename Q4>
 struct Q4Format {
   template <int MR>
@@ -2079,7 +2034,6 @@ struct GgufLayout {
 // near-tie of the default model's first answer to "What is the capital of France?".
 
 constexpr int64_t kByteMinRows = 16;
-constexpr int64_t kQ8_0WordMinRows = 8;           // Q8_0's word tiles from here
 // Q5_K's word tiles from here: its byte-lane panel unpacks once a call to the word panel, and the word
 // tiles reuse each unpacked q for up to kPanelRows rows where the streamed tiles' 14-bit byte products
 // hold two sums a row and vector (2 Zen 4 cores, in cache, 1024 x 2048: 3 rows 69 us against 80-83 on
@@ -2090,23 +2044,6 @@ constexpr int64_t kByteBlock = 32;                 // activations per int8 scale
 constexpr int kByteRows = 6 / kPanelVecs;          // a tile's rows: 6 int16 accumulators (AVX2: 3 rows x 2)
 constexpr int64_t kByteRowBlockBytes = 128 << 10;  // a thread's rows of int8 x at a time (in L2; as many 16-bit rows)
 constexpr int64_t kByteRowsPanelByPanel = 64;      // up to here (or one row block) every row under each panel
-
-// With AVX512-BF16, Q8_0, Q4_1 and the Q5s from 16 rows take no integer tiles: each panel is dequantized to bf16
-// (d q - offset in float32, exact here, then rounded to nearest even, as the load's dequantization to
-// bf16 rounds) and its rows run `vdpbf16ps`, 32 products an instruction on x as given, without the
-// 16-bit rounding of x. So from 16 rows a product equals the one on the weights dequantized at load
-// (`--quantization none`), summed as linear_bf16_avx512 sums from 16 rows. On 2 Zen 4 cores, the default
-// model's shapes, 64-128 rows: 0.81-0.83x the word tiles' time, as fast as linear_bf16_avx512.
-#if defined(__AVX512BF16__)
-constexpr bool kBf16Panels = true;
-#else
-constexpr bool kBf16Panels = false;
-#endif
-// From kByteMinRows (at 8 rows Q8_0's word tiles ran 10-15% faster than panels dequantized for so few).
-inline bool on_bf16(int64_t format, int64_t M) {
-  return kBf16Panels && (format == kGgufQ8_0 || format == kGgufQ4_1 || format == kGgufQ5 || format == kGgufQ5_K) &&
-         M >= kByteMinRows;
-}
 
 // Each row's int8 activations, with what the tiles' float32 steps need.
 struct ByteActivations {
@@ -2351,113 +2288,6 @@ void word_panel(int64_t format, const uint8_t* wq, int64_t K, int64_t n, const B
   else q8_0_word_panel(wq, K, n, p);
 }
 
-#if defined(__AVX512BF16__)
-// A Q8_0, Q4_1 or Q5 panel as bf16 pairs (bf16 2c, 2c + 1 of k-row pair j: column c's k-rows 2j, 2j + 1):
-// its word panel's int8 q times d, minus the offset (Q4_1's -m, 8 d for Q4_0; Q5's -m, dmin m for
-// Q5_K), rounded to bf16. Products of an 11-bit d and a q of at most 8 bits are exact in float32, as are
-// Q5_K's d sc (17 bits) times its 5-bit q, so one fused rounding is numpy's d * q + m (and d * (q - 8),
-// d * q, (d sc) q - dmin m).
-void bf16_panel(int64_t format, const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
-  thread_local std::vector<uint8_t> q_buffer;
-  thread_local std::vector<float> d_buffer, offset_buffer;
-  const BytePanel words{scratch(q_buffer, K * kPanelCols), nullptr, scratch(d_buffer, K / 32 * kPanelCols),
-                        scratch(offset_buffer, K / 32 * kPanelCols)};
-  word_panel(format, wq, K, n, words);
-  const __m512i pairs_low = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i pairs_high = _mm512_add_epi32(pairs_low, _mm512_set1_epi32(8));
-  uint16_t* out = reinterpret_cast<uint16_t*>(p.q);
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const __m512 d = _mm512_loadu_ps(words.scale + b * kPanelCols);
-    const __m512 o = format == kGgufQ8_0 ? _mm512_setzero_ps() : _mm512_loadu_ps(words.offset + b * kPanelCols);
-    const __m512 d_low = _mm512_permutexvar_ps(pairs_low, d), d_high = _mm512_permutexvar_ps(pairs_high, d);
-    const __m512 o_low = _mm512_permutexvar_ps(pairs_low, o), o_high = _mm512_permutexvar_ps(pairs_high, o);
-    for (int64_t j = b * 16; j < (b + 1) * 16; ++j) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(words.q) + j * 2 * kPanelCols;
-      const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-      const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
-      const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_fmsub_ps(high, d_high, o_high), _mm512_fmsub_ps(low, d_low, o_low));
-      _mm512_storeu_si512(out + j * 2 * kPanelCols, (__m512i)w);
-    }
-  }
-}
-
-// out[m][16 p + c] for MR rows of x (bf16, from m0) against P bf16 panels side by side (a broadcast pair
-// of x serves all P): each output's pairs in K order into one float32 accumulator, one vdpbf16ps a pair,
-// as linear_bf16_avx512 sums from 16 rows.
-template <int MR, int P>
-__attribute__((noinline)) void bf16_tile(const uint16_t* x, int64_t K, int64_t m0, const uint16_t* const* panel,
-                                         float (*out)[P * kPanelCols]) {
-  __m512 acc[MR][P];
-  for (int m = 0; m < MR; ++m)
-    for (int p = 0; p < P; ++p) acc[m][p] = _mm512_setzero_ps();
-#pragma GCC unroll 2
-  for (int64_t j = 0; j < K / 2; ++j) {
-    __m512bh w[P];
-    for (int p = 0; p < P; ++p) w[p] = (__m512bh)_mm512_loadu_si512(panel[p] + j * 2 * kPanelCols);
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, x + (m0 + m) * K + 2 * j, sizeof pair);
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int p = 0; p < P; ++p) acc[m][p] = _mm512_dpbf16_ps(acc[m][p], w[p], xv);
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int p = 0; p < P; ++p) _mm512_storeu_ps(out[m] + p * kPanelCols, acc[m][p]);
-}
-
-constexpr int kBf16TileRows = 6;     // 6 rows x 4 panels: 24 accumulators, 4 panel vectors, x's pair
-constexpr int kBf16TilePanels = 4;
-
-// rows (1 .. kBf16TileRows) rows from m0 on P panels.
-template <int P, int MR = kBf16TileRows>
-void bf16_tile_rows(int rows, const uint16_t* x, int64_t K, int64_t m0, const uint16_t* const* panel,
-                    float (*out)[P * kPanelCols]) {
-  if constexpr (MR > 1) {
-    if (rows < MR) return bf16_tile_rows<P, MR - 1>(rows, x, K, m0, panel, out);
-  }
-  bf16_tile<MR, P>(x, K, m0, panel, out);
-}
-
-// The columns [n0, n1) of a Q8_0 or Q4_1 segment on bf16 panels, kBf16TilePanels at a time. Up to
-// kBf16PanelRowBlock rows, each group of panels is made just before every row runs down it (in L1 and L2);
-// more rows, all the panels are made first and the rows go down them a block at a time (x in L2).
-constexpr int64_t kBf16PanelRowBlock = 256;
-
-template <typename Out>
-void bf16_columns(const uint16_t* x, const GgufSegment& s, int64_t M, int64_t K, int64_t n0, int64_t n1,
-                  const Out& out) {
-  const int64_t panels = (n1 - n0) / kPanelCols;
-  const bool made_first = M > kBf16PanelRowBlock;
-  thread_local BytePanels made;
-  made.hold(made_first ? panels : kBf16TilePanels, K, sizeof(uint16_t));
-  if (made_first)
-    for (int64_t p = 0; p < panels; ++p) bf16_panel(s.format, s.data, K, n0 + p * kPanelCols, made.at(p));
-  alignas(64) float tile[kBf16TileRows][kBf16TilePanels * kPanelCols];
-  const auto run = [&](auto Pc, int64_t first, int64_t m_begin, int64_t m_end) {
-    constexpr int P = decltype(Pc)::value;
-    const uint16_t* panel[P];
-    for (int p = 0; p < P; ++p) {
-      const BytePanel at = made.at(made_first ? first + p : p);
-      if (!made_first) bf16_panel(s.format, s.data, K, n0 + (first + p) * kPanelCols, at);
-      panel[p] = reinterpret_cast<const uint16_t*>(at.q);
-    }
-    float (*t)[P * kPanelCols] = reinterpret_cast<float (*)[P * kPanelCols]>(tile);
-    for (int64_t m = m_begin; m < m_end; m += kBf16TileRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kBf16TileRows, m_end - m));
-      bf16_tile_rows<P>(rows, x, K, m, panel, t);
-      for (int r = 0; r < rows; ++r) out.row(m + r, n0 + first * kPanelCols, t[r], P * kPanelCols);
-    }
-  };
-  const int64_t row_block = made_first ? kBf16PanelRowBlock : M;
-  for (int64_t m1 = 0; m1 < M; m1 += row_block) {
-    const int64_t m2 = std::min(M, m1 + row_block);
-    int64_t p = 0;
-    for (; p + kBf16TilePanels <= panels; p += kBf16TilePanels) run(std::integral_constant<int, kBf16TilePanels>{}, p, m1, m2);
-    for (; p < panels; ++p) run(std::integral_constant<int, 1>{}, p, m1, m2);
-  }
-}
-#endif
-
 inline VecI four_activations(const int8_t* q) {
   int32_t v;
   std::memcpy(&v, q, sizeof v);
@@ -2582,10 +2412,11 @@ __attribute__((noinline)) void word_tile(const WordActivations& a, int64_t m0, c
   const int64_t K = a.K, blocks = K / kByteBlock;
   const int16_t* x = a.X + m0 * K;
   const float* unit = a.unit + m0 * blocks;
+  const float* sum = a.sum + m0 * blocks;
   const int8_t* q = reinterpret_cast<const int8_t*>(p.q);
-  VecF total[MR][V];
+  VecF total[MR][V], piece[MR][V];
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < V; ++v) total[m][v] = zero();
+    for (int v = 0; v < V; ++v) total[m][v] = piece[m][v] = zero();
   for (int64_t j = 0; j < blocks; ++j) {
     VecI acc[MR][V];
     for (int m = 0; m < MR; ++m)
@@ -2603,12 +2434,30 @@ __attribute__((noinline)) void word_tile(const WordActivations& a, int64_t m0, c
       for (int m = 0; m < MR; ++m)
         for (int v = 0; v < V; ++v) keep_in_register(acc[m][v]);
     }
-    for (int v = 0; v < V; ++v) {
-      const VecF d = load_f32(p.scale + j * kPanelCols + v * kLanes);
-      for (int m = 0; m < MR; ++m) total[m][v] = fma(to_float_lanes(acc[m][v]), mul(d, splat(unit[m * blocks + j])), total[m][v]);
+    if constexpr (Format == kGgufQ8_0) {
+      for (int v = 0; v < V; ++v) {
+        const VecF d = load_f32(p.scale + j * kPanelCols + v * kLanes);
+        for (int m = 0; m < MR; ++m) total[m][v] = fma(to_float_lanes(acc[m][v]), mul(d, splat(unit[m * blocks + j])), total[m][v]);
+      }
+    } else {
+      // Q4_1 and Q5 as their streamed tiles (q4_stream_panels) sum them: a block's exact integer sum
+      // times its unit, times d, minus offset x sum, into its piece of kQ4KSubs blocks; the pieces
+      // added in order. So a row's result is the same at every row count (batch invariance).
+      for (int v = 0; v < V; ++v) {
+        const VecF d = load_f32(p.scale + j * kPanelCols + v * kLanes);
+        const VecF o = load_f32(p.offset + j * kPanelCols + v * kLanes);
+        for (int m = 0; m < MR; ++m) {
+          const VecF dot = mul(to_float_lanes(acc[m][v]), splat(unit[m * blocks + j]));
+          piece[m][v] = fnmadd(o, splat(sum[m * blocks + j]), fma(d, dot, piece[m][v]));
+        }
+      }
+      if (j % kQ4KSubs == kQ4KSubs - 1 || j == blocks - 1) {
+        add_piece<MR, V>(total, piece, j < kQ4KSubs);
+        for (int m = 0; m < MR; ++m)
+          for (int v = 0; v < V; ++v) piece[m][v] = zero();
+      }
     }
   }
-  if constexpr (Format != kGgufQ8_0) subtract_offsets<MR, V>(total, p.offset, a.sum + m0 * blocks, blocks);
   store_tile<MR, V>(total, out);
 }
 
@@ -2669,19 +2518,15 @@ void byte_columns(const ByteActivations& a, const WordActivations& words, const 
 
 // Whether the format's M rows run on panels unpacked once a call (the byte and word tiles).
 bool on_unpacked_panels(int64_t format, int64_t M) {
-  return M >= (format == kGgufQ8_0 ? kQ8_0WordMinRows : format == kGgufQ5_K ? kQ5KWordMinRows : kByteMinRows);
+  return format == kGgufQ8_0 || M >= (format == kGgufQ5_K ? kQ5KWordMinRows : kByteMinRows);
 }
 
 template <typename Out>
-void gguf_columns(const float* x, const uint16_t* xb, const WordActivations* activations, const SplitActivations* split,
+void gguf_columns(const float* x, const WordActivations* activations, const SplitActivations* split,
                   const ByteActivations* bytes, const GgufSegment& s, int64_t M, int64_t K, int64_t n0, int64_t n1,
                   const Out& out) {
   const ColumnsFrom<Out> shifted{out, s.panel0 * kPanelCols};
-#if defined(__AVX512BF16__)
-  if (on_bf16(s.format, M)) return bf16_columns(xb, s, M, K, n0, n1, shifted);
-#endif
   if (on_unpacked_panels(s.format, M)) byte_columns(*bytes, *activations, s, M, n0, n1, shifted);
-  else if (s.format == kGgufQ8_0) quant_row_groups(Int8Format<32>{}, x, s.data, M, K, n0, n1, shifted);
   else if (s.format == kGgufQ6_K) quant_row_groups(ByteLaneFormat<ByteLaneQ6K>{split}, x, s.data, M, K, n0, n1, shifted);
   else if (s.format == kGgufQ5_K) quant_row_groups(ByteLaneFormat<ByteLaneQ5K>{split}, x, s.data, M, K, n0, n1, shifted);
   else if (s.format == kGgufQ5) quant_row_groups(Q4Format<Q5Blocks>{activations}, x, s.data, M, K, n0, n1, shifted);
@@ -2701,12 +2546,11 @@ at::Tensor linear_gguf(at::Tensor x, at::Tensor w, bool float_out) {
   auto y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   if (M == 0) return y;
   const float* xf = widened_x(x);
-  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
   const auto any_segment = [&](const auto& pred) { return std::any_of(layout.segments.begin(), layout.segments.end(), pred); };
   // 16-bit activations: the streamed tiles' of Q4_1, Q4_K and Q5, the word tiles' of Q8_0, Q4_1 and the Q5s.
   const bool words_used = any_segment([&](const GgufSegment& s) {
     const bool unpacked = on_unpacked_panels(s.format, M);
-    return unpacked ? on_words(s.format) && !on_bf16(s.format, M)
+    return unpacked ? on_words(s.format)
                     : s.format == kGgufQ4_1 || s.format == kGgufQ4_K || s.format == kGgufQ5;
   });
   const WordActivations activations = words_used ? WordActivations::of(xf, M, K) : WordActivations{};
@@ -2721,7 +2565,7 @@ at::Tensor linear_gguf(at::Tensor x, at::Tensor w, bool float_out) {
     for (const GgufSegment& s : layout.segments) {
       const int64_t p0 = std::max(begin, s.panel0), p1 = std::min(end, s.panel0 + s.panels);
       if (p0 < p1)
-        gguf_columns(xf, xb, &activations, &split, &bytes, s, M, K, (p0 - s.panel0) * kPanelCols,
+        gguf_columns(xf, &activations, &split, &bytes, s, M, K, (p0 - s.panel0) * kPanelCols,
                      (p1 - s.panel0) * kPanelCols, out);
     }
   });
@@ -3534,7 +3378,6 @@ class DecodeLayers {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("lanes") = kLanes;  // the vector width this build was compiled for (16: AVX-512, 8: AVX2)
   m.attr("panel_columns") = kPanelCols;  // the columns of a packed bf16 weight's panel
-  m.attr("gguf_bf16_panels") = kBf16Panels;  // Q8_0, Q4_1 and Q5 on bf16 panels from their unpacked-panel rows
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) for float32 [rows, n] (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (CPU)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
@@ -3562,11 +3405,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "AVX512-VNNI or AVX2)", py::arg("x"), py::arg("qweight"), py::arg("wscale"));
   m.def("linear_bf16", &linear_bf16,
         "y = x w^T for bf16 x and w ([N, K], or packed [N / 16, K, 16]), any rows (CPU, without AVX512-BF16); "
-        "float_out: y in float32, rounded as bf16",
+        "float_out: y in float32, unrounded",
         py::arg("x"), py::arg("w"), py::arg("float_out") = false);
   m.def("linear_gguf", &linear_gguf,
         "y = x w^T for bf16 x and GGUF Q8_0 / Q6_K / Q4_K / Q4_1 / Q5 weights packed by dispatch.py's pack_gguf_weight, "
-        "any rows (CPU); float_out: y in float32, rounded as bf16",
+        "any rows (CPU); float_out: y in float32, unrounded",
         py::arg("x"), py::arg("w"), py::arg("float_out") = false);
   m.def("matmul_address", [](const std::string& name) -> int64_t {
     if (name == "linear_bf16") return reinterpret_cast<int64_t>(&linear_bf16_matmul);

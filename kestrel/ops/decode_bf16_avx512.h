@@ -25,10 +25,13 @@ using namespace kestrel_vec;
 
 // ---- bf16 KV cache: block-major walk, online softmax over chunks of up to 64 tokens ----
 //
-// Work is cut into units of one block of one sequence (all its KV heads), in (sequence, block)
-// order, and each thread takes an equal share of units, so a long sequence (or a batch of one) is
-// split across threads; a sequence cut by a share boundary leaves partial results per (sequence,
-// KV head) (running max, sum, unnormalised output) that are merged after the parallel loop.
+// Work is cut into segments of up to kSegmentBlocks blocks of one sequence (all its KV heads), in
+// (sequence, segment) order, and each thread takes the segments that start in its equal share of the
+// step's blocks, so a long sequence (or a batch of one) is split across threads. Where the segments
+// fall depends on the sequence's length alone, never on the batch or the thread count: a sequence of
+// several segments leaves partial results per (segment, KV head) (running max, sum, unnormalised
+// output), merged after the parallel loop in segment order, so a row's attention is the same bits
+// whatever else the step holds (batch invariance).
 // A thread walks its share chunk by chunk (up to kChunkTiles tiles of 16 rows with AMX, kAvxChunkTiles
 // without), and within a chunk KV head by KV head, so that a block's K and V rows of all heads are read close together, and it
 // prefetches the next chunk's blocks whole (this pays when the cache is in DRAM: a decode step's
@@ -58,6 +61,7 @@ constexpr float kMaxSlack = 8.f;
 inline VecF bf16_even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
 inline VecF bf16_odd(__m512i x) { return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(0xFFFF0000))); }
 
+constexpr int64_t kSegmentBlocks = 8;  // blocks of a sequence one thread walks in one piece
 constexpr int kPrefetchChunks = 1;  // how far ahead (in chunks) whole blocks are prefetched
 #if defined(__AVX512BF16__)
 #define KESTREL_BF16_DOT 1  // vdpbf16ps: the scores of a bf16 q without widening K
@@ -417,7 +421,6 @@ inline void store_interleaved(float* dst, VecF e, VecF o, VecF mul) {
 
 template <int D, int G>
 struct Partial {
-  int64_t pair = -1;
   float m[G], l[G];
   float acc[G][D];  // natural order, unnormalised
 };
@@ -454,8 +457,11 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
   const int64_t total = cum[num_seqs];
   if (total == 0) return;
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
-  // Two per thread (its first and last segment) per KV head.
-  std::vector<Partial<D, G>> partials(2 * nthreads * kv_heads);
+  std::vector<int64_t> seg_cum(num_seqs + 1, 0);  // segments before each sequence
+  for (int64_t s = 0; s < num_seqs; ++s)
+    seg_cum[s + 1] = seg_cum[s] + (cum[s + 1] - cum[s] + kSegmentBlocks - 1) / kSegmentBlocks;
+  // One per (segment, KV head); used by the sequences of more than one segment.
+  std::vector<Partial<D, G>> partials(seg_cum[num_seqs] * kv_heads);
   const int64_t block_bytes = block_size * stride * 2;
   std::vector<int64_t> pf_from(kv_heads + 1);  // the part of a block each head's unit prefetches
   for (int64_t h = 0; h <= kv_heads; ++h) pf_from[h] = (block_bytes * h / kv_heads) & ~int64_t{63};
@@ -470,12 +476,12 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
     std::vector<HeadState<D, G>> hs(kv_heads);
     const int64_t lo = total * t / nthreads, hi = total * (t + 1) / nthreads;
     int64_t s = std::upper_bound(cum.begin(), cum.end(), lo) - cum.begin() - 1;
-    bool first = true;
     for (; s < num_seqs && cum[s] < hi; ++s) {
-      const int64_t nb = cum[s + 1] - cum[s];
-      if (nb == 0) continue;
-      // This thread's segment of sequence s: blocks [b0, b1).
-      const int64_t b0 = std::max<int64_t>(lo - cum[s], 0), b1 = std::min<int64_t>(hi - cum[s], nb);
+     const int64_t nb = cum[s + 1] - cum[s], nseg = seg_cum[s + 1] - seg_cum[s];
+     for (int64_t seg = 0; seg < nseg; ++seg) {
+      if (cum[s] + seg * kSegmentBlocks < lo || cum[s] + seg * kSegmentBlocks >= hi) continue;  // another thread's
+      // Segment seg of sequence s: blocks [b0, b1).
+      const int64_t b0 = seg * kSegmentBlocks, b1 = std::min(nb, b0 + kSegmentBlocks);
       const int64_t len = lens[s];
       const int64_t* table = tables + s * max_blocks;
       for (int64_t h = 0; h < kv_heads; ++h) {
@@ -602,7 +608,7 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
         uh = nh;
       }
 
-      const bool whole = b0 == 0 && b1 == nb;
+      const bool whole = nseg == 1;
       for (int64_t h = 0; h < kv_heads; ++h) {
         PairState<D, G>& st = hs[h].st;
         float lsum[G];
@@ -624,8 +630,7 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
               store_interleaved(dst + 32 * c, load_f32(st.acc[j] + 32 * c), load_f32(st.acc[j] + 32 * c + 16), inv);
           }
         } else {
-          Partial<D, G>& part = partials[(2 * t + (first ? 0 : 1)) * kv_heads + h];
-          part.pair = s * kv_heads + h;
+          Partial<D, G>& part = partials[(seg_cum[s] + seg) * kv_heads + h];
           for (int j = 0; j < G; ++j) {
             part.m[j] = st.m[j];
             part.l[j] = lsum[j];
@@ -635,7 +640,7 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
           }
         }
       }
-      first = false;
+     }
     }
 #ifdef KESTREL_AMX
     if constexpr (AMX) _tile_release();
@@ -644,29 +649,25 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
   at::parallel_for(0, nthreads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) work(t);
   });
-  // Merge the partial results of the (sequence, KV head) pairs cut by share boundaries.
-  for (size_t a = 0; a < partials.size(); ++a) {
-    const int64_t pair = partials[a].pair;
-    if (pair < 0) continue;
-    bool seen = false;
-    for (size_t b = 0; b < a; ++b) seen |= partials[b].pair == pair;
-    if (seen) continue;
-    const int64_t s = pair / kv_heads, h = pair % kv_heads;
-    for (int j = 0; j < G; ++j) {
-      float mx = -std::numeric_limits<float>::infinity();
-      for (size_t b = a; b < partials.size(); ++b)
-        if (partials[b].pair == pair) mx = std::max(mx, partials[b].m[j]);
-      float sum = 0.f;
-      float acc[D] = {};
-      for (size_t b = a; b < partials.size(); ++b) {
-        if (partials[b].pair != pair) continue;
-        const float w = std::exp(partials[b].m[j] - mx);
-        sum += partials[b].l[j] * w;
-        for (int d = 0; d < D; ++d) acc[d] += partials[b].acc[j][d] * w;
+  // Merge the segments of each (sequence, KV head) of more than one, in segment order.
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t first = seg_cum[s], nseg = seg_cum[s + 1] - first;
+    if (nseg < 2) continue;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int j = 0; j < G; ++j) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t g = first; g < first + nseg; ++g) mx = std::max(mx, partials[g * kv_heads + h].m[j]);
+        float sum = 0.f;
+        float acc[D] = {};
+        for (int64_t g = first; g < first + nseg; ++g) {
+          const Partial<D, G>& part = partials[g * kv_heads + h];
+          const float w = std::exp(part.m[j] - mx);
+          sum += part.l[j] * w;
+          for (int d = 0; d < D; ++d) acc[d] += part.acc[j][d] * w;
+        }
+        float* dst = op + (s * num_heads + h * G + j) * D;
+        for (int d = 0; d < D; ++d) dst[d] = acc[d] / sum;
       }
-      float* dst = op + (s * num_heads + h * G + j) * D;
-      for (int d = 0; d < D; ++d) dst[d] = acc[d] / sum;
-    }
   }
 }
 

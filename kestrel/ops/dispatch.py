@@ -91,7 +91,20 @@ def argmax_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear_to_float_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight).float()
+    """x W^T as float32 sums, never rounded to a narrower dtype on the way (the output head: logits
+    rounded to bf16 tie where the reference's float32 ones differ)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.linear(x, weight)
+    return F.linear(x.float(), weight.float())
+
+
+def float_out_in_row_chunks(kernel: Callable[..., torch.Tensor], max_rows: int, x: torch.Tensor,
+                            weight: torch.Tensor) -> torch.Tensor:
+    """kernel(x, weight, float_out=True) on pieces of at most `max_rows` rows of x (a kernel that takes
+    no more), concatenated: each row's logits are the same whichever piece it falls in."""
+    if x.shape[0] <= max_rows:
+        return kernel(x, weight, float_out=True)
+    return torch.cat([kernel(part, weight, float_out=True) for part in x.split(max_rows)])
 
 
 # ---- what the compiled kernels offer -----------------------------------------------------------
@@ -224,7 +237,7 @@ class PlanMatmul:
 @dataclass(frozen=True)
 class LinearOps:
     linear: Linear
-    linear_to_float: LinearToFloat    # linear(x, weight).float(), in one pass where a kernel can
+    linear_to_float: LinearToFloat    # x weight^T as float32 sums (the output head), never rounded to bf16
     plan_matmul: PlanMatmul | None    # what a decode plan binds; None: no decode plan for this model
     # A layer's weight [N, K] repacked once after loading into the layout `linear` reads fastest (None
     # for a weight that does not pack); the field is None where this op family reads [N, K] as loaded.
@@ -258,20 +271,20 @@ def _bf16_kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 def _amx_linear(gemv) -> LinearOps:
     amx, avx512 = gemv.linear_bf16_amx, gemv.linear_bf16_avx512
 
-    def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def matmul(x: torch.Tensor, weight: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         """What `linear` does with a bf16 product the kernels take (the plan binds `amx` itself, to the
         weights whose N is a multiple of 16)."""
-        return amx(x, weight) if weight.shape[0] % 16 == 0 else avx512(x, weight)   # N off the AMX tiles
+        kernel = amx if weight.shape[0] % 16 == 0 else avx512   # N off the AMX tiles
+        return kernel(x, weight, float_out=float_out)
 
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return matmul(x, weight) if _bf16_kernel_takes(x, weight, bias) else F.linear(x, weight, bias)
 
     def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # The output head: the kernel writes the bf16-rounded logits as float32 instead of a bf16
-        # tensor to widen afterwards.
-        if weight.shape[0] % 16 == 0 and _bf16_kernel_takes(x, weight, None):
-            return amx(x, weight, float_out=True)
-        return linear(x, weight).float()
+        # The output head: the kernel writes its float32 sums as they are.
+        if x.shape[0] >= 1 and _bf16_kernel_takes(x[:1], weight, None):
+            return float_out_in_row_chunks(matmul, AMX_MAX_ROWS, x, weight)
+        return linear_to_float_reference(x, weight)
 
     return LinearOps(linear, linear_to_float, PlanMatmul(amx, torch.bfloat16, AMX_MAX_ROWS, 16, 32,
                                                          gemv.matmul_address("linear_bf16_amx")))
@@ -287,9 +300,9 @@ def _avx512_bf16_linear(gemv) -> LinearOps:
         return avx512(x, weight) if _bf16_kernel_takes(x, weight, bias) else F.linear(x, weight, bias)
 
     def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if _bf16_kernel_takes(x, weight, None):
-            return avx512(x, weight, float_out=True)
-        return linear(x, weight).float()
+        if x.shape[0] >= 1 and _bf16_kernel_takes(x[:1], weight, None):
+            return float_out_in_row_chunks(avx512, AVX512_MAX_ROWS, x, weight)
+        return linear_to_float_reference(x, weight)
 
     return LinearOps(linear, linear_to_float, PlanMatmul(avx512, torch.bfloat16, AVX512_MAX_ROWS, 1, 32,
                                                          gemv.matmul_address("linear_bf16_avx512"),
@@ -320,7 +333,9 @@ def _widening_bf16_linear(kernels) -> LinearOps:
         return kernel(x, weight) if takes(x, weight, bias) else F.linear(x, weight, bias)
 
     def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return kernel(x, weight, float_out=True) if takes(x, weight, None) else linear(x, weight).float()
+        if weight.dim() == 3 or takes(x, weight, None):   # a packed weight has no PyTorch fallback
+            return kernel(x.reshape(-1, x.shape[-1]), weight, float_out=True)
+        return linear_to_float_reference(x, weight)
 
     def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return pack_bf16_weight(weight, panel, lanes)

@@ -401,12 +401,21 @@ class ModelRunner:
                 state.token_ids[first:first + len(new_tokens)] = new_tokens
 
     def _batch_order(self, so: SchedulerOutput) -> tuple[list[str], list[str]]:
-        """(decodes, longest context first; prefill chunks in scheduler order). A request verifying
-        drafts decodes too: one row per token, each attending to the cache up to its own position."""
+        """(decodes, longest context first; prefill chunks in scheduler order). A decode is one generated
+        token's row; a prompt's rows are always a prefill chunk, even a chunk of one (the last prompt token
+        after a prefix-cache hit, the tail of a chunked prompt), so that a prompt row's attention runs on
+        the same kernel however the prompt was split or cached (batch invariance: the decode and prefill
+        kernels sum in different orders). A request verifying drafts decodes too: one row per token, each
+        attending to the cache up to its own position."""
         scheduled, spec = so.num_scheduled_tokens, so.scheduled_spec_decode_tokens
-        decodes = [r for r, n in scheduled.items() if n == 1 or r in spec]
+
+        def decodes_now(req_id: str, n: int) -> bool:
+            state = self.requests[req_id]
+            return req_id in spec or (n == 1 and state.num_computed_tokens >= state.num_prompt_tokens)
+
+        decodes = [r for r, n in scheduled.items() if decodes_now(r, n)]
         decodes.sort(key=lambda r: self.requests[r].num_computed_tokens, reverse=True)
-        return decodes, [r for r, n in scheduled.items() if n > 1 and r not in spec]
+        return decodes, [r for r, n in scheduled.items() if not decodes_now(r, n)]
 
     def _prepare_inputs(self, so: SchedulerOutput) -> BatchInputs:
         bs = self.block_size
