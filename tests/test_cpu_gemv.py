@@ -261,3 +261,38 @@ def test_decode_layers_in_regions_report_a_kernel_error_after_the_region():
         layers(case.x.clone(), case.cos[:, :32], case.sin[:, :32], *case.step_args()[2:])
     ok = layers(case.x.clone(), *case.step_args())
     assert ok.shape == (1, 128) and torch.isfinite(ok.float()).all()
+
+
+@pytest.mark.parametrize("out_f,in_f", [(960, 576), (3072, 576), (576, 1536), (49152, 576), (32, 64)])
+def test_packed_weights_give_a_row_the_same_bits_at_every_row_count(out_f, in_f):
+    """Batch invariance: on weights packed as the model's are (pack_bf16_weight), each output is its row's
+    pairs summed in K order at every row count, so a row gives the same bits alone, in any batch, in a
+    chunk of a prompt of any length: the bits the rows-in-lanes path gives from 16 rows on [N, K]."""
+    gen = torch.Generator().manual_seed(out_f + in_f)
+    x = torch.randn(300, in_f, generator=gen).bfloat16()
+    w = (torch.randn(out_f, in_f, generator=gen) * 0.05).bfloat16()
+    packed = dispatch.pack_bf16_weight(w, 16, 32)
+    assert packed is not None and packed.shape == (out_f // 16, in_f, 16)
+    full = kernels.linear_bf16_avx512(x, packed, float_out=True)
+    assert torch.equal(kernels.linear_bf16_avx512(x, packed), full.bfloat16())
+    _assert_sums_in_float32(full, x, w)
+    assert torch.equal(kernels.linear_bf16_avx512(x[:128], w, float_out=True), full[:128])   # the lanes path
+    for start, stop in [(0, 1), (7, 8), (0, 2), (3, 6), (5, 12), (0, 15), (0, 17), (40, 88), (100, 300)]:
+        assert torch.equal(kernels.linear_bf16_avx512(x[start:stop], packed, float_out=True), full[start:stop])
+
+
+def test_the_linear_op_runs_packed_weights_on_the_kernel_at_every_row_count():
+    ops = dispatch.select_linear(torch.device("cpu"), torch.bfloat16)
+    assert ops.pack_weight is not None and ops.plan_matmul.packed_slice_address
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(960, 576, generator=gen) * 0.05).bfloat16()
+    bias = torch.randn(960, generator=gen).bfloat16()
+    packed = ops.pack_weight(w)
+    assert packed is not None and ops.pack_weight(w[:7].contiguous()) is None
+    for rows in (1, 7, 16, 600):
+        x = torch.randn(rows, 576, generator=gen).bfloat16()
+        y = kernels.linear_bf16_avx512(x, packed)
+        assert torch.equal(ops.linear(x, packed), y)
+        assert torch.equal(ops.linear(x, packed, bias), y + bias)
+        assert torch.equal(ops.linear(x.view(1, rows, 576), packed), y.view(1, rows, 960))
+        assert torch.equal(ops.linear_to_float(x, packed), kernels.linear_bf16_avx512(x, packed, float_out=True))

@@ -314,6 +314,102 @@ void lanes_run(const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64
   });
 }
 
+// ---- linear_bf16_avx512 on packed weights: one order for every row count --------------------------
+//
+// A model's layers and output head are packed once after loading (dispatch.pack_bf16_weight, the AVX2
+// build's layout: [N / 16, K, 16], k-row by k-row, columns j and j + 8 side by side). Every output is
+// then its row's pairs along K summed one pair at a time in K order into one float32 lane by vdpbf16ps,
+// at 1 row as at 1000: the order of the rows-in-lanes path above, so the same bits as that path gives
+// from 16 rows, and a row's result never depends on how many rows share its product (batch invariance:
+// a prompt's rows in one chunk or several, a decode row alone or among 64). The lanes hold 16 output
+// columns: a 64-byte load is two k-rows of a panel, one vpermw puts each column's pair in its dword (in
+// column order), and each row of x broadcasts its pair. Tiles of MR rows (up to 6) by P panels (up to
+// 4): 24 accumulators, 4 weight vectors and x's pair.
+constexpr int kPackedPanel = 16;
+constexpr int kPackedTileRows = 6;
+constexpr int kPackedTilePanels = 4;
+
+// vpermw's index: word 2c from position p(c) of the first k-row, word 2c + 1 from the second's, p(c) =
+// 2 (c % 8) + c / 8 the place pack_bf16_weight gives column c.
+inline __m512i packed_pair_index() {
+  alignas(64) uint16_t idx[32];
+  for (int c = 0; c < 16; ++c) {
+    const int p = 2 * (c % 8) + c / 8;
+    idx[2 * c] = static_cast<uint16_t>(p);
+    idx[2 * c + 1] = static_cast<uint16_t>(16 + p);
+  }
+  return _mm512_load_si512(idx);
+}
+
+// y[m0 .. m0 + MR, 16 (p0 .. p0 + P)) for panels from `w` (each K * 16 values).
+template <int MR, int P, typename Out>
+inline void packed_tile(const uint16_t* x, const uint16_t* w, int64_t K, int64_t m0, int64_t p0, Out* y,
+                        int64_t N, __m512i index) {
+  __m512 acc[MR][P];
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < P; ++p) acc[m][p] = _mm512_setzero_ps();
+  const uint16_t* panel[P];
+  for (int p = 0; p < P; ++p) panel[p] = w + (p0 + p) * K * kPackedPanel;
+  const uint32_t* xr[MR];
+  for (int m = 0; m < MR; ++m) xr[m] = reinterpret_cast<const uint32_t*>(x + (m0 + m) * K);
+  for (int64_t k = 0; k < K; k += 2) {
+    __m512bh wv[P];
+    for (int p = 0; p < P; ++p) {
+      const uint16_t* at = panel[p] + k * kPackedPanel;
+      if (k % 32 == 0) prefetch_l2(at + kStreamAheadBytes / 2);
+      wv[p] = (__m512bh)_mm512_permutexvar_epi16(index, _mm512_loadu_si512(at));
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[m][k / 2]));
+      for (int p = 0; p < P; ++p) acc[m][p] = _mm512_dpbf16_ps(acc[m][p], xv, wv[p]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int p = 0; p < P; ++p) {
+      Out* out = y + (m0 + m) * N + (p0 + p) * kPackedPanel;
+      if constexpr (std::is_same_v<Out, float>) {
+        _mm512_storeu_ps(out, acc[m][p]);
+      } else {
+        const __m512i bits = kestrel_simd::round_to_bf16_bits(acc[m][p]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(bits));
+      }
+    }
+}
+
+template <int P, int MR = kPackedTileRows, typename Out>
+inline void packed_tile_rows(int rows, const uint16_t* x, const uint16_t* w, int64_t K, int64_t m0, int64_t p0,
+                             Out* y, int64_t N, __m512i index) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return packed_tile_rows<P, MR - 1>(rows, x, w, K, m0, p0, y, N, index);
+  }
+  packed_tile<MR, P>(x, w, K, m0, p0, y, N, index);
+}
+
+// Panels [pb, pe) for all M rows of x, on the calling thread: a group of P panels at a time, every block
+// of rows down it (the group, 4 x 16 columns x K, stays in L2).
+template <typename Out>
+void packed_panels(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, int64_t pb, int64_t pe, Out* y,
+                   int64_t N) {
+  const __m512i index = packed_pair_index();
+  int64_t p = pb;
+  const auto rows_down = [&](auto Pc) {
+    constexpr int P = decltype(Pc)::value;
+    for (int64_t m = 0; m < M; m += kPackedTileRows)
+      packed_tile_rows<P>(static_cast<int>(std::min<int64_t>(kPackedTileRows, M - m)), x, w, K, m, p, y, N, index);
+    p += P;
+  };
+  while (p + kPackedTilePanels <= pe) rows_down(std::integral_constant<int, kPackedTilePanels>{});
+  while (p < pe) rows_down(std::integral_constant<int, 1>{});
+}
+
+template <typename Out>
+void packed_run(const uint16_t* x, const uint16_t* w, int64_t M, int64_t N, int64_t K, Out* y) {
+  const int64_t panels = N / kPackedPanel;
+  at::parallel_for(0, (panels + kPackedTilePanels - 1) / kPackedTilePanels, 1, [&](int64_t begin, int64_t end) {
+    packed_panels(x, w, M, K, begin * kPackedTilePanels, std::min(panels, end * kPackedTilePanels), y, N);
+  });
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
 #define KESTREL_AMX 1
 
@@ -697,7 +793,26 @@ struct PackedX {
 
 }  // namespace
 
+// x [M, K] against w packed as [N / 16, K, 16] (any M).
+at::Tensor linear_bf16_avx512_packed(const at::Tensor& x_in, const at::Tensor& w, bool float_out) {
+  TORCH_CHECK(w.size(2) == kPackedPanel && w.is_contiguous(), "a packed weight is [N / 16, K, 16], contiguous");
+  TORCH_CHECK(x_in.size(1) == w.size(1), "x and w disagree on K");
+  TORCH_CHECK(x_in.size(1) % 2 == 0, "K must be even");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), N = w.size(0) * kPackedPanel, K = x.size(1);
+  auto y = at::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (M == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  if (float_out) packed_run(xp, wp, M, N, K, y.data_ptr<float>());
+  else packed_run(xp, wp, M, N, K, reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()));
+  return y;
+}
+
 at::Tensor linear_bf16_avx512(at::Tensor x, at::Tensor w, bool float_out) {
+  TORCH_CHECK(x.dim() == 2 && (w.dim() == 2 || w.dim() == 3), "x must be 2-D, w 2-D (or packed, 3-D)");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 only");
+  if (w.dim() == 3) return linear_bf16_avx512_packed(x, w, float_out);
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x and w must be 2-D");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 only");
   TORCH_CHECK(x.size(1) == w.size(1), "x and w disagree on K");
@@ -783,11 +898,19 @@ void avx512_matmul_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int6
   static_assert(kestrel_matmul::kSliceMaxRows == kLaneRowsMin && kestrel_matmul::kSliceColumns == 16);
   dp_share(x, w, M, K, n_begin, n_end, DpSink<uint16_t>{y, N});
 }
+
+// The same on packed weights (N columns in panels of 16: [n_begin, n_end) whole panels but the last).
+void avx512_packed_matmul_slice(const uint16_t* x, const uint16_t* w, uint16_t* y, int64_t M, int64_t N, int64_t K,
+                                int64_t n_begin, int64_t n_end) {
+  static_assert(kestrel_matmul::kSliceColumns == kPackedPanel);
+  packed_panels(x, w, M, K, n_begin / kPackedPanel, (n_end + kPackedPanel - 1) / kPackedPanel, y, N);
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_avx512", &linear_bf16_avx512,
-        "y = x w^T for bf16 x of 1..128 rows (CPU, AVX512-BF16, no AMX); float_out: y in float32, unrounded",
+        "y = x w^T for bf16 x of 1..128 rows, or any rows on w packed [N / 16, K, 16] (CPU, AVX512-BF16, no AMX); "
+        "float_out: y in float32, unrounded",
         py::arg("x"), py::arg("w"), py::arg("float_out") = false);
   m.def("linear_bf16_amx", &linear_bf16_amx,
         "y = x w^T for bf16 x of 1..128 rows (CPU, AMX-BF16); float_out: y in float32, unrounded",
@@ -804,7 +927,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return reinterpret_cast<int64_t>(fn);
   }, "the address of a matmul as a plain function y = x w^T, for cpu_kernels' DecodeLayers", py::arg("name"));
   m.def("matmul_slice_address", [](const std::string& name) -> int64_t {
-    TORCH_CHECK(name == "linear_bf16_avx512", "matmul_slice_address: no slice of ", name);
+    TORCH_CHECK(name == "linear_bf16_avx512" || name == "linear_bf16_avx512_packed",
+                "matmul_slice_address: no slice of ", name);
+    if (name == "linear_bf16_avx512_packed")
+      return reinterpret_cast<int64_t>(static_cast<kestrel_matmul::MatmulSliceFn>(&avx512_packed_matmul_slice));
     return reinterpret_cast<int64_t>(static_cast<kestrel_matmul::MatmulSliceFn>(&avx512_matmul_slice));
   }, "the address of one thread's share of a matmul of 1..15 rows (matmul_fn.h's MatmulSliceFn), for "
      "cpu_kernels' DecodeLayers", py::arg("name"));

@@ -291,22 +291,41 @@ def _amx_linear(gemv) -> LinearOps:
 
 
 def _avx512_bf16_linear(gemv) -> LinearOps:
+    """linear_bf16_avx512. A layer's weight (and the output head) is packed after loading into panels of
+    16 columns ([N / 16, K, 16], pack_bf16_weight's layout), on which the kernel sums every output in one
+    order at every row count (batch invariance), prefill chunks included; [N, K] weights (odd shapes)
+    take its 1..128-row paths, which sum below 16 rows in another order, and torch's GEMM beyond."""
     # The kernel takes every product `_bf16_kernel_takes` admits (AVX512_MAX_ROWS == AMX_MAX_ROWS), so it
     # is the plan's matmul as it is.
     assert AVX512_MAX_ROWS == AMX_MAX_ROWS
     avx512 = gemv.linear_bf16_avx512
 
+    def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """A packed weight has no PyTorch fallback: every call goes to the kernel."""
+        y = avx512(x.reshape(-1, x.shape[-1]), weight)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
+
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if weight.dim() == 3:
+            return packed_linear(x, weight, bias)
         return avx512(x, weight) if _bf16_kernel_takes(x, weight, bias) else F.linear(x, weight, bias)
 
     def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if weight.dim() == 3:
+            return avx512(x.reshape(-1, x.shape[-1]), weight, float_out=True)
         if x.shape[0] >= 1 and _bf16_kernel_takes(x[:1], weight, None):
             return float_out_in_row_chunks(avx512, AVX512_MAX_ROWS, x, weight)
         return linear_to_float_reference(x, weight)
 
+    def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+        return pack_bf16_weight(weight, 16, 32)
+
     return LinearOps(linear, linear_to_float, PlanMatmul(avx512, torch.bfloat16, AVX512_MAX_ROWS, 1, 32,
                                                          gemv.matmul_address("linear_bf16_avx512"),
-                                                         gemv.matmul_slice_address("linear_bf16_avx512")))
+                                                         gemv.matmul_slice_address("linear_bf16_avx512"),
+                                                         gemv.matmul_slice_address("linear_bf16_avx512_packed")),
+                     pack_weight)
 
 
 def _widening_bf16_linear(kernels) -> LinearOps:
