@@ -77,7 +77,7 @@ def threads():
 # The bf16 cache takes AMX scores for a bf16 q with block_size % 16 == 0 (where the CPU has AMX),
 # AVX-512 scores otherwise (a float32 q, or other block sizes): vdpbf16ps on a bf16 q where the CPU
 # has AVX512-BF16 and no AMX, float32 FMAs on a float32 q; a long sequence (or a batch of one) is cut
-# into segments of a fixed number of blocks, spread across the threads, whose partial results are merged.
+# into segments of a fixed number of blocks (4), spread across the threads, whose partial results are merged.
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_size", [16, 32, 8])
 @pytest.mark.parametrize("head_dim, group, kv_heads", [(64, 3, 3), (64, 1, 2), (64, 5, 1), (128, 8, 1), (128, 2, 2)])

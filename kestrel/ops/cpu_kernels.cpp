@@ -2202,23 +2202,6 @@ void q6k_byte_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p)
   }
 }
 
-// Q8_0: each pair of k-rows as 16 columns' pairs of int8 q (bytes 2c, 2c + 1: column c's k-rows).
-void q8_0_word_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const uint8_t* block = int8_block<32>(wq, K, n, b);
-    std::memcpy(p.scale + b * kPanelCols, block_scales(block), kQuantScaleBytes);
-    for (int64_t k = 0; k < 32; k += 2) {
-      const int8_t* rows = block_int8(block) + k * kPanelCols;
-      const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows));
-      const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + kPanelCols));
-      const __m128i pairs[2] = {_mm_unpacklo_epi8(r0, r1), _mm_unpackhi_epi8(r0, r1)};
-      __m128i* dst = reinterpret_cast<__m128i*>(p.q + (b * 32 + k) * kPanelCols);
-      _mm_storeu_si128(dst, pairs[0]);
-      _mm_storeu_si128(dst + 1, pairs[1]);
-    }
-  }
-}
-
 // 16 bits as 16 bytes, 16 where the bit is set, else 0.
 inline __m128i fifth_bit_bytes(uint32_t bits) {
   const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>(bits & 0xFFFF)),
@@ -2284,8 +2267,7 @@ void q5k_word_panel(const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p)
 void word_panel(int64_t format, const uint8_t* wq, int64_t K, int64_t n, const BytePanel& p) {
   if (format == kGgufQ4_1) q4_1_like_word_panel<false>(wq, K, n, p);
   else if (format == kGgufQ5) q4_1_like_word_panel<true>(wq, K, n, p);
-  else if (format == kGgufQ5_K) q5k_word_panel(wq, K, n, p);
-  else q8_0_word_panel(wq, K, n, p);
+  else q5k_word_panel(wq, K, n, p);
 }
 
 inline VecI four_activations(const int8_t* q) {
@@ -2402,63 +2384,150 @@ __attribute__((noinline)) void q6k_byte_tile(const ByteActivations& a, int64_t m
   store_tile<MR, V>(total, out);
 }
 
+// Where a word tile reads a panel's weights: a made panel (Q4_1 and Q5: their q unpacked to Q8_0's pairs
+// of k-rows), or Q8_0's packed blocks as they are, each pair of k-rows interleaved as it is loaded (no
+// panel made a call: at one row, making the default model's head panel by panel cost more than its
+// products).
+struct MadeWords {
+  BytePanel p;
+  const int8_t* rows(int64_t j) const { return reinterpret_cast<const int8_t*>(p.q) + j * kByteBlock * kPanelCols; }
+  static VecI words(const int8_t* rows, int64_t k, int v) { return load_i8_words(rows + k * kPanelCols + v * 2 * kLanes); }
+  const float* d(int64_t j) const { return p.scale + j * kPanelCols; }
+  const float* offset(int64_t j) const { return p.offset + j * kPanelCols; }
+};
+
+struct Q8_0BlockWords {
+  const uint8_t* wq;
+  int64_t K, n;   // the panel of column n
+  const int8_t* rows(int64_t j) const { return block_int8(int8_block<32>(wq, K, n, j)); }
+  static VecI words(const int8_t* rows, int64_t k, int v) {
+    return load_i8_pair_words(rows + k * kPanelCols, rows + (k + 1) * kPanelCols, v);
+  }
+  const float* d(int64_t j) const { return block_scales(int8_block<32>(wq, K, n, j)); }
+};
+
 // Q8_0 (and Q4_1, Q5) against the 16-bit activations (WordActivations): each column's pair of q, widened
 // to 16 bits, against a pair of X in vpmaddwd, summed exactly in 32 bits over a block (at most 32 x 128
-// x 2^15 = 2^27), then times d unit in float32; Q4_1 and Q5 last minus their offsets times each block's
-// sum of x.
-template <int64_t Format, int MR>
-__attribute__((noinline)) void word_tile(const WordActivations& a, int64_t m0, const BytePanel& p, float (*out)[kPanelCols]) {
-  constexpr int V = kPanelVecs;
+// x 2^15 = 2^27), then in float32: Q8_0 times d unit into the row's total; Q4_1 and Q5 as their streamed
+// tiles (q4_stream_panels) sum them, the block's sum times its unit, times d, minus offset x the block's
+// sum of x, into a piece of kQ4KSubs blocks, the pieces added in order into `out`. Either way a row's
+// result is the same bits at every row count (batch invariance).
+// Panels side by side in a word tile, so that each broadcast pair of x serves more columns: 2 with
+// AVX-512 (6 rows x 2 panels: 12 integer and 12 float32 accumulators), 1 on AVX2's 16 registers.
+constexpr int kWordPanels = kPanelVecs == 1 ? 2 : 1;
+
+template <int64_t Format, int MR, int P, typename Words>
+__attribute__((noinline)) void word_tile(const WordActivations& a, int64_t m0, const Words* src,
+                                         float (*out)[kPanelCols]) {
+  // out: panel p's row m at out[p * kByteRows + m]
+  constexpr int V = kPanelVecs, PV = P * V;
   const int64_t K = a.K, blocks = K / kByteBlock;
   const int16_t* x = a.X + m0 * K;
   const float* unit = a.unit + m0 * blocks;
   const float* sum = a.sum + m0 * blocks;
-  const int8_t* q = reinterpret_cast<const int8_t*>(p.q);
-  VecF total[MR][V], piece[MR][V];
+  VecF total[MR][PV];   // Q8_0: the rows' sums; Q4_1 and Q5: the current piece's
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < V; ++v) total[m][v] = piece[m][v] = zero();
+    for (int i = 0; i < PV; ++i) total[m][i] = zero();
+  // Integer sums are exact in any order: with one or two rows, A accumulators a row take the k-pairs in
+  // turn, so that the multiply-adds do not wait on each other (a decode step's output head at one row).
+  constexpr int A = MR == 1 ? 4 / P : MR == 2 ? 2 / P : 1;
   for (int64_t j = 0; j < blocks; ++j) {
-    VecI acc[MR][V];
-    for (int m = 0; m < MR; ++m)
-      for (int v = 0; v < V; ++v) acc[m][v] = zero_i();
+    const int8_t* rows[P];
+    for (int p = 0; p < P; ++p) rows[p] = src[p].rows(j);
+    VecI part[A][MR][PV];
+    for (int i = 0; i < A; ++i)
+      for (int m = 0; m < MR; ++m)
+        for (int c = 0; c < PV; ++c) part[i][m][c] = zero_i();
 #pragma GCC unroll 16
-    for (int64_t k = j * kByteBlock; k < (j + 1) * kByteBlock; k += 2) {
-      VecI w[V];
-      for (int v = 0; v < V; ++v) w[v] = in_register_i(load_i8_words(q + k * kPanelCols + v * 2 * kLanes));
+    for (int64_t k = 0; k < kByteBlock; k += 2) {
+      VecI (&acc)[MR][PV] = part[(k / 2) % A];
+      VecI w[PV];
+      for (int p = 0; p < P; ++p)
+        for (int v = 0; v < V; ++v) w[p * V + v] = in_register_i(Words::words(rows[p], k, v));
       for (int m = 0; m < MR; ++m) {
         int32_t pair;
-        std::memcpy(&pair, x + m * K + k, sizeof pair);
+        std::memcpy(&pair, x + m * K + j * kByteBlock + k, sizeof pair);
         const VecI x2 = splat_i(pair);
-        for (int v = 0; v < V; ++v) acc[m][v] = add_word_products(acc[m][v], w[v], x2);
+        for (int c = 0; c < PV; ++c) acc[m][c] = add_word_products(acc[m][c], w[c], x2);
       }
       for (int m = 0; m < MR; ++m)
-        for (int v = 0; v < V; ++v) keep_in_register(acc[m][v]);
+        for (int c = 0; c < PV; ++c) keep_in_register(acc[m][c]);
     }
-    if constexpr (Format == kGgufQ8_0) {
-      for (int v = 0; v < V; ++v) {
-        const VecF d = load_f32(p.scale + j * kPanelCols + v * kLanes);
-        for (int m = 0; m < MR; ++m) total[m][v] = fma(to_float_lanes(acc[m][v]), mul(d, splat(unit[m * blocks + j])), total[m][v]);
-      }
-    } else {
-      // Q4_1 and Q5 as their streamed tiles (q4_stream_panels) sum them: a block's exact integer sum
-      // times its unit, times d, minus offset x sum, into its piece of kQ4KSubs blocks; the pieces
-      // added in order. So a row's result is the same at every row count (batch invariance).
-      for (int v = 0; v < V; ++v) {
-        const VecF d = load_f32(p.scale + j * kPanelCols + v * kLanes);
-        const VecF o = load_f32(p.offset + j * kPanelCols + v * kLanes);
-        for (int m = 0; m < MR; ++m) {
-          const VecF dot = mul(to_float_lanes(acc[m][v]), splat(unit[m * blocks + j]));
-          piece[m][v] = fnmadd(o, splat(sum[m * blocks + j]), fma(d, dot, piece[m][v]));
+    VecI (&acc)[MR][PV] = part[0];
+    for (int i = 1; i < A; ++i)
+      for (int m = 0; m < MR; ++m)
+        for (int c = 0; c < PV; ++c) acc[m][c] = add_lanes(acc[m][c], part[i][m][c]);
+    for (int p = 0; p < P; ++p) {
+      const float* d = src[p].d(j);
+      if constexpr (Format == kGgufQ8_0) {
+        for (int v = 0; v < V; ++v) {
+          const VecF dv = load_f32(d + v * kLanes);
+          for (int m = 0; m < MR; ++m) {
+            VecF& t = total[m][p * V + v];
+            t = fma(to_float_lanes(acc[m][p * V + v]), mul(dv, splat(unit[m * blocks + j])), t);
+          }
+        }
+      } else {
+        const float* offset = src[p].offset(j);
+        for (int v = 0; v < V; ++v) {
+          const VecF dv = load_f32(d + v * kLanes), o = load_f32(offset + v * kLanes);
+          for (int m = 0; m < MR; ++m) {
+            VecF& t = total[m][p * V + v];
+            const VecF dot = mul(to_float_lanes(acc[m][p * V + v]), splat(unit[m * blocks + j]));
+            t = fnmadd(o, splat(sum[m * blocks + j]), fma(dv, dot, t));
+          }
         }
       }
-      if (j % kQ4KSubs == kQ4KSubs - 1 || j == blocks - 1) {
-        add_piece<MR, V>(total, piece, j < kQ4KSubs);
+    }
+    if constexpr (Format != kGgufQ8_0) {
+      if (j % kQ4KSubs == kQ4KSubs - 1 || j == blocks - 1) {   // the piece ends: into out, in order
         for (int m = 0; m < MR; ++m)
-          for (int v = 0; v < V; ++v) piece[m][v] = zero();
+          for (int p = 0; p < P; ++p)
+            for (int v = 0; v < V; ++v) {
+              float* o = out[p * kByteRows + m] + v * kLanes;
+              VecF& t = total[m][p * V + v];
+              store(o, j < kQ4KSubs ? t : add(load_f32(o), t));
+              t = zero();
+            }
       }
     }
   }
-  store_tile<MR, V>(total, out);
+  if constexpr (Format == kGgufQ8_0) {
+    for (int m = 0; m < MR; ++m)
+      for (int p = 0; p < P; ++p)
+        for (int v = 0; v < V; ++v) store(out[p * kByteRows + m] + v * kLanes, total[m][p * V + v]);
+  }
+}
+
+// rows (1 .. kByteRows) rows from m0 on P word panels.
+template <int64_t Format, int P, int MR = kByteRows, typename Words>
+void word_tile_rows(int rows, const WordActivations& words, int64_t m0, const Words* src, float (*out)[kPanelCols]) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return word_tile_rows<Format, P, MR - 1>(rows, words, m0, src, out);
+  }
+  word_tile<Format, MR, P>(words, m0, src, out);
+}
+
+// The columns [n0, n1) of a Q8_0 segment (Q8_0 and Q5_0), every row on the word tiles, read straight
+// from the packed blocks: kWordPanels panels at a time, kByteRows rows at a time down them.
+template <typename Out>
+void q8_0_columns(const WordActivations& words, const GgufSegment& s, int64_t M, int64_t n0, int64_t n1,
+                  const Out& out) {
+  alignas(64) float tile[kWordPanels * kByteRows][kPanelCols];
+  const auto run = [&](auto Pc, int64_t n) {
+    constexpr int P = decltype(Pc)::value;
+    Q8_0BlockWords src[P];
+    for (int p = 0; p < P; ++p) src[p] = Q8_0BlockWords{s.data, words.K, n + p * kPanelCols};
+    for (int64_t m = 0; m < M; m += kByteRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kByteRows, M - m));
+      word_tile_rows<kGgufQ8_0, P>(rows, words, m, src, tile);
+      for (int p = 0; p < P; ++p)
+        for (int r = 0; r < rows; ++r) out.row(m + r, n + p * kPanelCols, tile[p * kByteRows + r], kPanelCols);
+    }
+  };
+  int64_t n = n0;
+  for (; n + kWordPanels * kPanelCols <= n1; n += kWordPanels * kPanelCols) run(std::integral_constant<int, kWordPanels>{}, n);
+  for (; n < n1; n += kPanelCols) run(std::integral_constant<int, 1>{}, n);
 }
 
 // Whether the format's unpacked panels meet the 16-bit activations (the word tiles), not the 8-bit ones.
@@ -2475,8 +2544,10 @@ void byte_tile_rows(int64_t format, int rows, const ByteActivations& a, const Wo
   }
   if (format == kGgufQ4_K) q4k_byte_tile<MR>(a, m0, p, out);
   else if (format == kGgufQ6_K) q6k_byte_tile<MR>(a, m0, p, out);
-  else if (format == kGgufQ8_0) word_tile<kGgufQ8_0, MR>(words, m0, p, out);
-  else word_tile<kGgufQ4_1, MR>(words, m0, p, out);   // Q4_1 and the Q5s: the same panel, with offsets
+  else {   // Q4_1 and the Q5s: one panel, with offsets
+    const MadeWords made{p};
+    word_tile<kGgufQ4_1, MR, 1>(words, m0, &made, out);
+  }
 }
 
 // The columns [n0, n1) of a segment on the byte tiles (Q8_0: the word tiles): its panels made once,
@@ -2500,6 +2571,40 @@ void byte_columns(const ByteActivations& a, const WordActivations& words, const 
   };
   thread_local BytePanels made;
   const int64_t row_block = std::max<int64_t>(kByteRows, kByteRowBlockBytes / K / kByteRows * kByteRows);
+  if (on_words(s.format) && kWordPanels > 1) {
+    // Q4_1 and the Q5s: kWordPanels made panels side by side in each word tile.
+    alignas(64) float wtile[kWordPanels * kByteRows][kPanelCols];
+    const auto group_rows = [&](auto Pc, int64_t p, int first_made, int64_t m_begin, int64_t m_end) {
+      constexpr int P = decltype(Pc)::value;
+      MadeWords src[P];
+      for (int i = 0; i < P; ++i) src[i] = MadeWords{made.at(first_made + i)};
+      for (int64_t m = m_begin; m < m_end; m += kByteRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kByteRows, m_end - m));
+        word_tile_rows<kGgufQ4_1, P>(rows, words, m, src, wtile);
+        for (int i = 0; i < P; ++i)
+          for (int r = 0; r < rows; ++r)
+            out.row(m + r, n0 + (p + i) * kPanelCols, wtile[i * kByteRows + r], kPanelCols);
+      }
+    };
+    const bool panel_by_panel = M <= std::max(row_block, kByteRowsPanelByPanel);
+    made.hold(panel_by_panel ? kWordPanels : panels, K);
+    if (!panel_by_panel)
+      for (int64_t p = 0; p < panels; ++p) make(p, made.at(p));
+    for (int64_t m1 = 0; m1 < M; m1 += panel_by_panel ? M : row_block) {
+      const int64_t m2 = panel_by_panel ? M : std::min(M, m1 + row_block);
+      int64_t p = 0;
+      for (; p + kWordPanels <= panels; p += kWordPanels) {
+        if (panel_by_panel)
+          for (int i = 0; i < kWordPanels; ++i) make(p + i, made.at(i));
+        group_rows(std::integral_constant<int, kWordPanels>{}, p, panel_by_panel ? 0 : static_cast<int>(p), m1, m2);
+      }
+      for (; p < panels; ++p) {
+        if (panel_by_panel) make(p, made.at(0));
+        group_rows(std::integral_constant<int, 1>{}, p, panel_by_panel ? 0 : static_cast<int>(p), m1, m2);
+      }
+    }
+    return;
+  }
   if (M <= std::max(row_block, kByteRowsPanelByPanel)) {
     // Few rows (decode steps): each panel made just before its rows run, while it is in L1 and L2,
     // instead of all of them written out to memory and read back (16 rows: 108 against 82 GFLOP/s).
@@ -2526,7 +2631,8 @@ void gguf_columns(const float* x, const WordActivations* activations, const Spli
                   const ByteActivations* bytes, const GgufSegment& s, int64_t M, int64_t K, int64_t n0, int64_t n1,
                   const Out& out) {
   const ColumnsFrom<Out> shifted{out, s.panel0 * kPanelCols};
-  if (on_unpacked_panels(s.format, M)) byte_columns(*bytes, *activations, s, M, n0, n1, shifted);
+  if (s.format == kGgufQ8_0) q8_0_columns(*activations, s, M, n0, n1, shifted);
+  else if (on_unpacked_panels(s.format, M)) byte_columns(*bytes, *activations, s, M, n0, n1, shifted);
   else if (s.format == kGgufQ6_K) quant_row_groups(ByteLaneFormat<ByteLaneQ6K>{split}, x, s.data, M, K, n0, n1, shifted);
   else if (s.format == kGgufQ5_K) quant_row_groups(ByteLaneFormat<ByteLaneQ5K>{split}, x, s.data, M, K, n0, n1, shifted);
   else if (s.format == kGgufQ5) quant_row_groups(Q4Format<Q5Blocks>{activations}, x, s.data, M, K, n0, n1, shifted);

@@ -61,7 +61,7 @@ constexpr float kMaxSlack = 8.f;
 inline VecF bf16_even(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
 inline VecF bf16_odd(__m512i x) { return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(0xFFFF0000))); }
 
-constexpr int64_t kSegmentBlocks = 8;  // blocks of a sequence one thread walks in one piece
+constexpr int64_t kSegmentBlocks = 4;  // blocks of a sequence one thread walks in one piece
 constexpr int kPrefetchChunks = 1;  // how far ahead (in chunks) whole blocks are prefetched
 #if defined(__AVX512BF16__)
 #define KESTREL_BF16_DOT 1  // vdpbf16ps: the scores of a bf16 q without widening K

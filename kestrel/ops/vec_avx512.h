@@ -52,6 +52,13 @@ inline void load_panel_row(const uint16_t* p, VecF b[1]) {
 // summed into 32-bit lanes (vpmaddwd).
 inline VecI load_u8_words(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline VecI load_i8_words(const int8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+// Two rows of 16 int8 interleaved into 16 pairs (row0[c], row1[c]) widened to 16-bit lanes: vector v of
+// 2 kLanes lanes (here the only one, v = 0), as load_i8_words reads rows interleaved in memory.
+inline VecI load_i8_pair_words(const int8_t* row0, const int8_t* row1, int /*v*/) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row0));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row1));
+  return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+}
 inline VecI low_nibble_words(VecI w) { return _mm512_and_si512(w, _mm512_set1_epi16(15)); }
 inline VecI low_nibble_bytes(VecI w) { return _mm512_and_si512(w, _mm512_set1_epi8(15)); }
 inline VecI high_nibble_bytes(VecI w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(15)); }
