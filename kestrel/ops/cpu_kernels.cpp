@@ -44,7 +44,6 @@
 #include <limits>
 #include <type_traits>
 #include <utility>
-#include <cstdlib>
 #include <vector>
 
 namespace {

@@ -477,170 +477,170 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
     const int64_t lo = total * t / nthreads, hi = total * (t + 1) / nthreads;
     int64_t s = std::upper_bound(cum.begin(), cum.end(), lo) - cum.begin() - 1;
     for (; s < num_seqs && cum[s] < hi; ++s) {
-     const int64_t nb = cum[s + 1] - cum[s], nseg = seg_cum[s + 1] - seg_cum[s];
-     for (int64_t seg = 0; seg < nseg; ++seg) {
-      if (cum[s] + seg * kSegmentBlocks < lo || cum[s] + seg * kSegmentBlocks >= hi) continue;  // another thread's
-      // Segment seg of sequence s: blocks [b0, b1).
-      const int64_t b0 = seg * kSegmentBlocks, b1 = std::min(nb, b0 + kSegmentBlocks);
-      const int64_t len = lens[s];
-      const int64_t* table = tables + s * max_blocks;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        PairState<D, G>& st = hs[h].st;
-        for (int j = 0; j < G; ++j) {
-          st.m[j] = -std::numeric_limits<float>::infinity();
-          st.l[j] = zero();
-          hs[h].lv[j] = zero();
-          for (int c = 0; c < D / kLanes; ++c) store(st.acc[j] + c * kLanes, zero());
-        }
-        if constexpr (AMX) {
-          const uint32_t* qd = static_cast<const uint32_t*>(qp) + (s * num_heads + h * G) * D / 2;
-          for (int j = 0; j < G; ++j)
-            for (int c = 0; c < C2; ++c)
-              for (int i = 0; i < 16; ++i) hs[h].qt[c][i][j] = qd[j * (D / 2) + 16 * c + i];
-        } else if constexpr (DOT) {
+      const int64_t nb = cum[s + 1] - cum[s], nseg = seg_cum[s + 1] - seg_cum[s];
+      for (int64_t seg = 0; seg < nseg; ++seg) {
+        if (cum[s] + seg * kSegmentBlocks < lo || cum[s] + seg * kSegmentBlocks >= hi) continue;  // another thread's
+        // Segment seg of sequence s: blocks [b0, b1).
+        const int64_t b0 = seg * kSegmentBlocks, b1 = std::min(nb, b0 + kSegmentBlocks);
+        const int64_t len = lens[s];
+        const int64_t* table = tables + s * max_blocks;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          PairState<D, G>& st = hs[h].st;
+          for (int j = 0; j < G; ++j) {
+            st.m[j] = -std::numeric_limits<float>::infinity();
+            st.l[j] = zero();
+            hs[h].lv[j] = zero();
+            for (int c = 0; c < D / kLanes; ++c) store(st.acc[j] + c * kLanes, zero());
+          }
+          if constexpr (AMX) {
+            const uint32_t* qd = static_cast<const uint32_t*>(qp) + (s * num_heads + h * G) * D / 2;
+            for (int j = 0; j < G; ++j)
+              for (int c = 0; c < C2; ++c)
+                for (int i = 0; i < 16; ++i) hs[h].qt[c][i][j] = qd[j * (D / 2) + 16 * c + i];
+          } else if constexpr (DOT) {
 #ifdef KESTREL_BF16_DOT
-          st.scale = scale;
-          for (int j = 0; j < G; ++j) {
-            const uint16_t* qb = static_cast<const uint16_t*>(qp) + (s * num_heads + h * G + j) * D;
-            for (int c = 0; c < C2; ++c) st.qb[j][c] = (__m512bh)_mm512_loadu_si512(qb + 32 * c);
+            st.scale = scale;
+            for (int j = 0; j < G; ++j) {
+              const uint16_t* qb = static_cast<const uint16_t*>(qp) + (s * num_heads + h * G + j) * D;
+              for (int c = 0; c < C2; ++c) st.qb[j][c] = (__m512bh)_mm512_loadu_si512(qb + 32 * c);
+            }
+#endif
+          } else {
+            const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+            const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+            for (int j = 0; j < G; ++j) {
+              const float* qf = static_cast<const float*>(qp) + (s * num_heads + h * G + j) * D;
+              for (int c = 0; c < C2; ++c) {
+                const VecF lo16 = _mm512_mul_ps(load_f32(qf + 32 * c), splat(scale));
+                const VecF hi16 = _mm512_mul_ps(load_f32(qf + 32 * c + 16), splat(scale));
+                st.qe[j][c] = _mm512_permutex2var_ps(lo16, ev, hi16);
+                st.qo[j][c] = _mm512_permutex2var_ps(lo16, od, hi16);
+              }
+            }
+          }
+        }
+        asm volatile("" ::: "memory");  // the AMX tile loads below read qt
+
+        // The next chunk of the segment (tiles for head 0) from cursor (block b, row o); the blocks
+        // it starts go to blocks[0, nblk).
+        auto next_chunk = [&](TileRef* tl, int64_t& b, int64_t& o, int64_t* blocks, int& nblk) {
+          int nt = 0;
+          nblk = 0;
+          while (nt < CT && b < b1) {
+            const int64_t off = table[b] * block_size * stride + o * stride;
+            const int64_t ntok = std::min(block_size, len - b * block_size);
+            if (o == 0) blocks[nblk++] = table[b];
+            tl[nt++] = {kp + off, vp + off, static_cast<int>(std::min<int64_t>(16, ntok - o))};
+            o += 16;
+            if (o >= ntok) { ++b; o = 0; }
+          }
+          return nt;
+        };
+        // Prefetch cursor kPrefetchChunks chunks ahead: each (chunk, head) unit prefetches a
+        // kv_heads-th of the blocks of that chunk, all heads' rows (whole blocks, contiguous).
+        int64_t pf_b = b0, pf_o = 0, pf_blocks[CT];
+        int pf_n = 0;
+        TileRef scratch[CT];
+        for (int d = 0; d <= kPrefetchChunks; ++d) next_chunk(scratch, pf_b, pf_o, pf_blocks, pf_n);
+        std::vector<const char*> pf_list;  // without AMX: the lines chunk_avx prefetches as it goes
+        auto prefetch_part = [&](int64_t h) {
+          pf_list.clear();
+          for (int i = 0; i < pf_n; ++i) {
+            const char* kb = reinterpret_cast<const char*>(kp + pf_blocks[i] * block_size * stride);
+            const char* vb = reinterpret_cast<const char*>(vp + pf_blocks[i] * block_size * stride);
+            for (int64_t o = pf_from[h]; o < pf_from[h + 1]; o += 64) {
+              if constexpr (AMX) {
+                _mm_prefetch(kb + o, _MM_HINT_T0);
+                _mm_prefetch(vb + o, _MM_HINT_T0);
+              } else {
+                pf_list.push_back(kb + o);
+                pf_list.push_back(vb + o);
+              }
+            }
+          }
+          if (h == kv_heads - 1) next_chunk(scratch, pf_b, pf_o, pf_blocks, pf_n);
+        };
+
+        // Units (chunk, head) in order, two in flight: with AMX the next unit's scores are started
+        // before this one's softmax and V rows.
+        int64_t cb = b0, co = 0, unused_blocks[CT];
+        int unused_n;
+        TileRef base[CT], tl[2][CT];
+        int nbase = next_chunk(base, cb, co, unused_blocks, unused_n);
+        auto head_tiles = [&](int64_t h, TileRef* dst) {
+          for (int i = 0; i < nbase; ++i) dst[i] = {base[i].k + h * D, base[i].v + h * D, base[i].n};
+          return nbase;
+        };
+        alignas(64) float pbuf[2][CT][16 * G];
+#ifdef KESTREL_AMX
+        auto start_scores = [&](const TileRef* tiles, int nt, int64_t h, float* p) {
+          _tile_loadd(4, hs[h].qt[0], G * 4);
+          _tile_loadd(5, hs[h].qt[1], G * 4);
+          if constexpr (D == 128) {
+            _tile_loadd(6, hs[h].qt[2], G * 4);
+            _tile_loadd(7, hs[h].qt[3], G * 4);
+          }
+          amx_chunk_scores<D, G>(tiles, nt, stride, p);
+        };
+#endif
+        int cur = 0, ntl[2];
+        int64_t uh = 0;  // the current unit's head
+        ntl[0] = head_tiles(0, tl[0]);
+#ifdef KESTREL_AMX
+        if constexpr (AMX) start_scores(tl[0], ntl[0], 0, &pbuf[0][0][0]);
+#endif
+        while (ntl[cur] > 0) {
+          int64_t nh = uh + 1;  // the next unit: the next head, or head 0 of the next chunk
+          if (nh == kv_heads) {
+            nh = 0;
+            nbase = next_chunk(base, cb, co, unused_blocks, unused_n);
+          }
+          ntl[cur ^ 1] = head_tiles(nh, tl[cur ^ 1]);
+          prefetch_part(uh);
+#ifdef KESTREL_AMX
+          if constexpr (AMX) {
+            if (ntl[cur ^ 1] > 0) start_scores(tl[cur ^ 1], ntl[cur ^ 1], nh, &pbuf[cur ^ 1][0][0]);
+            chunk_amx<D, G>(hs[uh].st, hs[uh].lv, tl[cur], ntl[cur], stride, scale, pbuf[cur]);
           }
 #endif
-        } else {
-          const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-          const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-          for (int j = 0; j < G; ++j) {
-            const float* qf = static_cast<const float*>(qp) + (s * num_heads + h * G + j) * D;
-            for (int c = 0; c < C2; ++c) {
-              const VecF lo16 = _mm512_mul_ps(load_f32(qf + 32 * c), splat(scale));
-              const VecF hi16 = _mm512_mul_ps(load_f32(qf + 32 * c + 16), splat(scale));
-              st.qe[j][c] = _mm512_permutex2var_ps(lo16, ev, hi16);
-              st.qo[j][c] = _mm512_permutex2var_ps(lo16, od, hi16);
+          if constexpr (!AMX) chunk_avx<D, G, DOT>(hs[uh].st, tl[cur], ntl[cur], stride, pf_list.data(), (int)pf_list.size());
+          cur ^= 1;
+          uh = nh;
+        }
+
+        const bool whole = nseg == 1;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          PairState<D, G>& st = hs[h].st;
+          float lsum[G];
+          if constexpr (AMX) {
+            alignas(64) float lb[16 * G];
+            for (int v = 0; v < G; ++v) store(lb + 16 * v, hs[h].lv[v]);
+            for (int j = 0; j < G; ++j) {
+              lsum[j] = 0.f;
+              for (int r = 0; r < 16; ++r) lsum[j] += lb[r * G + j];
+            }
+          } else {
+            for (int j = 0; j < G; ++j) lsum[j] = hsum(st.l[j]);
+          }
+          if (whole) {
+            for (int j = 0; j < G; ++j) {
+              const VecF inv = splat(1.f / lsum[j]);
+              float* dst = op + (s * num_heads + h * G + j) * D;
+              for (int c = 0; c < C2; ++c)
+                store_interleaved(dst + 32 * c, load_f32(st.acc[j] + 32 * c), load_f32(st.acc[j] + 32 * c + 16), inv);
+            }
+          } else {
+            Partial<D, G>& part = partials[(seg_cum[s] + seg) * kv_heads + h];
+            for (int j = 0; j < G; ++j) {
+              part.m[j] = st.m[j];
+              part.l[j] = lsum[j];
+              for (int c = 0; c < C2; ++c)
+                store_interleaved(part.acc[j] + 32 * c, load_f32(st.acc[j] + 32 * c), load_f32(st.acc[j] + 32 * c + 16),
+                                  splat(1.f));
             }
           }
         }
       }
-      asm volatile("" ::: "memory");  // the AMX tile loads below read qt
-
-      // The next chunk of the segment (tiles for head 0) from cursor (block b, row o); the blocks
-      // it starts go to blocks[0, nblk).
-      auto next_chunk = [&](TileRef* tl, int64_t& b, int64_t& o, int64_t* blocks, int& nblk) {
-        int nt = 0;
-        nblk = 0;
-        while (nt < CT && b < b1) {
-          const int64_t off = table[b] * block_size * stride + o * stride;
-          const int64_t ntok = std::min(block_size, len - b * block_size);
-          if (o == 0) blocks[nblk++] = table[b];
-          tl[nt++] = {kp + off, vp + off, static_cast<int>(std::min<int64_t>(16, ntok - o))};
-          o += 16;
-          if (o >= ntok) { ++b; o = 0; }
-        }
-        return nt;
-      };
-      // Prefetch cursor kPrefetchChunks chunks ahead: each (chunk, head) unit prefetches a
-      // kv_heads-th of the blocks of that chunk, all heads' rows (whole blocks, contiguous).
-      int64_t pf_b = b0, pf_o = 0, pf_blocks[CT];
-      int pf_n = 0;
-      TileRef scratch[CT];
-      for (int d = 0; d <= kPrefetchChunks; ++d) next_chunk(scratch, pf_b, pf_o, pf_blocks, pf_n);
-      std::vector<const char*> pf_list;  // without AMX: the lines chunk_avx prefetches as it goes
-      auto prefetch_part = [&](int64_t h) {
-        pf_list.clear();
-        for (int i = 0; i < pf_n; ++i) {
-          const char* kb = reinterpret_cast<const char*>(kp + pf_blocks[i] * block_size * stride);
-          const char* vb = reinterpret_cast<const char*>(vp + pf_blocks[i] * block_size * stride);
-          for (int64_t o = pf_from[h]; o < pf_from[h + 1]; o += 64) {
-            if constexpr (AMX) {
-              _mm_prefetch(kb + o, _MM_HINT_T0);
-              _mm_prefetch(vb + o, _MM_HINT_T0);
-            } else {
-              pf_list.push_back(kb + o);
-              pf_list.push_back(vb + o);
-            }
-          }
-        }
-        if (h == kv_heads - 1) next_chunk(scratch, pf_b, pf_o, pf_blocks, pf_n);
-      };
-
-      // Units (chunk, head) in order, two in flight: with AMX the next unit's scores are started
-      // before this one's softmax and V rows.
-      int64_t cb = b0, co = 0, unused_blocks[CT];
-      int unused_n;
-      TileRef base[CT], tl[2][CT];
-      int nbase = next_chunk(base, cb, co, unused_blocks, unused_n);
-      auto head_tiles = [&](int64_t h, TileRef* dst) {
-        for (int i = 0; i < nbase; ++i) dst[i] = {base[i].k + h * D, base[i].v + h * D, base[i].n};
-        return nbase;
-      };
-      alignas(64) float pbuf[2][CT][16 * G];
-#ifdef KESTREL_AMX
-      auto start_scores = [&](const TileRef* tiles, int nt, int64_t h, float* p) {
-        _tile_loadd(4, hs[h].qt[0], G * 4);
-        _tile_loadd(5, hs[h].qt[1], G * 4);
-        if constexpr (D == 128) {
-          _tile_loadd(6, hs[h].qt[2], G * 4);
-          _tile_loadd(7, hs[h].qt[3], G * 4);
-        }
-        amx_chunk_scores<D, G>(tiles, nt, stride, p);
-      };
-#endif
-      int cur = 0, ntl[2];
-      int64_t uh = 0;  // the current unit's head
-      ntl[0] = head_tiles(0, tl[0]);
-#ifdef KESTREL_AMX
-      if constexpr (AMX) start_scores(tl[0], ntl[0], 0, &pbuf[0][0][0]);
-#endif
-      while (ntl[cur] > 0) {
-        int64_t nh = uh + 1;  // the next unit: the next head, or head 0 of the next chunk
-        if (nh == kv_heads) {
-          nh = 0;
-          nbase = next_chunk(base, cb, co, unused_blocks, unused_n);
-        }
-        ntl[cur ^ 1] = head_tiles(nh, tl[cur ^ 1]);
-        prefetch_part(uh);
-#ifdef KESTREL_AMX
-        if constexpr (AMX) {
-          if (ntl[cur ^ 1] > 0) start_scores(tl[cur ^ 1], ntl[cur ^ 1], nh, &pbuf[cur ^ 1][0][0]);
-          chunk_amx<D, G>(hs[uh].st, hs[uh].lv, tl[cur], ntl[cur], stride, scale, pbuf[cur]);
-        }
-#endif
-        if constexpr (!AMX) chunk_avx<D, G, DOT>(hs[uh].st, tl[cur], ntl[cur], stride, pf_list.data(), (int)pf_list.size());
-        cur ^= 1;
-        uh = nh;
-      }
-
-      const bool whole = nseg == 1;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        PairState<D, G>& st = hs[h].st;
-        float lsum[G];
-        if constexpr (AMX) {
-          alignas(64) float lb[16 * G];
-          for (int v = 0; v < G; ++v) store(lb + 16 * v, hs[h].lv[v]);
-          for (int j = 0; j < G; ++j) {
-            lsum[j] = 0.f;
-            for (int r = 0; r < 16; ++r) lsum[j] += lb[r * G + j];
-          }
-        } else {
-          for (int j = 0; j < G; ++j) lsum[j] = hsum(st.l[j]);
-        }
-        if (whole) {
-          for (int j = 0; j < G; ++j) {
-            const VecF inv = splat(1.f / lsum[j]);
-            float* dst = op + (s * num_heads + h * G + j) * D;
-            for (int c = 0; c < C2; ++c)
-              store_interleaved(dst + 32 * c, load_f32(st.acc[j] + 32 * c), load_f32(st.acc[j] + 32 * c + 16), inv);
-          }
-        } else {
-          Partial<D, G>& part = partials[(seg_cum[s] + seg) * kv_heads + h];
-          for (int j = 0; j < G; ++j) {
-            part.m[j] = st.m[j];
-            part.l[j] = lsum[j];
-            for (int c = 0; c < C2; ++c)
-              store_interleaved(part.acc[j] + 32 * c, load_f32(st.acc[j] + 32 * c), load_f32(st.acc[j] + 32 * c + 16),
-                                splat(1.f));
-          }
-        }
-      }
-     }
     }
 #ifdef KESTREL_AMX
     if constexpr (AMX) _tile_release();

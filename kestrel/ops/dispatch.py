@@ -268,6 +268,14 @@ def _bf16_kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             and x.shape[1] % 32 == 0 and weight.dtype == torch.bfloat16 and weight.is_contiguous())
 
 
+def _on_packed(kernel: Linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """kernel(x, weight) for x of any leading dims, on a weight pack_bf16_weight packed (which has no
+    PyTorch fallback: every call goes to the kernel), plus the bias in the model dtype."""
+    y = kernel(x.reshape(-1, x.shape[-1]), weight)
+    y = y.view(*x.shape[:-1], y.shape[-1])
+    return y if bias is None else y + bias
+
+
 def _amx_linear(gemv) -> LinearOps:
     amx, avx512 = gemv.linear_bf16_amx, gemv.linear_bf16_avx512
 
@@ -300,15 +308,9 @@ def _avx512_bf16_linear(gemv) -> LinearOps:
     assert AVX512_MAX_ROWS == AMX_MAX_ROWS
     avx512 = gemv.linear_bf16_avx512
 
-    def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """A packed weight has no PyTorch fallback: every call goes to the kernel."""
-        y = avx512(x.reshape(-1, x.shape[-1]), weight)
-        y = y.view(*x.shape[:-1], y.shape[-1])
-        return y if bias is None else y + bias
-
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if weight.dim() == 3:
-            return packed_linear(x, weight, bias)
+            return _on_packed(avx512, x, weight, bias)
         return avx512(x, weight) if _bf16_kernel_takes(x, weight, bias) else F.linear(x, weight, bias)
 
     def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -340,15 +342,9 @@ def _widening_bf16_linear(kernels) -> LinearOps:
         return (bias is None and x.dim() == 2 and x.shape[0] >= 1 and x.dtype == torch.bfloat16
                 and x.shape[1] % lanes == 0 and weight.dtype == torch.bfloat16 and weight.is_contiguous())
 
-    def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """A packed weight has no PyTorch fallback: every call goes to the kernel."""
-        y = kernel(x.reshape(-1, x.shape[-1]), weight)
-        y = y.view(*x.shape[:-1], y.shape[-1])
-        return y if bias is None else y + bias
-
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if weight.dim() == 3:
-            return packed_linear(x, weight, bias)
+            return _on_packed(kernel, x, weight, bias)
         return kernel(x, weight) if takes(x, weight, bias) else F.linear(x, weight, bias)
 
     def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
