@@ -4,7 +4,7 @@
     LLM().generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=32))
 """
 
-from kestrel.config import EngineArgs
+from kestrel.engine.arg_utils import EngineArgs
 from kestrel.entrypoints.llm import LLM
 from kestrel.outputs import CompletionOutput, Logprob, RequestOutput
 from kestrel.sampling_params import SamplingParams

@@ -1,5 +1,7 @@
-"""Engine configuration: what a user sets (`EngineArgs`, flags named as vLLM names them) and the
-frozen, validated configs each box reads (`EngineConfig`).
+"""Engine configuration: the frozen, validated configs each box reads (`EngineConfig` and its parts),
+and the helpers that resolve a setting's value. What a user sets (`EngineArgs`, named as vLLM names
+them) lives beside `create_engine_config` in kestrel/engine/arg_utils.py, which builds these; every
+layer below the engine takes only these frozen configs.
 
 Nothing here loads weights; `ModelConfig` is filled from the model's config once, at start-up.
 """
@@ -12,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from kestrel import platform
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30  # as vLLM's CPU backend: 4 GiB unless --kv-cache-memory says otherwise
@@ -207,44 +211,6 @@ class EngineConfig:
         return self.speculative.num_speculative_tokens if self.speculative is not None else 0
 
 
-@dataclass
-class EngineArgs:
-    """Everything a user may set, from Python (`LLM(**kwargs)`) or the command line."""
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"                     # auto | bfloat16 | float16 | float32
-    quantization: str | None = None         # None | int8 | none
-    device: str = "auto"                    # auto | cpu | cuda | cuda:N
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    block_size: int = DEFAULT_BLOCK_SIZE
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | str | None = None  # bytes, or a size such as "2GiB"
-    num_kv_blocks: int | None = None
-    kv_cache_dtype: str = "auto"            # auto | int8
-    seed: int = 0
-    enforce_eager: bool = False
-    disable_log_stats: bool = False
-    attention_backend: str = "auto"         # auto | torch | cpu
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None  # uni | mp | ray; None: uni for one worker, else mp
-    speculative_config: dict | str | None = None     # vLLM's JSON: {"method": "ngram", ...}
-    async_scheduling: bool = False          # plan step N+1 while step N runs (one worker, no speculation)
-    request_trace_buffer: int = 0           # the last N requests' traces kept by the server; 0: off
-    otlp_traces_endpoint: str | None = None  # export request traces as OpenTelemetry spans (OTLP/HTTP)
-    torch_profiler_dir: str | None = None   # /start_profile and /stop_profile write torch profiler traces here
-    cpu_threads: int | str = "auto"         # auto (adaptive pool) or N: each CPU worker's torch threads, pinned
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)}
-
-
 _BYTE_UNITS = {"": 1, "b": 1,
                "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -281,15 +247,11 @@ def resolve_device(device: str) -> torch.device:
 
 
 def cpu_supports_bf16() -> bool:
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX512", "AMX"):
+    """Whether this CPU computes in bf16 natively: AVX512-BF16 or AMX-BF16 (kestrel.platform's probe),
+    in a torch built to use AVX-512 here."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AMX"):
         return False
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return platform.has_bf16_instructions()
 
 
 def resolve_dtype(dtype: str, device: torch.device, cpu_prefers_bf16: Callable[[], bool]) -> torch.dtype:

@@ -1,4 +1,4 @@
-"""The CPU kernels backend (kestrel/ops/cpu_kernels*.cpp, cpu_prefill.cpp): decode attention reads the
+"""The CPU kernels backend (kestrel/ops/csrc: decode_attention.cpp, prefill_attention.cpp): decode attention reads the
 paged cache in place (bf16/float32 or int8 cache), all decodes of a step in one call; the q/k rotary
 and the KV write run as one fused kernel; prefill chunks run on cpu_prefill's kernel (AMX tiles, or
 AVX512-BF16 dot products) where the CPU has AVX512-BF16 and the model is bf16 with head_dim % 32 == 0
@@ -33,12 +33,17 @@ class CpuAttentionMetadata:
 class CpuKernelsBackend(AttentionBackend):
     name: ClassVar[str] = "cpu"
 
-    def __init__(self, kernels, prefill_kernel: Callable | None, kv_int8: bool, rotary: Rotary) -> None:
+    def __init__(self, kernels, prefill_kernel: Callable | None, kv_int8: bool, rotary: Rotary,
+                 fused_rotary: bool | None = None) -> None:
         """`kernels`: the cpu_kernels() build, which supports the model's (head_dim, group);
         `prefill_kernel`: cpu_prefill's prefill_attention_amx or _avx512, or cpu_kernels'
-        prefill_attention (each (q, k, v, scale) -> out), or None where chunks take SDPA."""
+        prefill_attention (each (q, k, v, scale) -> out), or None where chunks take SDPA.
+        `fused_rotary`: whether the rotary and the KV write run as one kernel, decided when the backend
+        is built (dispatch.rotary_kernel_serves for the model's dtype and head_dim); None: checked on
+        each call (rotary_kernel_takes), for a backend built without the model's shape."""
         self.kv_int8 = kv_int8
         self.rotary = rotary
+        self.fused_rotary = fused_rotary
         self.prefill_kernel = prefill_kernel
         if kv_int8:
             self._rotary_write_kv = kernels.rotary_write_kv_int8
@@ -69,7 +74,8 @@ class CpuKernelsBackend(AttentionBackend):
 
     def write_kv(self, qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor,
                  cache: KVCache | None, meta: CpuAttentionMetadata) -> None:
-        if cache is not None and rotary_kernel_takes(qkv, cos):
+        fused = self.fused_rotary if self.fused_rotary is not None else rotary_kernel_takes(qkv, cos)
+        if cache is not None and fused:
             self._rotary_write_kv(qkv, cos, sin, *cache, meta.slot_mapping, num_heads)
             return
         self.rotary(qkv, num_heads, cos, sin)

@@ -19,7 +19,7 @@ from kestrel.attention.cpu import CpuKernelsBackend
 from kestrel.attention.torch_sdpa import TorchSDPABackend
 from kestrel.config import ATTENTION_BACKENDS, EngineConfig
 from kestrel.ops import amx_disabled, cpu_kernels, cpu_prefill, prefill_attention_preferred
-from kestrel.ops.dispatch import select_rotary
+from kestrel.ops.dispatch import rotary_kernel_serves, select_rotary
 
 
 def select_attention_backend(config: EngineConfig) -> AttentionBackend:
@@ -34,7 +34,7 @@ def select_attention_backend(config: EngineConfig) -> AttentionBackend:
         if name == "cpu":
             raise ValueError(f"attention backend 'cpu' cannot serve this configuration: {why_not}; "
                              f"use --attention-backend torch or auto")
-    return TorchSDPABackend(dtype, select_rotary(device, dtype))
+    return TorchSDPABackend(dtype, select_rotary(device, dtype, config.model.head_dim))
 
 
 def cpu_backend_unavailable(config: EngineConfig) -> str | None:
@@ -57,7 +57,8 @@ def cpu_backend_unavailable(config: EngineConfig) -> str | None:
 def _cpu_backend(config: EngineConfig) -> CpuKernelsBackend:
     m = config.model
     return CpuKernelsBackend(cpu_kernels(), _prefill_kernel(config), config.cache.kv_cache_dtype == "int8",
-                             select_rotary(config.device.device, m.dtype))
+                             select_rotary(config.device.device, m.dtype, m.head_dim),
+                             fused_rotary=rotary_kernel_serves(m.dtype, m.head_dim))
 
 
 def _prefill_kernel(config: EngineConfig):

@@ -37,19 +37,11 @@ def log(message: str) -> None:
 def machine_info() -> dict[str, Any]:
     import torch
     import transformers
-    cpu_model, flags = "unknown", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and cpu_model == "unknown":
-                    cpu_model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+
+    from kestrel import platform as cpu
     info = {
-        "cpu_model": cpu_model, "logical_cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
-        "bf16_flags": sorted(f for f in flags if "bf16" in f),
+        "cpu_model": cpu.cpu_model_name(), "logical_cpus": cpu.logical_cpus(), "usable_cpus": cpu.usable_cpus(),
+        "bf16_flags": cpu.bf16_flags(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "memory_total_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         "platform": platform.platform(), "python": platform.python_version(),

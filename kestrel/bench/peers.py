@@ -51,6 +51,7 @@ import numpy as np
 import psutil
 
 import kestrel
+from kestrel import envs
 
 LLAMA_SERVER_ENV = "KESTREL_LLAMA_SERVER"
 PEERS_SCRIPT_ENV = "KESTREL_PEERS_SCRIPT"
@@ -76,14 +77,14 @@ def llama_server_binary() -> Path:
     script (`$KESTREL_PEERS_SCRIPT`, default `<repo>/../shared/bench/peers/llama_server.sh`) prints
     on its last stdout line. The script builds llama.cpp the first time (10-15 minutes); its
     progress goes to this process's stderr. RuntimeError if neither gives an executable."""
-    env_binary = os.environ.get(LLAMA_SERVER_ENV)
+    env_binary = envs.KESTREL_LLAMA_SERVER
     if env_binary:
         path = Path(env_binary).expanduser()
         if not _is_executable_file(path):
             raise RuntimeError(f"${LLAMA_SERVER_ENV}={env_binary} is not an executable file")
         return path.resolve()
 
-    script = Path(os.environ.get(PEERS_SCRIPT_ENV) or DEFAULT_PEERS_SCRIPT).expanduser()
+    script = Path(envs.KESTREL_PEERS_SCRIPT or DEFAULT_PEERS_SCRIPT).expanduser()
     how = (f"set ${LLAMA_SERVER_ENV} to a llama-server binary, or provide the build script "
            f"{DEFAULT_PEERS_SCRIPT} (or set ${PEERS_SCRIPT_ENV} to it)")
     if not script.is_file():
@@ -108,7 +109,7 @@ PEER_CACHE_ENV = "KESTREL_PEER_CACHE"
 def llama_quantize_binary() -> Path:
     """llama.cpp's `llama-quantize`: `$KESTREL_LLAMA_QUANTIZE` if set, else the one built beside
     `llama_server_binary()` (the build script builds both)."""
-    env_binary = os.environ.get(LLAMA_QUANTIZE_ENV)
+    env_binary = envs.KESTREL_LLAMA_QUANTIZE
     path = Path(env_binary).expanduser() if env_binary else llama_server_binary().parent / "llama-quantize"
     if not _is_executable_file(path):
         raise RuntimeError(f"llama-quantize not found at {path}; set ${LLAMA_QUANTIZE_ENV} to the binary")
@@ -119,11 +120,11 @@ def built_llama_tool(name: str) -> Path | None:
     """`name` ("llama-server", "llama-quantize") where it is already built, without building it: beside
     `$KESTREL_LLAMA_SERVER`, else in the build script's cache folder (`$KESTREL_PEER_CACHE`, default
     ~/.cache/kestrel-peers); None if neither has it. For tests that skip where llama.cpp is not built."""
-    env_binary = os.environ.get(LLAMA_SERVER_ENV)
+    env_binary = envs.KESTREL_LLAMA_SERVER
     if env_binary:
         candidates = [Path(env_binary).expanduser().parent / name]
     else:
-        cache = Path(os.environ.get(PEER_CACHE_ENV) or Path.home() / ".cache" / "kestrel-peers")
+        cache = Path(envs.KESTREL_PEER_CACHE or Path.home() / ".cache" / "kestrel-peers")
         candidates = sorted(cache.glob(f"llama_cpp_python-*/vendor/llama.cpp/build/bin/{name}"))
     return next((p.resolve() for p in reversed(candidates) if _is_executable_file(p)), None)
 
@@ -333,6 +334,14 @@ class _ServerProcess:
     def command(self) -> list[str]:
         raise NotImplementedError
 
+    def env(self) -> dict[str, str] | None:
+        """The child's environment; None: this process's."""
+        return None
+
+    def cwd(self) -> str | None:
+        """The child's working directory; None: this process's."""
+        return None
+
     def start(self) -> None:
         if self.proc is not None:
             raise RuntimeError(f"{self.label} server already started")
@@ -344,7 +353,7 @@ class _ServerProcess:
             log.flush()
             # Own session: a last-resort SIGKILL reaches the server's children too.
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+                                         start_new_session=True, env=self.env(), cwd=self.cwd())
         try:
             self._wait_healthy()
         except BaseException:
@@ -474,14 +483,22 @@ class KestrelServer(_ServerProcess):
     stop_grace_s = KESTREL_STOP_GRACE_S
     log_prefix = "kestrel-serve-"
 
-    def __init__(self, engine_flags: Sequence[str] = (), port: int | None = None) -> None:
+    def __init__(self, engine_flags: Sequence[str] = (), port: int | None = None, checkout: Path | None = None) -> None:
         super().__init__(port)
         self.engine_flags = list(engine_flags)
-        self.label = "kestrel"
+        self.checkout = checkout   # another checkout's kestrel (its source on PYTHONPATH), for before/after
+        self.label = "kestrel" if checkout is None else f"kestrel@{checkout}"
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "kestrel.entrypoints.cli", "serve", "--port", str(self.port),
                 *self.engine_flags]
+
+    def env(self) -> dict[str, str] | None:
+        return None if self.checkout is None else {**os.environ, "PYTHONPATH": str(self.checkout)}
+
+    def cwd(self) -> str | None:
+        # `python -m` puts the working directory first on sys.path: the checkout's, so its kestrel runs.
+        return None if self.checkout is None else str(self.checkout)
 
     def __enter__(self) -> KestrelServer:
         self.start()

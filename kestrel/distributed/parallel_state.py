@@ -14,7 +14,6 @@ model is built; until then every group is a world of one whose collectives are i
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import uuid
 from collections.abc import Callable
@@ -22,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from kestrel import envs
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ def _use_shared_memory_all_reduce(group: GroupCoordinator) -> None:
     from kestrel.distributed.shm_all_reduce import ShmAllReduce
     hosts: list[str | None] = [None] * group.world_size
     dist.all_gather_object(hosts, socket.gethostname(), group=group.group)
-    if os.environ.get("KESTREL_CPU_ALL_REDUCE", "shm") == "gloo" or len(set(hosts)) != 1:
+    if envs.KESTREL_CPU_ALL_REDUCE == "gloo" or len(set(hosts)) != 1:
         return
     name = [f"kestrel_tp_{uuid.uuid4().hex[:16]}"]
     dist.broadcast_object_list(name, src=group.ranks[0], group=group.group)

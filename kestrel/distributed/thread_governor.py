@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kestrel import envs
+
 logger = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -169,8 +171,7 @@ def mark_frontend() -> None:
 
 
 def frontend_pid() -> int | None:
-    value = os.environ.get(FRONTEND_PID_ENV, "")
-    return int(value) if value.isdigit() else None
+    return envs.KESTREL_FRONTEND_PID
 
 
 def _ticks_per_s() -> float:

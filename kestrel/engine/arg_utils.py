@@ -1,6 +1,7 @@
-"""Engine settings from the outside in: the engine flags (named as vLLM names them, one line each in
-ENGINE_FLAGS, shared by every command that starts an engine and by the API server) and
-`create_engine_config`, which turns `EngineArgs` into the frozen, validated `EngineConfig`.
+"""Engine settings from the outside in: `EngineArgs` (everything a user may set), the engine flags
+(named as vLLM names them, one line each in ENGINE_FLAGS, shared by every command that starts an
+engine and by the API server) and `create_engine_config`, which turns `EngineArgs` into the frozen,
+validated `EngineConfig` (kestrel/config.py) that every layer below reads.
 
 Every setting is checked here, before anything is loaded or started: a bad value is a ValueError
 naming the setting and what it accepts.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 from collections.abc import Callable
@@ -19,12 +21,12 @@ from kestrel import config as _config
 from kestrel import ops
 from kestrel.config import (
     ATTENTION_BACKENDS,
+    DEFAULT_BLOCK_SIZE,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     INT8_KV_BLOCK,
     KV_CACHE_DTYPES,
     CacheConfig,
     DeviceConfig,
-    EngineArgs,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -39,6 +41,46 @@ from kestrel.model.loader import ModelSource, load_config, load_tokenizer, resol
 from kestrel.worker.select_executor import executor_class
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+# ---- what a user sets ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class EngineArgs:
+    """Everything a user may set, from Python (`LLM(**kwargs)`) or the command line."""
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"                     # auto | bfloat16 | float16 | float32
+    quantization: str | None = None         # None | int8 | none
+    device: str = "auto"                    # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | str | None = None  # bytes, or a size such as "2GiB"
+    num_kv_blocks: int | None = None
+    kv_cache_dtype: str = "auto"            # auto | int8
+    seed: int = 0
+    enforce_eager: bool = False
+    disable_log_stats: bool = False
+    attention_backend: str = "auto"         # auto | torch | cpu
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # uni | mp | ray; None: uni for one worker, else mp
+    speculative_config: dict | str | None = None     # vLLM's JSON: {"method": "ngram", ...}
+    async_scheduling: bool = False          # plan step N+1 while step N runs (one worker, no speculation)
+    request_trace_buffer: int = 0           # the last N requests' traces kept by the server; 0: off
+    otlp_traces_endpoint: str | None = None  # export request traces as OpenTelemetry spans (OTLP/HTTP)
+    torch_profiler_dir: str | None = None   # /start_profile and /stop_profile write torch profiler traces here
+    cpu_threads: int | str = "auto"         # auto (adaptive pool) or N: each CPU worker's torch threads, pinned
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
 
 
 # ---- flags --------------------------------------------------------------------------------------
@@ -166,11 +208,30 @@ def settings_without_model(args: EngineArgs) -> tuple[SpeculativeConfig | None, 
     """The settings that need no model, checked: (speculative, parallel). A bad flag fails here, before
     any model is read or any process started."""
     check_settings(args)
+    check_optional_packages(args)
     speculative = speculative_config(args.speculative_config)
     parallel = parallel_config(args)
     check_parallel_supported(parallel)
     check_async_scheduling(args.async_scheduling, parallel, speculative)
     return speculative, parallel
+
+
+# The optional integrations (`make install` installs both; `pip install 'kestrel[ray,otel]'` elsewhere):
+# the flag that needs each, and the package it imports.
+OPTIONAL_PACKAGES = (("distributed_executor_backend", "ray", "ray", "ray"),
+                     ("otlp_traces_endpoint", None, "opentelemetry.sdk", "otel"))
+
+
+def check_optional_packages(args: EngineArgs) -> None:
+    """A flag whose optional package is not installed is a clear error before anything starts."""
+    for field, value, module, extra in OPTIONAL_PACKAGES:
+        given = getattr(args, field)
+        wanted = given is not None and (value is None or given == value)
+        if wanted and importlib.util.find_spec(module) is None:
+            flag = "--" + field.replace("_", "-")
+            package = module.replace(".", "-")
+            raise ValueError(f"{flag} {given} needs the package {package}, which is not installed: "
+                             f"pip install 'kestrel[{extra}]'")
 
 
 def create_engine_config(args: EngineArgs) -> tuple[EngineConfig, ModelSource, Any]:

@@ -26,9 +26,9 @@ from dataclasses import replace
 
 import zmq
 
-from kestrel.config import EngineArgs, EngineConfig
+from kestrel.config import EngineConfig
 from kestrel.core import core_process
-from kestrel.engine.arg_utils import create_engine_config, settings_without_model
+from kestrel.engine.arg_utils import EngineArgs, create_engine_config, settings_without_model
 from kestrel.engine.core_client import (
     EngineCoreProcess,
     EngineCoreProcesses,

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 import time
 
-from kestrel.config import EngineArgs, EngineConfig
+from kestrel.config import EngineConfig
 from kestrel.core.engine_core import EngineCore
-from kestrel.engine.arg_utils import create_engine_config
+from kestrel.engine.arg_utils import EngineArgs, create_engine_config
 from kestrel.engine.core_client import SyncEngineCoreClient
 from kestrel.engine.exceptions import EngineDeadError
 from kestrel.engine.output_processor import OutputProcessor

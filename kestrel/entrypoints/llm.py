@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from kestrel.config import EngineArgs
+from kestrel.engine.arg_utils import EngineArgs
 from kestrel.engine.llm_engine import LLMEngine
 from kestrel.engine.processor import PromptType
 from kestrel.outputs import RequestOutput

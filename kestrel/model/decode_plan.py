@@ -38,7 +38,7 @@ import torch
 from kestrel.attention import AttentionBackend, CommonAttentionMetadata, DecodeStepKernels, KVCache
 from kestrel.model.layers import Linear
 from kestrel.model.quantization import GGUFLinear
-from kestrel.ops.dispatch import PlanKernels, PlanMatmul
+from kestrel.ops.dispatch import PlanKernels, PlanMatmul, rms_norm_reference
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 
@@ -78,7 +78,7 @@ class DecodePlan:
         self.eps = cfg.rms_norm_eps
         self.scale = cfg.head_dim ** -0.5
         self.rms_norm = kernels.rms_norm
-        self.head_rms_norm = model.ops.rms_norm   # the q/k norms, as the model's forward runs them
+        self.head_rms_norm = rms_norm_reference   # the q/k norms, as the forward runs them (DecoderLayer.head_rms_norm)
         self.silu_and_mul = kernels.silu_and_mul
         self.rotary_write_kv = step.rotary_write_kv
         self.decode_attention = step.decode_attention

@@ -34,6 +34,8 @@ from gguf.constants import (
 )
 from gguf.quants import dequantize
 
+from kestrel import envs
+
 # transformers is imported where it is used (why: kestrel/model/loader.py).
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -588,7 +590,7 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def kestrel_cache_dir() -> Path:
-    return Path(os.environ.get("KESTREL_CACHE_DIR") or Path.home() / ".cache" / "kestrel")
+    return envs.KESTREL_CACHE_DIR
 
 
 def _tokenizer_cache_key(gguf_path: str) -> str:

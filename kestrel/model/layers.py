@@ -4,6 +4,9 @@ layer, SiLU-and-mul and rotary position embeddings.
 Each module runs the implementation of its op family that the model's device and dtype select, once,
 when the model is built (kestrel/ops/dispatch.py: the compiled CPU kernels where they serve, else the
 PyTorch references, which follow Hugging Face's arithmetic so that float32 runs match `transformers`).
+What a layer's shape decides is decided then too: the norms and the activation take the bound op for
+their row length when they are built, the linear layers and the output head the one for their weight
+once it is final (bind_linear_ops_, after loading, quantization and packing).
 """
 
 from __future__ import annotations
@@ -89,25 +92,45 @@ class Linear(nn.Linear):
 def pack_linear_weights_(model: nn.Module) -> int:
     """Each Linear's weight, and the output head's, repacked in place into the layout the linear op
     reads fastest (the model's `ops.pack_weight`; vLLM's process_weights_after_loading), once, after
-    loading and quantization.
+    loading and quantization; then each bound to its op (bind_linear_ops_), the weights now final.
     The Parameter objects stay; only their data changes. Returns the number of weights packed (0 where
     the op family keeps [N, K])."""
-    pack = getattr(getattr(model, "ops", None), "pack_weight", None)
-    if pack is None:
-        return 0
-    weights = [module.weight for module in model.modules() if type(module) is Linear]
-    # The output head too, tied to the embedding or not: the model looks tokens up with embedding_rows,
-    # which reads either layout.
-    head = getattr(model, "lm_head", None)
-    if head is not None:
-        weights.append(head.weight)
+    ops = getattr(model, "ops", None)
+    pack = getattr(ops, "pack_weight", None)
     packed = 0
-    for weight in weights:
-        if (layout := pack(weight)) is not None:
-            weight.data = layout
-            packed += 1
-            return_freed_memory()  # the weight's old layout
+    if pack is not None:
+        weights = [module.weight for module in model.modules() if type(module) is Linear]
+        # The output head too, tied to the embedding or not: the model looks tokens up with
+        # embedding_rows, which reads either layout.
+        head = getattr(model, "lm_head", None)
+        if head is not None:
+            weights.append(head.weight)
+        for weight in weights:
+            if (layout := pack(weight)) is not None:
+                weight.data = layout
+                packed += 1
+                return_freed_memory()  # the weight's old layout
+    if ops is not None:
+        bind_linear_ops_(model, ops)
     return packed
+
+
+def bind_linear_ops_(model: nn.Module, ops) -> int:
+    """Each Linear's op, and the output head's, chosen once for its final weight (`ops.linear_for`,
+    `ops.linear_to_float_for`: the kernel or torch's, packed or not, from the weight's shape, dtype,
+    layout and bias), so that a call checks only its number of rows. After loading, quantization and
+    packing: a weight changed after this (other than moved, as move_to_huge_pages does) needs it again.
+    Returns the number of ops bound."""
+    bound = 0
+    for module in model.modules():
+        if type(module) is Linear:
+            module.linear = ops.linear_for(module.weight, module.bias if module.has_bias else None)
+            bound += 1
+    head = getattr(model, "lm_head", None)
+    if type(head) is Embedding:
+        head.linear_to_float = ops.linear_to_float_for(head.weight)
+        bound += 1
+    return bound
 
 
 def embedding_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

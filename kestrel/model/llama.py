@@ -27,7 +27,7 @@ from kestrel.config import ModelConfig
 from kestrel.distributed import GroupCoordinator, get_tp_group
 from kestrel.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
 from kestrel.model.sharding import ModelShard, shard_of_this_rank, split_sizes
-from kestrel.ops.dispatch import Ops, select_ops
+from kestrel.ops.dispatch import Ops, rms_norm_reference, select_ops
 
 if TYPE_CHECKING:
     from kestrel.model.loader import WeightReader
@@ -56,8 +56,15 @@ class DecoderLayer(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
         inter = shard.intermediate_size
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, ops.rms_norm)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, ops.rms_norm)
+        # The ops for this layer's shapes, chosen once (kestrel/ops/dispatch.py); the linear layers' are
+        # bound to their weights once those are final (layers.bind_linear_ops_).
+        rms_norm, self.add_rms_norm = ops.norm_for(cfg.hidden_size)
+        self.silu_and_mul = ops.silu_and_mul_for(2 * inter)
+        # The q/k norms run over strided [tokens, heads, head_dim] slices of qkv, which the norm kernel
+        # does not take: always the reference (which the generic op would choose on every call).
+        self.head_rms_norm = rms_norm_reference
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, rms_norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, rms_norm)
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias, dtype=dt,
                                linear=ops.linear)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False, dtype=dt, linear=ops.linear)
@@ -65,8 +72,8 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(inter, cfg.hidden_size, bias=False, dtype=dt, linear=ops.linear)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, ops.rms_norm)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, ops.rms_norm)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, self.head_rms_norm)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dt, self.head_rms_norm)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -80,13 +87,13 @@ class DecoderLayer(nn.Module):
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
-            h, residual = self.ops.add_rms_norm(x, residual, self.input_layernorm.weight, self.eps)
+            h, residual = self.add_rms_norm(x, residual, self.input_layernorm.weight, self.eps)
         h = self._attention(h, rope, cache, meta, rows)
         if rows is not None:
             residual = residual.index_select(0, rows)
         if self.tp_sharded:
             h = self.tp.all_reduce(h)
-        h, residual = self.ops.add_rms_norm(h, residual, self.post_attention_layernorm.weight, self.eps)
+        h, residual = self.add_rms_norm(h, residual, self.post_attention_layernorm.weight, self.eps)
         h = self._mlp(h)
         if self.tp_sharded:
             h = self.tp.all_reduce(h)
@@ -97,7 +104,7 @@ class DecoderLayer(nn.Module):
         n, heads, kv_heads = h.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(h).view(n, heads + 2 * kv_heads, self.head_dim)
         if self.qk_norm:
-            rms_norm = self.ops.rms_norm
+            rms_norm = self.head_rms_norm
             qkv = torch.cat((rms_norm(qkv[:, :heads], self.q_norm.weight, self.eps),
                              rms_norm(qkv[:, heads:heads + kv_heads], self.k_norm.weight, self.eps),
                              qkv[:, heads + kv_heads:]), dim=1)
@@ -108,7 +115,7 @@ class DecoderLayer(nn.Module):
         return self.o_proj(out if rows is None else out.index_select(0, rows))
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(h)))
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(h)))
 
 
 @dataclass(frozen=True)
@@ -133,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         if ops is None:
             ops = select_ops(torch.get_default_device(), cfg.dtype)
         if attn is None:
-            attn = TorchSDPABackend(cfg.dtype, ops.rotary)
+            attn = TorchSDPABackend(cfg.dtype, ops.rotary_for(cfg.head_dim))
         self.cfg, self.ops, self.attn = cfg, ops, attn
         self.tp = get_tp_group()
         self.shard = shard = shard_of_this_rank(cfg)
@@ -142,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, ops, attn, shard, self.tp) for _ in range(shard.num_layers))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling, cfg.dtype)
         if shard.is_last_stage:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops.rms_norm)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops.norm_for(cfg.hidden_size)[0])
             if cfg.tie_word_embeddings and shard.is_first_stage:
                 self.lm_head = self.embed_tokens
             else:

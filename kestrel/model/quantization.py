@@ -5,7 +5,7 @@ GGUF blocks (as vLLM runs a GGUF file's quantized weights, and llama.cpp does): 
 embedding and output head) whose tensors the file stores in one of those types keeps them (1.06, 0.82,
 0.56, 0.63, 0.56, 0.69, 0.75 and 0.69 bytes a weight in the file; 1.125, 0.83, 0.59, 0.75, 0.75, 0.72,
 0.875 and 1.125 as the kernel packs them, against 2 for bf16), where the model is bf16 on a CPU with the
-kernels (cpu_kernels.cpp's linear_gguf, on llama.cpp's float32 values of the weights). The default
+kernels (csrc/linear_gguf.cpp's linear_gguf, on llama.cpp's float32 values of the weights). The default
 model's layers are Q4_1. Below 16 rows (decode steps of a few requests) Q4_K, Q4_1 (and Q4_0) and
 Q5_1 sum each block of 32 in integers against the activations held as 16-bit integers (exact for bf16
 activations within 2^7 of their block's largest), Q6_K each block of 16 and Q5_K (at 1 and 2 rows)
@@ -34,15 +34,17 @@ calibration). Measured on the default model: top-1 agreement with the float32 en
 positions with it, 91.3% without (BENCHMARKS.md).
 
 The embedding, the output head and the norms stay in the model dtype (as vLLM leaves lm_head
-unquantized by default). The products run, with bit-identical results, in cpu_gemv.cpp's
-linear_int8_amx on CPUs with AMX-INT8; else in cpu_kernels.cpp's linear_int8 (AVX512-VNNI, or AVX2);
+unquantized by default). The products run, with bit-identical results, in csrc/linear_bf16_avx512.cpp's
+linear_int8_amx on CPUs with AMX-INT8; else in csrc/linear_int8.cpp's linear_int8 (AVX512-VNNI, or AVX2);
 else in `linear_int8_reference` (PyTorch). Which one a model's layers use is decided once, when the
-model is quantized (`select_int8_matmul`).
+model is quantized (`select_int8_matmul`), and for each projection from its weight's shape
+(`int8_matmul_for`: AMX takes K % 64 == 0 and N % 16 == 0), so that a call checks only its rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -130,32 +132,56 @@ def select_int8_matmul(device: torch.device, dtype: torch.dtype) -> Int8Matmul:
     """The int8 matmul of a model on `device` in `dtype`: for bf16 on a CPU, cpu_gemv's AMX-INT8 kernel
     where AMX runs (for the products it takes: K % 64 == 0, N % 16 == 0), cpu_kernels' linear_int8
     (AVX512-VNNI or AVX2) where the build has it, for every product AMX does not take or everywhere
-    without AMX; elsewhere the reference."""
+    without AMX; elsewhere the reference. The result checks each call; `int8_matmul_for` binds it to
+    one weight's shape."""
     if device.type != "cpu" or dtype != torch.bfloat16:
         return linear_int8_reference
     amx = amx_gemv()
     kernels = int8_kernels()
-    fallback = _bf16_only(kernels.linear_int8) if kernels is not None else linear_int8_reference
-    if amx is None:
-        return fallback
-    kernel = amx.linear_int8_amx
-
-    def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and x.shape[0] >= 1 and x.shape[1] % 64 == 0 and qweight.shape[0] % 16 == 0:
-            return kernel(x, qweight, scale)
-        return fallback(x, qweight, scale)
-
-    return int8_matmul
+    if amx is None and kernels is None:
+        return linear_int8_reference
+    return Int8Kernels(amx.linear_int8_amx if amx is not None else None,
+                       kernels.linear_int8 if kernels is not None else None)
 
 
-def _bf16_only(kernel: Int8Matmul) -> Int8Matmul:
-    """`kernel` (any shape, bf16 x only) for bf16 x, the reference for any other x."""
-    def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16:
-            return kernel(x, qweight, scale)
+def _amx_takes_weight(n: int, k: int) -> bool:
+    """Build time: whether linear_int8_amx takes a weight [N, K] (its tiles: K % 64, N % 16)."""
+    return k % 64 == 0 and n % 16 == 0
+
+
+@dataclass(frozen=True)
+class Int8Kernels:
+    """The int8 matmul of a bf16 CPU model (select_int8_matmul): AMX-INT8 for the products it takes,
+    cpu_kernels' linear_int8 (any shape, bf16 x only) for the rest, the reference where neither is."""
+    amx: Int8Matmul | None
+    vnni: Int8Matmul | None
+
+    def __call__(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The generic op: each call checked (x's dtype and shape, the weight's)."""
+        if (self.amx is not None and x.dtype == torch.bfloat16 and x.shape[0] >= 1
+                and _amx_takes_weight(qweight.shape[0], x.shape[1])):
+            return self.amx(x, qweight, scale)
+        if self.vnni is not None and x.dtype == torch.bfloat16:
+            return self.vnni(x, qweight, scale)
         return linear_int8_reference(x, qweight, scale)
 
-    return int8_matmul
+    def for_weight(self, n: int, k: int) -> Int8Matmul:
+        """The op for a projection with weight [N, K] that takes the model's (bf16) activations: AMX
+        or not decided here; per call only the number of rows (AMX takes at least one)."""
+        rest = self.vnni if self.vnni is not None else linear_int8_reference
+        if self.amx is None or not _amx_takes_weight(n, k):
+            return rest
+        amx = self.amx
+
+        def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return amx(x, qweight, scale) if x.shape[0] >= 1 else rest(x, qweight, scale)
+
+        return int8_matmul
+
+
+def int8_matmul_for(matmul: Int8Matmul, weight: torch.Tensor) -> Int8Matmul:
+    """`matmul` (a select_int8_matmul choice) bound to the shape of one projection's weight [N, K]."""
+    return matmul.for_weight(*weight.shape) if isinstance(matmul, Int8Kernels) else matmul
 
 
 class Int8Linear(nn.Module):
@@ -190,7 +216,7 @@ def quantize_model_(model: nn.Module, method: str | None) -> int:
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(module, matmul))
+        setattr(parent, child, Int8Linear(module, int8_matmul_for(matmul, module.weight)))   # its shape
     return len(targets)
 
 

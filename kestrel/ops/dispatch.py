@@ -5,9 +5,20 @@ when it is called).
 Families: RMSNorm (alone and fused with the residual add), SiLU-and-mul, rotary embedding, the
 linear layer (and the output head's float logits), argmax over rows. `select_ops` returns one `Ops`
 for a (device, dtype); model code calls its members and never asks whether a kernel exists. The
-members may still check a call's data (a tensor's layout or row count) against what a kernel takes,
-and run the PyTorch reference for the rest. The references here follow Hugging Face's arithmetic
-(norms and activations in float32, rotary with `rotate_half`), so float32 runs match `transformers`.
+references here follow Hugging Face's arithmetic (norms and activations in float32, rotary with
+`rotate_half`), so float32 runs match `transformers`.
+
+Two forms of each op. The generic members (`Ops.rms_norm`, `Ops.linear`, ...) take any tensors and check
+each call against what the kernel takes (the tests and benchmarks call them so). The bound forms
+(`Ops.norm_for(dim)`, `Ops.linear_for(weight, bias)`, ...) are what a model calls: everything that
+depends only on what is fixed when the model is built (device, dtype, row length, head size, a
+weight's shape, dtype, layout and bias) is decided once, when the layer is built or its weights are
+final, and returns either the kernel or the reference. What is left per call is what the batch
+decides: the number of rows (one comparison, where a kernel takes a bounded number) and, for the
+norms and the activation, the layout of the tensor the call passes (a view takes the reference). A
+bound op takes the model's activations: 2-D [rows, width] in the model's dtype (rotary: qkv
+[tokens, heads, head_dim], contiguous, with cos/sin tables in the model's dtype). For the inputs a
+model passes, both forms choose the same kernel.
 
 The int8 matmul of --quantization int8 is chosen the same way in kestrel/model/quantization.py, the
 rotary + KV-cache write and attention by the attention backend (kestrel/attention).
@@ -32,8 +43,10 @@ Linear = Callable[..., torch.Tensor]          # (x, weight, bias=None) -> y
 PackWeight = Callable[[torch.Tensor], torch.Tensor | None]   # weight [N, K] -> the layout `linear` reads fastest
 LinearToFloat = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Argmax = Callable[[torch.Tensor], torch.Tensor]
+LinearFor = Callable[[torch.Tensor, torch.Tensor | None], Linear]   # (weight, bias) -> the op for that weight
+LinearToFloatFor = Callable[[torch.Tensor], LinearToFloat]           # weight -> the head's op for that weight
 
-# Up to this many rows a bf16 linear layer streams its weights through the AMX kernel (cpu_gemv.cpp),
+# Up to this many rows a bf16 linear layer streams its weights through the AMX kernel (csrc/linear_bf16_avx512.cpp),
 # 1.2-2x torch's GEMM at every size from 1 to 128 rows on this machine; prefill chunks above it go
 # to torch's GEMM, which reaches the AMX rate there.
 AMX_MAX_ROWS = 128
@@ -152,53 +165,81 @@ def f32_kernels() -> F32Kernels | None:
 
 # ---- the families ------------------------------------------------------------------------------
 
+def width_for_kernel(width: int) -> bool:
+    """Build time: whether the elementwise kernels (norm, activation, rotary) take rows of `width`
+    values: a multiple of 32 (the AVX-512 build's two vectors; the AVX2 build's four)."""
+    return width % 32 == 0
+
+
+def _kernel_layout(x: torch.Tensor) -> bool:
+    """Per call: whether `x` is laid out as the elementwise kernels read it, 2-D and contiguous (the
+    strided q/k heads of qkv are not; they take the reference)."""
+    return x.dim() == 2 and x.is_contiguous()
+
+
 def _rows_for_kernel(x: torch.Tensor) -> bool:
-    """Whether the elementwise kernels take `x`: 2-D, contiguous, float32/bf16, rows a multiple of 32."""
-    return (x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] % 32 == 0
+    """Whether the elementwise kernels take `x` (the generic ops' check of each call): 2-D, contiguous,
+    float32/bf16, rows of a width they take."""
+    return (x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16) and width_for_kernel(x.shape[-1])
             and x.is_contiguous())
 
 
-def select_norm(device: torch.device, dtype: torch.dtype) -> tuple[RmsNorm, AddRmsNorm]:
+def select_norm(device: torch.device, dtype: torch.dtype, dim: int | None = None) -> tuple[RmsNorm, AddRmsNorm]:
     """(rms_norm(x, weight, eps), add_rms_norm(x, residual, weight, eps)). The kernel's add_rms_norm
-    updates `residual` in place: the caller owns the residual stream."""
+    updates `residual` in place: the caller owns the residual stream. `dim`: the norm's row length,
+    for a model's norm (the kernel or the reference chosen here; per call only the layout is checked);
+    None: the generic ops, which check each call's dtype and width too."""
     kernels = elementwise_kernels(device, dtype)
-    if kernels is None:
+    if kernels is None or (dim is not None and not width_for_kernel(dim)):
         return rms_norm_reference, add_rms_norm_reference
     kernel = kernels.rms_norm
+    takes = _rows_for_kernel if dim is None else _kernel_layout
 
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if _rows_for_kernel(x):
+        if takes(x):
             return kernel(x, None, weight, eps)
         return rms_norm_reference(x, weight, eps)
 
     def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        if _rows_for_kernel(x) and residual.is_contiguous():
+        if takes(x) and residual.is_contiguous():
             return kernel(x, residual, weight, eps), residual
         return add_rms_norm_reference(x, residual, weight, eps)
 
     return rms_norm, add_rms_norm
 
 
-def select_activation(device: torch.device, dtype: torch.dtype) -> Activation:
+def select_activation(device: torch.device, dtype: torch.dtype, width: int | None = None) -> Activation:
+    """silu_and_mul(x). `width`: x's row length (gate | up), for a model's MLP (chosen here; per call
+    only the layout is checked); None: the generic op."""
     kernels = elementwise_kernels(device, dtype)
-    if kernels is None:
+    if kernels is None or (width is not None and not width_for_kernel(width)):
         return silu_and_mul_reference
     kernel = kernels.silu_and_mul
+    takes = _rows_for_kernel if width is None else _kernel_layout
 
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-        return kernel(x) if _rows_for_kernel(x) else silu_and_mul_reference(x)
+        return kernel(x) if takes(x) else silu_and_mul_reference(x)
 
     return silu_and_mul
 
 
-def select_rotary(device: torch.device, dtype: torch.dtype) -> Rotary:
+def select_rotary(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> Rotary:
     """rotary(qkv, num_heads, cos, sin): the q and k heads rotated in place (the rotary half of the
-    fused rotary + KV-write kernel, its caches unused)."""
+    fused rotary + KV-write kernel, its caches unused). `head_dim`: the model's, for its attention
+    backend: the kernel or the reference chosen here, with no check per call (a model's qkv is a
+    contiguous view of its projection's output, its cos/sin tables in its dtype); None: the generic
+    op, which checks each call (rotary_kernel_takes)."""
     kernels = elementwise_kernels(device, dtype)
-    if kernels is None:
+    if kernels is None or (head_dim is not None and not rotary_kernel_serves(dtype, head_dim)):
         return rotary_reference
     kernel = kernels.rotary_write_kv
+
+    if head_dim is not None:
+        def bound_rotary(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+            kernel(qkv, cos, sin, qkv, qkv, None, num_heads)
+
+        return bound_rotary
 
     def rotary(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         if rotary_kernel_takes(qkv, cos):
@@ -209,9 +250,15 @@ def select_rotary(device: torch.device, dtype: torch.dtype) -> Rotary:
     return rotary
 
 
+def rotary_kernel_serves(dtype: torch.dtype, head_dim: int) -> bool:
+    """Build time: whether the rotary kernels (alone, or fused with the KV write) serve a model of
+    `dtype` with `head_dim`; the model's qkv and cos/sin then always meet rotary_kernel_takes."""
+    return dtype in (torch.float32, torch.bfloat16) and width_for_kernel(head_dim)
+
+
 def rotary_kernel_takes(qkv: torch.Tensor, cos: torch.Tensor) -> bool:
-    return (qkv.dtype in (torch.float32, torch.bfloat16) and qkv.is_contiguous() and qkv.shape[-1] % 32 == 0
-            and cos.dtype == qkv.dtype)
+    """Whether the rotary kernels take this call's qkv and cos (the generic op's check of each call)."""
+    return rotary_kernel_serves(qkv.dtype, qkv.shape[-1]) and qkv.is_contiguous() and cos.dtype == qkv.dtype
 
 
 @dataclass(frozen=True)
@@ -234,6 +281,14 @@ class PlanMatmul:
     packed_slice_address: int | None = None
 
 
+def _reference_linear_for(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    return F.linear
+
+
+def _reference_linear_to_float_for(weight: torch.Tensor) -> LinearToFloat:
+    return linear_to_float_reference
+
+
 @dataclass(frozen=True)
 class LinearOps:
     linear: Linear
@@ -242,6 +297,11 @@ class LinearOps:
     # A layer's weight [N, K] repacked once after loading into the layout `linear` reads fastest (None
     # for a weight that does not pack); the field is None where this op family reads [N, K] as loaded.
     pack_weight: PackWeight | None = None
+    # The bound forms: `linear` (`linear_to_float`) for one final weight (packed or not) and bias, the
+    # kernel or torch's chosen from them once; the result has the same signature and checks per call
+    # only the number of rows (x: the model's activations, 2-D in its dtype).
+    linear_for: LinearFor = _reference_linear_for
+    linear_to_float_for: LinearToFloatFor = _reference_linear_to_float_for
 
 
 def select_linear(device: torch.device, dtype: torch.dtype) -> LinearOps:
@@ -262,10 +322,45 @@ def select_linear(device: torch.device, dtype: torch.dtype) -> LinearOps:
 
 
 def _bf16_kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a bf16 product is for the small-batch kernels (cpu_gemv.cpp): 1..AMX_MAX_ROWS rows,
+    """Whether a bf16 product is for the small-batch kernels (csrc/linear_bf16_avx512.cpp): 1..AMX_MAX_ROWS rows,
     K a multiple of 32, no bias."""
     return (bias is None and x.dim() == 2 and 1 <= x.shape[0] <= AMX_MAX_ROWS and x.dtype == torch.bfloat16
             and x.shape[1] % 32 == 0 and weight.dtype == torch.bfloat16 and weight.is_contiguous())
+
+
+def _bf16_weight_takes(weight: torch.Tensor, bias: torch.Tensor | None, k_multiple: int = 32) -> bool:
+    """Build time: the weight's half of what the bf16 kernels take (_bf16_kernel_takes; the widening
+    kernel's `takes` with k_multiple = its lanes): an unpacked [N, K] bf16 weight, contiguous, K a
+    multiple of `k_multiple`, no bias. For such a weight, a product of the model's activations goes to
+    the kernel or not by its number of rows alone."""
+    return (bias is None and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.is_contiguous()
+            and weight.shape[1] % k_multiple == 0)
+
+
+def _packed_linear(kernel: Linear) -> Linear:
+    def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _on_packed(kernel, x, weight, bias)
+
+    return packed_linear
+
+
+def _rows_bounded_linear(kernel: Linear, max_rows: int) -> Linear:
+    """kernel(x, weight) for products of 1..max_rows rows, torch's GEMM for the rest: the one check per
+    call of a bound bf16 linear (no bias: the weight was checked when it was bound)."""
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return kernel(x, weight) if 0 < x.shape[0] <= max_rows else F.linear(x, weight, bias)
+
+    return linear
+
+
+def _rows_chunked_to_float(kernel: Callable[..., torch.Tensor], max_rows: int) -> LinearToFloat:
+    """The head's float logits on `kernel` in pieces of at most max_rows rows; no rows: the reference."""
+    def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= 1:
+            return float_out_in_row_chunks(kernel, max_rows, x, weight)
+        return linear_to_float_reference(x, weight)
+
+    return linear_to_float
 
 
 def _on_packed(kernel: Linear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -294,8 +389,22 @@ def _amx_linear(gemv) -> LinearOps:
             return float_out_in_row_chunks(matmul, AMX_MAX_ROWS, x, weight)
         return linear_to_float_reference(x, weight)
 
+    def weight_kernel(weight: torch.Tensor) -> Callable[..., torch.Tensor]:
+        return amx if weight.shape[0] % 16 == 0 else avx512   # N off the AMX tiles: AVX512-BF16
+
+    def linear_for(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        if not _bf16_weight_takes(weight, bias):
+            return F.linear
+        return _rows_bounded_linear(weight_kernel(weight), AMX_MAX_ROWS)
+
+    def linear_to_float_for(weight: torch.Tensor) -> LinearToFloat:
+        if not _bf16_weight_takes(weight, None):
+            return linear_to_float_reference
+        return _rows_chunked_to_float(weight_kernel(weight), AMX_MAX_ROWS)
+
     return LinearOps(linear, linear_to_float, PlanMatmul(amx, torch.bfloat16, AMX_MAX_ROWS, 16, 32,
-                                                         gemv.matmul_address("linear_bf16_amx")))
+                                                         gemv.matmul_address("linear_bf16_amx")),
+                     linear_for=linear_for, linear_to_float_for=linear_to_float_for)
 
 
 def _avx512_bf16_linear(gemv) -> LinearOps:
@@ -323,11 +432,25 @@ def _avx512_bf16_linear(gemv) -> LinearOps:
     def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return pack_bf16_weight(weight, 16, 32)
 
+    def linear_for(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        if weight.dim() == 3:
+            return _packed_linear(avx512)
+        if not _bf16_weight_takes(weight, bias):
+            return F.linear
+        return _rows_bounded_linear(avx512, AVX512_MAX_ROWS)
+
+    def linear_to_float_for(weight: torch.Tensor) -> LinearToFloat:
+        if weight.dim() == 3:
+            return lambda x, weight: avx512(x.reshape(-1, x.shape[-1]), weight, float_out=True)
+        if not _bf16_weight_takes(weight, None):
+            return linear_to_float_reference
+        return _rows_chunked_to_float(avx512, AVX512_MAX_ROWS)
+
     return LinearOps(linear, linear_to_float, PlanMatmul(avx512, torch.bfloat16, AVX512_MAX_ROWS, 1, 32,
                                                          gemv.matmul_address("linear_bf16_avx512"),
                                                          gemv.matmul_slice_address("linear_bf16_avx512"),
                                                          gemv.matmul_slice_address("linear_bf16_avx512_packed")),
-                     pack_weight)
+                     pack_weight, linear_for, linear_to_float_for)
 
 
 def _widening_bf16_linear(kernels) -> LinearOps:
@@ -355,17 +478,42 @@ def _widening_bf16_linear(kernels) -> LinearOps:
     def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
         return pack_bf16_weight(weight, panel, lanes)
 
+    def to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return kernel(x.reshape(-1, x.shape[-1]), weight, float_out=True)
+
+    def linear_for(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        if weight.dim() == 3:
+            return _packed_linear(kernel)
+        if not _bf16_weight_takes(weight, bias, lanes):
+            return F.linear
+
+        def bound_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            return kernel(x, weight) if x.shape[0] > 0 else F.linear(x, weight, bias)   # every row count
+
+        return bound_linear
+
+    def linear_to_float_for(weight: torch.Tensor) -> LinearToFloat:
+        if weight.dim() == 3:   # a packed weight has no PyTorch fallback
+            return to_float
+        if not _bf16_weight_takes(weight, None, lanes):
+            return linear_to_float_reference
+
+        def bound_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return to_float(x, weight) if x.shape[0] > 0 else linear_to_float_reference(x, weight)
+
+        return bound_to_float
+
     return LinearOps(linear, linear_to_float, PlanMatmul(kernel, torch.bfloat16, WIDENING_BF16_PLAN_ROWS, 1, lanes,
                                                          kernels.matmul_address("linear_bf16"),
                                                          kernels.matmul_slice_address("linear_bf16"),
                                                          kernels.matmul_slice_address("linear_bf16_packed")),
-                     pack_weight)
+                     pack_weight, linear_for, linear_to_float_for)
 
 
 def pack_bf16_weight(weight: torch.Tensor, panel: int, lanes: int) -> torch.Tensor | None:
     """weight [N, K] bf16 as linear_bf16's packed panels [N / panel, K, panel], each k-row's two halves
     interleaved: packed[p, k, 2j + h] = weight[p * panel + h * panel / 2 + j, k], so that a 32-bit word
-    holds two columns half a panel apart and widens by a shift and a mask (cpu_kernels.cpp,
+    holds two columns half a panel apart and widens by a shift and a mask (csrc/float_tiles.h,
     load_panel_row). None where N is not a multiple of `panel` or K of `lanes`."""
     if weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
@@ -409,7 +557,24 @@ def _f32_linear(f32: F32Kernels) -> LinearOps:
     def linear_to_float(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return linear(x, weight).float()
 
-    return LinearOps(linear, linear_to_float, PlanMatmul(kernel, torch.float32, F32_MAX_ROWS, 1, 8, f32.address))
+    def bound_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if 0 < x.shape[0] <= F32_MAX_ROWS:
+            y = kernel(x, weight)
+            return y if bias is None else y.add_(bias)
+        return F.linear(x, weight, bias)
+
+    def linear_for(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        """The weight's half of `linear`'s check (a bias is added after the kernel, so any bias)."""
+        takes = (weight.dim() == 2 and weight.dtype == torch.float32 and weight.is_contiguous()
+                 and weight.shape[1] % 8 == 0)
+        return bound_linear if takes else F.linear
+
+    def linear_to_float_for(weight: torch.Tensor) -> LinearToFloat:
+        bound = linear_for(weight, None)
+        return lambda x, weight: bound(x, weight).float()
+
+    return LinearOps(linear, linear_to_float, PlanMatmul(kernel, torch.float32, F32_MAX_ROWS, 1, 8, f32.address),
+                     linear_for=linear_for, linear_to_float_for=linear_to_float_for)
 
 
 def select_argmax(device: torch.device) -> Argmax:
@@ -439,7 +604,10 @@ class PlanKernels:
 
 @dataclass(frozen=True)
 class Ops:
-    """The implementation of each op family for one (device, dtype)."""
+    """The implementation of each op family for one (device, dtype): the generic forms, which check
+    each call, and the bound ones (`*_for`), which a model's layers take when they are built (the norms,
+    the activation, rotary) or once their weights are final (the linear layers and the output head,
+    kestrel/model/layers.py: bind_linear_ops_)."""
     rms_norm: RmsNorm
     add_rms_norm: AddRmsNorm
     silu_and_mul: Activation
@@ -447,7 +615,12 @@ class Ops:
     linear: Linear
     linear_to_float: LinearToFloat
     plan_kernels: PlanKernels | None   # None: decode steps of this model run its forward
-    pack_weight: PackWeight | None = None   # LinearOps.pack_weight
+    pack_weight: PackWeight | None     # LinearOps.pack_weight
+    norm_for: Callable[[int], tuple[RmsNorm, AddRmsNorm]]   # row length -> select_norm(..., dim)
+    silu_and_mul_for: Callable[[int], Activation]          # gate | up width -> select_activation(..., width)
+    rotary_for: Callable[[int], Rotary]                    # head_dim -> select_rotary(..., head_dim)
+    linear_for: LinearFor                                  # LinearOps.linear_for
+    linear_to_float_for: LinearToFloatFor                  # LinearOps.linear_to_float_for
 
 
 def select_ops(device: torch.device, dtype: torch.dtype) -> Ops:
@@ -458,4 +631,8 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> Ops:
     if elementwise is not None and linear.plan_matmul is not None:
         plan = PlanKernels(elementwise.rms_norm, elementwise.silu_and_mul, linear.plan_matmul, elementwise.DecodeLayers)
     return Ops(rms_norm, add_rms_norm, select_activation(device, dtype), select_rotary(device, dtype),
-               linear.linear, linear.linear_to_float, plan, linear.pack_weight)
+               linear.linear, linear.linear_to_float, plan, linear.pack_weight,
+               norm_for=lambda dim: select_norm(device, dtype, dim),
+               silu_and_mul_for=lambda width: select_activation(device, dtype, width),
+               rotary_for=lambda head_dim: select_rotary(device, dtype, head_dim),
+               linear_for=linear.linear_for, linear_to_float_for=linear.linear_to_float_for)

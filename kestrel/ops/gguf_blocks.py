@@ -1,4 +1,4 @@
-"""GGUF quantized weights as linear_gguf runs them (cpu_kernels.cpp, "GGUF quantized weights").
+"""GGUF quantized weights as linear_gguf runs them (kestrel/ops/csrc/linear_gguf.cpp; layouts: gguf_blocks.h).
 
 A GGUF file stores a matrix [N, K] as rows of blocks along K. Eight of llama.cpp's block types are kept
 as the file stores them, in `GGUF_FORMATS`:
@@ -21,7 +21,7 @@ values here are its bits; the kernel computes the same ones.
 `pack_gguf_weight` puts a weight (one part or several, each of its own type, stacked along N: a fused
 projection whose parts the file stores in different types) into linear_gguf's layout: a header of
 int64 (K, N, the number of segments, then each segment's format code, rows and byte offset), then the
-segments, each 16 rows (a panel) at a time along its blocks (see cpu_kernels.cpp for the bytes).
+segments, each 16 rows (a panel) at a time along its blocks (see csrc/gguf_blocks.h for the bytes).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ _SCALES = GGUF_PANEL * 4   # a panel's float32 per column
 class GGUFFormat:
     """A GGUF block type that linear_gguf runs from its blocks."""
     name: str            # gguf.GGMLQuantizationType's name
-    code: int            # cpu_kernels.cpp's GgufFormat
+    code: int            # csrc/gguf_blocks.h's GgufFormat
     file_block: int      # values per file block along K (K is a multiple of it)
     file_block_bytes: int
     block: int           # values per packed block along K (Q4_K, Q6_K: a super-block of 256)

@@ -18,12 +18,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
-import os
 import sys
 from collections.abc import Callable
 
 import numpy as np
 import torch
+
+from kestrel import envs
 
 HUGE_PAGE = 2 << 20
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -31,7 +32,7 @@ _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 def huge_pages_disabled() -> bool:
     """KESTREL_DISABLE_HUGE_PAGES=1: weights and KV cache in ordinary pages."""
-    return os.environ.get("KESTREL_DISABLE_HUGE_PAGES") == "1"
+    return envs.KESTREL_DISABLE_HUGE_PAGES
 
 
 def transparent_huge_pages() -> str | None:

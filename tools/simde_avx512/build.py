@@ -1,9 +1,9 @@
-"""Builds a kernel source of kestrel/ops (cpu_kernels.cpp's AVX-512 build, KESTREL_VEC_AVX512;
-cpu_gemv.cpp; cpu_prefill.cpp) for the AVX-512 CPU that KESTREL_SIMDE_CPU names (cpus.py; never AMX),
-onto SIMDe, for an AVX2 machine to run, and prints the module's path. Usage: build.py SOURCE [BUILD_DIR].
+"""Builds the AVX-512 extension of kestrel/ops (every source of kestrel/ops/build.py's SOURCES with
+KESTREL_VEC_AVX512) for the AVX-512 CPU that KESTREL_SIMDE_CPU names (cpus.py; never AMX), onto
+SIMDe, for an AVX2 machine to run, and prints the module's path. Usage: build.py [BUILD_DIR].
 
 SIMDe's functions are kept out of line (SIMDE_NO_INLINE): inlined, GCC had not finished
-cpu_kernels.cpp after 30 minutes; out of line it takes about 3. Two edits to the staged copy only:
+the kernels after 30 minutes; out of line it takes about 3. Two edits to the staged copy only:
 the inline-asm register pins ("+v", a zmm register) become memory operands, and the int8 kernel's
 `vpdpbusd` asm its intrinsic.
 """
@@ -18,7 +18,7 @@ sys.path.insert(0, str(HERE))
 from aliases import header  # noqa: E402
 from cpus import MACROS, selected  # noqa: E402
 
-OPS = HERE.parent.parent / "kestrel" / "ops"
+CSRC = HERE.parent.parent / "kestrel" / "ops" / "csrc"
 EDITS = (('asm("" : "+v"(', 'asm("" : "+m"('),
          ('asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w.biased), "v"(x));',
           "acc = _mm512_dpbusd_epi32(acc, w.biased, x);"))
@@ -26,9 +26,16 @@ FLAGS = ["-O2", "-march=x86-64-v3", "-mtune=native", "-fopenmp", "-w", "-DKESTRE
          "-DSIMDE_NO_INLINE", "-include", "kestrel_simde_avx512.h"]
 
 
-def stage(source: str, build_dir: Path, cpu: str) -> None:
+def sources() -> list[str]:
+    """The extension's sources, in kestrel/ops/build.py's order (read from it: this runs without kestrel)."""
+    text = (CSRC.parent / "build.py").read_text()
+    listed = text[text.index("SOURCES = ("):text.index(")", text.index("SOURCES = ("))]
+    return [line.strip().strip('",') for line in listed.splitlines()[1:] if line.strip().endswith('.cpp",')]
+
+
+def stage(build_dir: Path, cpu: str) -> None:
     """The sources, edited, written only where they changed (a new mtime would make ninja rebuild)."""
-    files = {p.name: p.read_text() for p in (OPS / source, *OPS.glob("*.h"), HERE / "own_intrinsics.h")}
+    files = {p.name: p.read_text() for p in (*CSRC.iterdir(), HERE / "own_intrinsics.h")}
     for name in files:
         for old, new in EDITS:
             files[name] = files[name].replace(old, new)
@@ -42,14 +49,13 @@ def stage(source: str, build_dir: Path, cpu: str) -> None:
 
 
 def main() -> None:
-    source = sys.argv[1]
-    stem, cpu = Path(source).stem, selected()
-    build_dir = Path(sys.argv[2]) if len(sys.argv) > 2 else Path.home() / ".cache/kestrel/simde_avx512" / cpu / stem
+    cpu = selected()
+    build_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path.home() / ".cache/kestrel/simde_avx512" / cpu
     build_dir.mkdir(parents=True, exist_ok=True)
     (build_dir / "lock").unlink(missing_ok=True)  # torch's lock file, left behind by a killed build
-    stage(source, build_dir, cpu)
+    stage(build_dir, cpu)
     flags = [f if f != "kestrel_simde_avx512.h" else str(build_dir / f) for f in FLAGS]
-    module = load(name=f"kestrel_{stem}_simde_{cpu}", sources=[str(build_dir / source)],
+    module = load(name=f"kestrel_kernels_simde_{cpu}", sources=[str(build_dir / source) for source in sources()],
                   build_directory=str(build_dir), extra_cflags=flags, extra_ldflags=["-fopenmp"])
     print(module.__file__)
 

@@ -1,6 +1,6 @@
 """The AVX-512 CPUs the harness stands in for (KESTREL_SIMDE_CPU picks one; zen4 by default): the
 feature macros its builds define, the /proc/cpuinfo flags kestrel.ops then reads, and the sources
-kestrel.ops builds for such a CPU (cpu_gemv.cpp and cpu_prefill.cpp need AVX512-BF16).
+kestrel.ops builds for such a CPU (linear_bf16_avx512.cpp and the bf16 prefill attention need AVX512-BF16).
 
 - zen4: AVX512-BF16 and AVX512-VNNI (AMD Zen 4 and 5; Intel Cooper Lake, and Sapphire Rapids less AMX).
 - icelake: AVX512-VNNI without BF16 (Intel Cascade Lake, Ice Lake and its clients): the float32
@@ -35,10 +35,5 @@ def flags(cpu: str) -> frozenset[str]:
     return frozenset(_FLAG[m] for m in MACROS[cpu])
 
 
-def sources(cpu: str) -> tuple[str, ...]:
-    with_bf16 = ("cpu_gemv.cpp", "cpu_prefill.cpp") if "AVX512BF16" in MACROS[cpu] else ()
-    return ("cpu_kernels.cpp", *with_bf16)
-
-
 if __name__ == "__main__":
-    print("\n".join(sources(selected())))
+    print(selected())

@@ -8,12 +8,10 @@ if [ ! -d /usr/include/simde ]; then
   [ "$(id -u)" = 0 ] || { echo "needs Debian's libsimde-dev (apt-get install libsimde-dev, as root)"; exit 1; }
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libsimde-dev >/dev/null
 fi
-modules=""
-for source in $(.venv/bin/python tools/simde_avx512/cpus.py); do
-  modules="$modules${modules:+:}$source=$(.venv/bin/python tools/simde_avx512/build.py $source | tail -1)"
-done
-[ $# -gt 0 ] || set -- tests/test_cpu_kernels.py tests/test_gguf_quant.py tests/test_decode_plan.py \
-  tests/test_linear_bf16.py tests/test_quantization.py tests/test_kv_int8.py tests/test_output_rows.py \
-  tests/test_cpu_gemv.py tests/test_cpu_prefill.py tests/test_attention_backends.py
-KESTREL_SIMDE_MODULES="$modules" PYTHONPATH="$PWD/tools/simde_avx512/site" \
+module=$(.venv/bin/python tools/simde_avx512/build.py | tail -1)
+[ $# -gt 0 ] || set -- tests/ops/test_cpu_kernels.py tests/model/test_gguf_quant.py tests/model/test_decode_plan.py \
+  tests/ops/test_linear_bf16.py tests/model/test_quantization.py tests/attention/test_kv_int8.py \
+  tests/worker/test_output_rows.py tests/ops/test_cpu_gemv.py tests/ops/test_cpu_prefill.py \
+  tests/attention/test_attention_backends.py
+KESTREL_SIMDE_MODULE="$module" PYTHONPATH="$PWD/tools/simde_avx512/site" \
   .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

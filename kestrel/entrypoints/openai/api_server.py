@@ -30,6 +30,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kestrel
+from kestrel import envs
 from kestrel.distributed.lifecycle import freeze_startup_heap
 from kestrel.entrypoints.openai.dashboard import dashboard_router
 from kestrel.entrypoints.openai.metrics import ServerMetrics
@@ -317,8 +318,7 @@ def build_app(engine, served_model_name: str | None = None, api_key: str | None 
 def run_server(args) -> int:
     """`kestrel serve`: start the engine core, then serve HTTP until SIGINT/SIGTERM (exit code 0) or
     until the engine core fails (exit code 1)."""
-    from kestrel.config import EngineArgs
-    from kestrel.engine.arg_utils import engine_kwargs
+    from kestrel.engine.arg_utils import EngineArgs, engine_kwargs
     from kestrel.engine.async_llm import AsyncLLM
 
     kwargs = engine_kwargs(args)
@@ -327,7 +327,7 @@ def run_server(args) -> int:
         if kwargs.get("model") not in (None, tag):
             raise ValueError(f"two models given: {tag!r} and --model {kwargs['model']!r}")
         kwargs["model"] = tag
-    api_key = args.api_key if args.api_key is not None else os.environ.get("KESTREL_API_KEY") or None
+    api_key = args.api_key if args.api_key is not None else envs.KESTREL_API_KEY
     tool_settings = ToolSettings(getattr(args, "enable_auto_tool_choice", False),
                                  getattr(args, "tool_call_parser", None))
     leave_cores_to_the_engine()
