@@ -507,6 +507,38 @@ class KestrelServer(_ServerProcess):
 
 # ---- memory -------------------------------------------------------------------------------------
 
+def cpu_seconds_of_tree(pid: int) -> float:
+    """The CPU time (user + system, seconds) a process and its live descendants have used; 0 if gone."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def wait_until_quiet(pids: Sequence[int], *, below_cores: float = 0.1, window_s: float = 1.0,
+                     timeout_s: float = 60.0) -> float:
+    """Wait until the servers `pids` together use under `below_cores` cores over a `window_s` window
+    (at most `timeout_s`); returns the seconds waited. An engine that keeps its threads spinning after
+    a run would otherwise take the cores from the next engine's run in an interleaved round."""
+    start = time.monotonic()
+    while True:
+        before = sum(cpu_seconds_of_tree(pid) for pid in pids)
+        time.sleep(window_s)
+        used = sum(cpu_seconds_of_tree(pid) for pid in pids) - before
+        waited = time.monotonic() - start
+        if used < below_cores * window_s or waited >= timeout_s:
+            return waited
+
+
 def rss_of_tree(pid: int) -> int:
     """The summed resident memory (bytes) of a process and all its descendants now; 0 if gone."""
     try:

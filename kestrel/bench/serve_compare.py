@@ -209,6 +209,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     """Start every --launch server, run the rounds interleaved, and return the report."""
     from kestrel.bench.latency import prompt_id_range
     from kestrel.bench.launch import kestrel_weights_flags
+    from kestrel.bench.peers import wait_until_quiet
     workloads = check_workloads(args.workload)
     runs = args.runs if args.runs is not None else DEFAULT_RUNS
     if runs < 1:
@@ -226,6 +227,11 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
         live = {spec: start_server(stack, spec, args, kestrel_flags, workloads, id_range) for spec in specs}
         for r, workload, spec in interleaved_order(specs, workloads, runs):
             e = live[spec]
+            # Every server idle first: one that spins after its run (vLLM's workers do, for a while)
+            # would take the cores from the next engine's run.
+            settled = wait_until_quiet([x.server.pid for x in live.values()])
+            if settled > 1.5:
+                log(f"waited {settled:.1f} s for the servers to go idle before {spec} {workload}")
             if workload == "W1":
                 e.w1.append(run_w1(e, w1))
                 x = e.w1[-1]

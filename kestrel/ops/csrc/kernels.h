@@ -39,8 +39,11 @@ void linear_bf16_slice_packed(const uint16_t* x, const uint16_t* w, uint16_t* y,
 // linear_gguf.cpp
 at::Tensor linear_gguf(at::Tensor x, at::Tensor w, bool float_out);
 
-// linear_int8.cpp (KESTREL_HAS_INT8_LINEAR builds only)
+// linear_int8.cpp (linear_int8 in KESTREL_HAS_INT8_LINEAR builds only; the check in every build, for
+// linear_int8_amx too)
 at::Tensor linear_int8(at::Tensor x, at::Tensor qweight, at::Tensor wscale);
+void check_int8_linear_operands(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& wscale,
+                                const char* kernel);
 
 // decode_layers.cpp: the class DecodeLayers, bound into the module.
 void bind_decode_layers(py::module& m);

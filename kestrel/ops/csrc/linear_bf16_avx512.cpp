@@ -858,16 +858,10 @@ at::Tensor linear_bf16_amx(at::Tensor x, at::Tensor w, bool float_out) {
 
 at::Tensor linear_int8_amx(at::Tensor x, at::Tensor qweight, at::Tensor wscale) {
   TORCH_CHECK(amx_usable(), "this CPU or kernel does not allow AMX");
-  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && wscale.dim() == 1, "x and qweight must be 2-D, wscale 1-D");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "x must be bf16");
-  TORCH_CHECK(qweight.scalar_type() == at::kChar && wscale.scalar_type() == at::kFloat,
-              "qweight must be int8 and wscale float32");
-  TORCH_CHECK(x.size(1) == qweight.size(1), "x and qweight disagree on K");
-  TORCH_CHECK(wscale.size(0) == qweight.size(0), "wscale needs one scale per row of qweight");
+  check_int8_linear_operands(x, qweight, wscale, "linear_int8_amx");
   TORCH_CHECK(x.size(1) % 64 == 0, "K must be a multiple of 64");
   TORCH_CHECK(qweight.size(0) % 16 == 0, "N must be a multiple of 16");
   TORCH_CHECK(x.size(0) >= 1, "x has no rows");
-  TORCH_CHECK(qweight.is_contiguous() && wscale.is_contiguous(), "qweight and wscale must be contiguous");
   x = x.contiguous();
   const int64_t M = x.size(0), N = qweight.size(0), K = x.size(1);
   auto y = at::empty({M, N}, x.options());

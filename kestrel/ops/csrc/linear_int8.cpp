@@ -2,6 +2,18 @@
 #include "float_tiles.h"
 #include "kernels.h"
 
+// What every int8 linear kernel (linear_int8 here, linear_int8_amx) asks of its operands.
+void check_int8_linear_operands(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& wscale,
+                                const char* kernel) {
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && wscale.dim() == 1, kernel, ": x and qweight 2-D, wscale 1-D");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, kernel, ": x must be bf16");
+  TORCH_CHECK(qweight.scalar_type() == at::kChar && wscale.scalar_type() == at::kFloat,
+              kernel, ": qweight must be int8 and wscale float32");
+  TORCH_CHECK(x.size(1) == qweight.size(1), kernel, ": x and qweight disagree on K");
+  TORCH_CHECK(wscale.size(0) == qweight.size(0), kernel, ": wscale needs one scale per row of qweight");
+  TORCH_CHECK(qweight.is_contiguous() && wscale.is_contiguous(), kernel, ": qweight and wscale must be contiguous");
+}
+
 // ---- int8 linear layers (--quantization int8) without AMX ----
 //
 // linear_int8(x [M, K] bf16, qweight [N, K] int8, wscale [N] float32) -> y [M, N] bf16, any M, N and K:
@@ -394,15 +406,9 @@ void int8_run(const Int8Operands& op) {
 }  // namespace
 
 at::Tensor linear_int8(at::Tensor x, at::Tensor qweight, at::Tensor wscale) {
-  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && wscale.dim() == 1, "linear_int8: x and qweight 2-D, wscale 1-D");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_int8: x must be bf16");
-  TORCH_CHECK(qweight.scalar_type() == at::kChar && wscale.scalar_type() == at::kFloat,
-              "linear_int8: qweight must be int8 and wscale float32");
-  TORCH_CHECK(x.size(1) == qweight.size(1), "linear_int8: x and qweight disagree on K");
-  TORCH_CHECK(wscale.size(0) == qweight.size(0), "linear_int8: wscale needs one scale per row of qweight");
+  check_int8_linear_operands(x, qweight, wscale, "linear_int8");
   TORCH_CHECK(x.size(1) >= 1 && x.size(1) <= std::numeric_limits<int32_t>::max() / (127 * 127),
               "linear_int8: K must be 1 .. 2^31 / 127^2 (int32 sums)");
-  TORCH_CHECK(qweight.is_contiguous() && wscale.is_contiguous(), "linear_int8: qweight and wscale must be contiguous");
   x = x.contiguous();
   const int64_t M = x.size(0), N = qweight.size(0), K = x.size(1);
   auto y = at::empty({M, N}, x.options());
