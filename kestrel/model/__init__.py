@@ -26,8 +26,22 @@ __all__ = ["ARCHITECTURES", "IntermediateTensors", "LlamaForCausalLM", "ModelSha
 ARCHITECTURES: dict[str, tuple[type[nn.Module], bool]] = {
     "llama": (LlamaForCausalLM, False),
     "mistral": (LlamaForCausalLM, False),
+    "qwen2": (LlamaForCausalLM, False),
     "qwen3": (LlamaForCausalLM, True),
 }
+# Architectures whose q, k and v projections carry biases whatever the config says (Qwen2's have them,
+# its o_proj has none: the module's attention_bias).
+QKV_BIAS_ARCHITECTURES = ("qwen2",)
+
+
+def sliding_window_of(hf_config) -> int | None:
+    """The window of a model whose layers attend to the last W tokens only (Mistral's; Qwen2's where
+    use_sliding_window is set), None for full attention."""
+    model_type = getattr(hf_config, "model_type", None)
+    window = getattr(hf_config, "sliding_window", None)
+    if model_type == "mistral" or (model_type == "qwen2" and getattr(hf_config, "use_sliding_window", False)):
+        return int(window) if window else None
+    return None
 
 
 def rope_settings(hf_config) -> tuple[float, dict | None]:
@@ -53,8 +67,8 @@ def model_config_from_hf(hf_config, *, model: str | None, dtype: torch.dtype,
         raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
     elif max_model_len > max_positions:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's maximum of {max_positions} positions")
-    sliding_window = getattr(hf_config, "sliding_window", None)
-    if model_type == "mistral" and sliding_window and max_model_len > sliding_window:
+    sliding_window = sliding_window_of(hf_config)
+    if sliding_window and max_model_len > sliding_window:
         raise ValueError(f"sliding-window attention is not supported yet: set --max-model-len to at most "
                          f"{sliding_window} for this model")
     num_heads = hf_config.num_attention_heads
@@ -74,7 +88,7 @@ def model_config_from_hf(hf_config, *, model: str | None, dtype: torch.dtype,
         rope_scaling=scaling,
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        attention_bias=bool(getattr(hf_config, "attention_bias", False)),
+        attention_bias=model_type in QKV_BIAS_ARCHITECTURES or bool(getattr(hf_config, "attention_bias", False)),
         qk_norm=ARCHITECTURES[model_type][1],
         eos_token_id=eos_token_id,
         bos_token_id=bos_token_id,

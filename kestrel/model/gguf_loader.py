@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_GGUF_VERSIONS = (2, 3)
 GGML_MAX_DIMS = 4
 
@@ -291,7 +291,7 @@ def _rope_parameters(header: GGUFHeader, arch: str) -> dict[str, Any]:
 
 
 def gguf_config(header: GGUFHeader) -> PretrainedConfig:
-    """Build a transformers config (LlamaConfig / Qwen3Config) from GGUF metadata."""
+    """Build a transformers config (LlamaConfig / Qwen2Config / Qwen3Config) from GGUF metadata."""
     arch = _check_architecture(header)
     meta = header.metadata
     n_heads = int(_required(header, f"{arch}.attention.head_count"))
@@ -315,9 +315,11 @@ def gguf_config(header: GGUFHeader) -> PretrainedConfig:
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
     if arch == "llama":
         return LlamaConfig(**kwargs)
+    if arch == "qwen2":
+        return Qwen2Config(**kwargs)
     return Qwen3Config(**kwargs)
 
 
@@ -334,6 +336,9 @@ _BLOCK_TENSOR_NAMES = {
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",   # qwen2
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",

@@ -1,4 +1,4 @@
-"""Greedy parity with transformers on tiny random-weight Llama and Qwen3 models built here, in
+"""Greedy parity with transformers on tiny random-weight Llama, Qwen2 and Qwen3 models built here, in
 float32, alone and batched, with chunked prefill, preemption and prefix-cache hits; and the same tokens
 with --async-scheduling as without.
 
@@ -20,7 +20,7 @@ VOCAB = 49152  # the default model's tokenizer is reused, so the vocabulary matc
 
 
 def _tiny_config(kind: str):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
@@ -30,6 +30,8 @@ def _tiny_config(kind: str):
         return LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
+    if kind == "qwen2":   # q, k and v with biases, o without
+        return Qwen2Config(**common, tie_word_embeddings=True)
     if kind == "qwen3":
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
     raise ValueError(kind)
@@ -47,9 +49,11 @@ def _build(kind: str, folder, tokenizer):
     model = AutoModelForCausalLM.from_config(_tiny_config(kind), dtype=torch.float32).eval()
     # Larger-than-default weights make the distributions peaked enough for greedy to be stable.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.08)
+            elif name.endswith(".bias"):   # zeros by default: a bias misplaced would not show
+                p.normal_(0, 0.5)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return model
@@ -61,7 +65,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, VOCAB) for _ in range(L)] for L in lengths]
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3-rope", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "llama3-rope", "qwen2", "qwen3"])
 def tiny(request, tmp_path_factory, tokenizer):
     folder = tmp_path_factory.mktemp(request.param)
     model = _build(request.param, folder, tokenizer)

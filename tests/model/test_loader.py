@@ -10,7 +10,14 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from kestrel.model import gguf_loader, hf_loader
 from kestrel.model.loader import (
@@ -47,12 +54,14 @@ def tiny_model(arch: str, tie: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=tie))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=tie))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**TINY, tie_word_embeddings=tie))
     # Norm weights initialise to ones; randomise them so a name mix-up would show.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 p.normal_()
     return model.eval()
 
@@ -144,7 +153,7 @@ def default_gguf_path(default_source: ModelSource) -> Path:
 # --------------------------------------------------------------------------- Hugging Face folders
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_hf_folder_roundtrip(tmp_path: Path, arch: str) -> None:
     model = tiny_model(arch, tie=False)
     model.save_pretrained(tmp_path / "tiny")
@@ -166,14 +175,15 @@ def test_hf_folder_unknown_model_type(tmp_path: Path) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'.*llama, mistral, qwen3"):
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'.*llama, mistral, qwen2, qwen3"):
         load_config(resolve_model(str(tmp_path)))
 
 
 # --------------------------------------------------------------------------- tiny GGUF files
 
 
-@pytest.mark.parametrize("arch,tie", [("llama", False), ("llama", True), ("qwen3", True), ("qwen3", False)])
+@pytest.mark.parametrize("arch,tie", [("llama", False), ("llama", True), ("qwen2", True), ("qwen2", False),
+                                      ("qwen3", True), ("qwen3", False)])
 def test_tiny_gguf_matches_hf_weights(tmp_path: Path, arch: str, tie: bool) -> None:
     model = tiny_model(arch, tie=tie)
     write_tiny_gguf(model, tmp_path / "tiny.gguf", arch)
@@ -234,7 +244,7 @@ def test_gguf_unknown_architecture(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
     src = resolve_model(str(tmp_path / "gpt2.gguf"))
-    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'.*llama, qwen3"):
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'.*llama, qwen2, qwen3"):
         load_config(src)
     with pytest.raises(ValueError, match="unsupported architecture"):
         next(iter_weights(src))
@@ -459,3 +469,18 @@ def test_default_model_tensors_read_as_gguf_decodes_them(default_gguf_path: Path
         if len(info.shape) == 2:
             assert torch.equal(reader.read(name, dim=0, start=64, size=128), want[64:192]), name
             assert torch.equal(reader.read(name, dim=1, start=64, size=128), want[:, 64:192]), name
+
+
+def test_qwen2_takes_its_qkv_biases_and_refuses_its_sliding_window_past_the_window() -> None:
+    """Qwen2's q, k and v carry biases (its config has no attention_bias); a checkpoint that turns its
+    sliding window on runs only up to the window, as Mistral's does, until sliding-window layers run."""
+    from transformers import Qwen2Config
+
+    from kestrel.model import model_config_from_hf
+    kw = dict(model=None, dtype=torch.float32, eos_token_id=2, bos_token_id=1)
+    full = model_config_from_hf(Qwen2Config(**TINY), max_model_len=256, **kw)
+    assert full.attention_bias and full.max_model_len == 256
+    windowed = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=64, max_window_layers=0)
+    with pytest.raises(ValueError, match="sliding-window attention is not supported yet.*at most 64"):
+        model_config_from_hf(windowed, max_model_len=128, **kw)
+    assert model_config_from_hf(windowed, max_model_len=64, **kw).max_model_len == 64

@@ -121,7 +121,7 @@ def test_one_rank_holds_everything_and_the_decode_plan_only_then() -> None:
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str              # llama | qwen3
+    kind: str              # llama | qwen2 | qwen3
     heads: int
     kv_heads: int
     tie: bool = True
@@ -130,13 +130,15 @@ class Case:
 
 
 def _hf_config(case: Case):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
     common = dict(vocab_size=VOCAB, hidden_size=144, intermediate_size=100, num_hidden_layers=3,
                   num_attention_heads=case.heads, num_key_value_heads=case.kv_heads, head_dim=16,
                   max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
                   tie_word_embeddings=case.tie)
     if case.kind == "qwen3":
         return Qwen3Config(**common)
+    if case.kind == "qwen2":   # q, k and v with biases, sharded with their rows
+        return Qwen2Config(**common)
     return LlamaConfig(**common, attention_bias=case.bias)
 
 
@@ -270,6 +272,7 @@ TP2_CASES = [
     Case("llama-9-3", "llama", 9, 3),                                # heads (6, 3), KV heads (2, 1)
     Case("qwen3-6-2", "qwen3", 6, 2, tie=False),
     Case("gguf-llama-6-2", "llama", 6, 2, gguf=True),               # q/k rows read per head, unpermuted locally
+    Case("gguf-qwen2-6-2", "qwen2", 6, 2, gguf=True),               # the biases from the file, per rank
 ]
 TP3_CASES = [
     Case("llama-6-2", "llama", 6, 2, tie=False),                     # heads (2, 2, 2), the middle rank's KV (0, 1)
