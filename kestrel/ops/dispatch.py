@@ -46,20 +46,16 @@ Argmax = Callable[[torch.Tensor], torch.Tensor]
 LinearFor = Callable[[torch.Tensor, torch.Tensor | None], Linear]   # (weight, bias) -> the op for that weight
 LinearToFloatFor = Callable[[torch.Tensor], LinearToFloat]           # weight -> the head's op for that weight
 
-# Up to this many rows a bf16 linear layer streams its weights through the AMX kernel (csrc/linear_bf16_avx512.cpp),
-# 1.2-2x torch's GEMM at every size from 1 to 128 rows on this machine; prefill chunks above it go
-# to torch's GEMM, which reaches the AMX rate there.
+# Up to this many rows a bf16 linear layer streams its weights through the AMX kernel
+# (csrc/linear_bf16_avx512.cpp), faster than torch's GEMM at every size up to it; prefill chunks above it
+# go to torch's GEMM, which reaches the AMX rate there (the figures behind these bounds: docs/kernels.md).
 AMX_MAX_ROWS = 128
-# Without AMX (AVX512-BF16 only, as AMD Zen 4): linear_bf16_avx512 up to this many rows (all it takes).
-# On a 2-core Zen 4 (2026-12-03, medians of 30 calls of the default model's four layer shapes), it took
-# 0.4x torch's bf16 GEMM's time at 8 rows, 0.6x at 16-32, 0.7x at 64 and 0.8x at 128 (its rows-in-lanes
-# path from 16 rows, 330-380 GFLOP/s); on the output head (49152 x 576) 0.3-0.75x. Prefill chunks
-# beyond it take torch's GEMM, which reaches ~370 GFLOP/s there.
+# Without AMX (AVX512-BF16 only, as AMD Zen 4): linear_bf16_avx512 up to this many rows on [N, K]
+# weights (all it takes), faster than torch's bf16 GEMM at every such size; packed weights take it at
+# every row count.
 AVX512_MAX_ROWS = 128
-# Float32 (no bf16 on AVX2 machines): the small-batch kernel (linear_f32) up to this many rows. Over the
-# default model's weights as a decode step reads them (538 MB, from memory), torch's GEMM takes 1.6-3.6x
-# its time at 1-16 rows and 1.04-1.3x at 64-128 (BENCHMARKS.md); prefill chunks beyond it go to torch's
-# GEMM, which reaches ~140 GFLOP/s there.
+# Float32 (no bf16 on AVX2 machines): the small-batch kernel (linear_f32) up to this many rows, where it
+# is faster than torch's GEMM reading the weights from memory; prefill chunks beyond it go to torch's GEMM.
 F32_MAX_ROWS = 128
 # bf16 without AVX512-BF16 (linear_bf16, which takes every row count): the decode plan covers steps of
 # up to this many rows, as on the other bf16 kernels.
@@ -455,10 +451,10 @@ def _avx512_bf16_linear(gemv) -> LinearOps:
 
 def _widening_bf16_linear(kernels) -> LinearOps:
     """bf16 products on cpu_kernels' linear_bf16 (the weights widened to float32 in the kernel), at
-    every row count: torch's bf16 GEMM runs at ~17 GFLOP/s on AVX2 (Zen 3, 2026-12-03), the kernel at
-    ~55-135. A layer's weight (and the output head) is packed after loading into panels of 16 columns
-    ([N / 16, K, 16], each k a row of 16 values: the layer then runs 1.2-2x faster at decode sizes and
-    ~1.1x at prefill sizes than on [N, K]); [N, K] weights (odd shapes) still take the kernel."""
+    every row count: torch's bf16 GEMM emulates bf16 there, at a fraction of the kernel's rate. A
+    layer's weight (and the output head) is packed after loading into panels of 16 columns
+    ([N / 16, K, 16], each k a row of 16 values: one stream per panel, no transpose per call); [N, K]
+    weights (odd shapes) still take the kernel."""
     kernel, lanes, panel = kernels.linear_bf16, kernels.lanes, kernels.panel_columns
 
     def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -3,9 +3,8 @@ cache.
 
 A batch-1 decode step reads every weight once from DRAM. On 4 KiB pages that stream crosses a page
 every 64 cache lines, and each crossing costs a TLB miss and restarts the hardware prefetcher; on 2 MiB
-pages it runs longer. Measured on 2 Zen 4 cores (default model, in-process, interleaved): the step
-went from 11.41 to 10.79 ms (BENCHMARKS.md). llama.cpp reads its weights from the file's page cache,
-on 4 KiB pages.
+pages it runs longer (the measured gain: docs/kernels.md). llama.cpp reads its weights from the file's
+page cache, on 4 KiB pages.
 
 Linux hands out huge pages to an anonymous mapping that asks for them (madvise MADV_HUGEPAGE) when
 /sys/kernel/mm/transparent_hugepage/enabled is `always` or `madvise` (most distributions' default);
