@@ -507,21 +507,26 @@ class KestrelServer(_ServerProcess):
 
 # ---- memory -------------------------------------------------------------------------------------
 
-def cpu_seconds_of_tree(pid: int) -> float:
-    """The CPU time (user + system, seconds) a process and its live descendants have used; 0 if gone."""
+def _sum_over_tree(pid: int, measure) -> float:
+    """measure(process) summed over a process and its live descendants; 0 if it is gone (a child that
+    exits between the listing and its measure counts nothing)."""
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
-        return 0.0
-    total = 0.0
+        return 0
+    total = 0
     for proc in procs:
         try:
-            times = proc.cpu_times()
+            total += measure(proc)
         except psutil.Error:
-            continue
-        total += times.user + times.system
+            pass
     return total
+
+
+def cpu_seconds_of_tree(pid: int) -> float:
+    """The CPU time (user + system, seconds) a process and its live descendants have used; 0 if gone."""
+    return _sum_over_tree(pid, lambda proc: sum(proc.cpu_times()[:2]))
 
 
 def wait_until_quiet(pids: Sequence[int], *, below_cores: float = 0.1, window_s: float = 1.0,
@@ -541,18 +546,7 @@ def wait_until_quiet(pids: Sequence[int], *, below_cores: float = 0.1, window_s:
 
 def rss_of_tree(pid: int) -> int:
     """The summed resident memory (bytes) of a process and all its descendants now; 0 if gone."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            pass  # exited between listing and sampling
-    return total
+    return int(_sum_over_tree(pid, lambda proc: proc.memory_info().rss))
 
 
 class RssSampler:
