@@ -31,7 +31,7 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 @dataclass(frozen=True)
 class ModelConfig:
     model: str | None
-    architecture: str          # "llama" or "qwen3"
+    architecture: str          # the checkpoint's model_type: a key of kestrel.model.ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -54,6 +54,21 @@ class ModelConfig:
     # (W8A8); "none": a GGUF file's blocks dequantized to dtype at load
     quantization: str | None = None
     tokenizer: str | None = None     # the tokenizer's path when it is not the model's
+    # Sliding-window attention: the window W (a token sees itself and the W - 1 keys before it) of the
+    # layers whose type is "sliding_attention" in layer_types (None there: every layer, as Mistral's).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None   # per layer, "full_attention" or "sliding_attention"
+    local_rope_theta: float | None = None        # the sliding layers' own rope base (Gemma 3), else rope_theta's
+    query_pre_attn_scalar: float | None = None   # attention scale 1/sqrt(this) instead of 1/sqrt(head_dim)
+    hidden_act: str = "silu"                     # the MLP's gate activation: "silu" or "gelu_pytorch_tanh"
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of decoder layer `layer` (over the whole model), None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
         """K and V of one token in every layer: in the model's dtype, or int8 plus a float32 scale per

@@ -4,19 +4,29 @@ and the KV write run as one fused kernel; prefill chunks run on cpu_prefill's ke
 AVX512-BF16 dot products) where the CPU has AVX512-BF16 and the model is bf16 with head_dim % 32 == 0
 (up to 256), else on cpu_kernels' prefill_attention where that is preferred (the AVX2 build; float32
 or bf16, head_dim % 16 == 0), else on the reference's SDPA path (selector.py chooses).
+
+A sliding-window layer's decodes run on the decode kernel with its window; its prefill chunks that
+reach past the window run on the reference's masked SDPA, as do its decodes over the int8 cache
+(whose kernel has no window). A step whose contexts all fit the window runs such a layer as a full one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from kestrel.attention.backend import AttentionBackend, CommonAttentionMetadata, DecodeStepKernels, PrefillSpan
 from kestrel.attention.kv_cache import KVCache, gather_kv, write_qkv
-from kestrel.attention.torch_sdpa import PrefillChunk, context_blocks, masked_prefill_chunk, prefill_attention
+from kestrel.attention.torch_sdpa import (
+    PrefillChunk,
+    TorchSDPABackend,
+    context_blocks,
+    masked_prefill_chunk,
+    prefill_attention,
+)
 from kestrel.ops.dispatch import Rotary, rotary_kernel_takes
 
 
@@ -28,6 +38,9 @@ class CpuAttentionMetadata:
     decode_block_table: torch.Tensor      # [num_decodes, max_blocks], null-block padded
     decode_seq_lens: torch.Tensor         # [num_decodes]
     prefills: list[PrefillChunk]          # mask None where the prefill kernel serves them
+    common: CommonAttentionMetadata
+    longest: int                          # the longest context of the step: keys its last token sees
+    windowed: dict = field(default_factory=dict)   # (what, window) -> built on first use in the step
 
 
 class CpuKernelsBackend(AttentionBackend):
@@ -63,8 +76,10 @@ class CpuKernelsBackend(AttentionBackend):
     def build_metadata(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:
         device = common.slot_mapping.device
         prefills = [self._prefill_chunk(span, common.block_size, device) for span in common.prefills]
+        longest = max([int(common.decode_seq_lens_cpu[:common.num_decodes].max(initial=0))]
+                      + [span.end_pos for span in common.prefills])
         return CpuAttentionMetadata(common.slot_mapping, common.block_size, common.num_decodes,
-                                    common.decode_block_table, common.decode_seq_lens, prefills)
+                                    common.decode_block_table, common.decode_seq_lens, prefills, common, longest)
 
     @staticmethod
     def _kernel_chunk(span: PrefillSpan, block_size: int, device: torch.device) -> PrefillChunk:
@@ -83,19 +98,46 @@ class CpuKernelsBackend(AttentionBackend):
             write_qkv(cache, qkv, num_heads, meta.slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
-                meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
+                meta: CpuAttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        if window is not None and window >= meta.longest:
+            window = None   # every key of the step is inside the window
+        if window is not None and self.kv_int8:
+            return self._windowed_reference(q, k, v, cache, meta, scale, window)
         nd, bs = meta.num_decodes, meta.block_size
+        windowed = () if window is None else (window,)
         if not meta.prefills:
             # A decode-only step: the kernel's output, in q's dtype, is the whole result.
-            return self._decode_attention(q, *cache, meta.decode_block_table, meta.decode_seq_lens, bs, scale, True)
+            return self._decode_attention(q, *cache, meta.decode_block_table, meta.decode_seq_lens, bs, scale, True,
+                                          *windowed)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode_attention(q[:nd], *cache, meta.decode_block_table, meta.decode_seq_lens,
-                                              bs, scale)
-        for chunk in meta.prefills:
+                                              bs, scale, False, *windowed)
+        for chunk in meta.prefills if window is None else self._windowed_chunks(meta, window):
             s, e = chunk.token_start, chunk.token_end
-            out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], cache, chunk, bs, scale)
+            run = self._prefill if chunk.mask is None else prefill_attention   # masked: the reference's
+            out[s:e] = run(q[s:e], k[s:e], v[s:e], cache, chunk, bs, scale)
         return out
+
+    def _windowed_chunks(self, meta: CpuAttentionMetadata, window: int) -> list[PrefillChunk]:
+        """The step's prefill chunks for a layer with this window: those that reach past it masked."""
+        key = ("chunks", window)
+        if key not in meta.windowed:
+            device = meta.slot_mapping.device
+            meta.windowed[key] = [
+                masked_prefill_chunk(span, meta.block_size, device, window) if span.end_pos > window else chunk
+                for span, chunk in zip(meta.common.prefills, meta.prefills)]
+        return meta.windowed[key]
+
+    def _windowed_reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
+                            meta: CpuAttentionMetadata, scale: float, window: int) -> torch.Tensor:
+        """The whole layer on the reference's windowed masks (the int8 decode kernel has no window)."""
+        key = ("reference", window)
+        if key not in meta.windowed:
+            reference = TorchSDPABackend(q.dtype, self.rotary)
+            meta.windowed[key] = (reference, reference.build_metadata(meta.common))
+        reference, reference_meta = meta.windowed[key]
+        return reference.forward(q, k, v, cache, reference_meta, scale, window)
 
     def _prefill_on_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
                            chunk: PrefillChunk, block_size: int, scale: float) -> torch.Tensor:

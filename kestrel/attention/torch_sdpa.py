@@ -6,11 +6,15 @@ padded-size budget: on CPU one call over a large batch runs ~4x slower than the 
 calls whose operands stay in cache, and the order keeps the padding small. Each prefill chunk gets
 its own call: causal on its own keys when it starts at position 0, else over its gathered context
 with a bottom-right causal mask.
+
+A sliding-window layer (Mistral, Gemma's local layers) passes its window W to `forward`: a token at
+position p then sees keys p - W + 1 .. p only (Hugging Face's window). Its masks are built on the
+first such layer of a step and shared by the others with the same window.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -50,6 +54,9 @@ class TorchAttentionMetadata:
     block_size: int
     decodes: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    common: CommonAttentionMetadata | None = None
+    # window -> that window's (decodes, prefills), built on first use in the step
+    windowed: dict[int, tuple[list[DecodeGroup], list[PrefillChunk]]] = field(default_factory=dict)
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -62,9 +69,18 @@ class TorchSDPABackend(AttentionBackend):
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         return TorchAttentionMetadata(common.slot_mapping, common.block_size, self.decode_groups(common),
                                       [masked_prefill_chunk(span, common.block_size, common.slot_mapping.device)
-                                       for span in common.prefills])
+                                       for span in common.prefills], common)
 
-    def decode_groups(self, common: CommonAttentionMetadata) -> list[DecodeGroup]:
+    def windowed(self, meta: TorchAttentionMetadata, window: int) -> tuple[list[DecodeGroup], list[PrefillChunk]]:
+        """The step's decode groups and prefill chunks for a layer that sees the last `window` keys."""
+        if window not in meta.windowed:
+            common = meta.common
+            meta.windowed[window] = (self.decode_groups(common, window),
+                                     [masked_prefill_chunk(span, common.block_size, common.slot_mapping.device,
+                                                           window) for span in common.prefills])
+        return meta.windowed[window]
+
+    def decode_groups(self, common: CommonAttentionMetadata, window: int | None = None) -> list[DecodeGroup]:
         """The decodes (longest first, but for the rows of a request verifying drafts, which rise by one
         each) cut into groups of at most DECODE_GROUP_SLOTS padded slots."""
         groups: list[DecodeGroup] = []
@@ -76,14 +92,17 @@ class TorchSDPABackend(AttentionBackend):
             end = start + size
             max_blocks = -(-max_len // bs)
             groups.append(self._decode_group(common.decode_block_table[start:end, :max_blocks],
-                                             common.decode_seq_lens[start:end], start, end, bs))
+                                             common.decode_seq_lens[start:end], start, end, bs, window))
             start = end
         return groups
 
     def _decode_group(self, table: torch.Tensor, lens: torch.Tensor, start: int, end: int,
-                      block_size: int) -> DecodeGroup:
+                      block_size: int, window: int | None = None) -> DecodeGroup:
         span = table.shape[1] * block_size
-        visible = torch.arange(span, device=lens.device)[None, :] < lens[:, None]
+        keys = torch.arange(span, device=lens.device)[None, :]
+        visible = keys < lens[:, None]
+        if window is not None:
+            visible &= keys >= lens[:, None] - window
         # An additive mask in the model's dtype: SDPA would convert a boolean one in every layer.
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=lens.device)
         mask.masked_fill_(~visible, float("-inf")).unsqueeze_(1).unsqueeze_(1)
@@ -96,12 +115,13 @@ class TorchSDPABackend(AttentionBackend):
             write_qkv(cache, qkv, num_heads, meta.slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
-                meta: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+                meta: TorchAttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+        decodes, prefills = (meta.decodes, meta.prefills) if window is None else self.windowed(meta, window)
         out = torch.empty_like(q)
-        for group in meta.decodes:
+        for group in decodes:
             s, e = group.token_start, group.token_end
             out[s:e] = decode_attention(q[s:e], cache, group, meta.block_size, scale)
-        for chunk in meta.prefills:
+        for chunk in prefills:
             s, e = chunk.token_start, chunk.token_end
             out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], cache, chunk, meta.block_size, scale)
         return out
@@ -111,15 +131,21 @@ def context_blocks(span: PrefillSpan, block_size: int, device: torch.device) -> 
     return torch.from_numpy(span.block_ids[:-(-span.end_pos // block_size)]).to(device)
 
 
-def masked_prefill_chunk(span: PrefillSpan, block_size: int, device: torch.device) -> PrefillChunk:
+def masked_prefill_chunk(span: PrefillSpan, block_size: int, device: torch.device,
+                         window: int | None = None) -> PrefillChunk:
     """The chunk for `prefill_attention`: over its own keys when fresh, else over its gathered context
     with query i (at position start + i) seeing keys 0 .. start + i (the padding after the chunk's
-    last position is never visible)."""
-    if span.start_pos == 0:
+    last position is never visible); with a `window`, keys start + i - window + 1 .. start + i."""
+    windowed = window is not None and span.end_pos > window
+    if span.start_pos == 0 and not windowed:
         return PrefillChunk(span.token_start, span.token_end, None, None, span.end_pos)
-    blocks = context_blocks(span, block_size, device)
-    mask = (torch.arange(blocks.shape[0] * block_size, device=device)[None, :]
-            <= torch.arange(span.start_pos, span.end_pos, device=device)[:, None])
+    blocks = None if span.start_pos == 0 else context_blocks(span, block_size, device)
+    num_keys = span.end_pos if blocks is None else blocks.shape[0] * block_size
+    keys = torch.arange(num_keys, device=device)[None, :]
+    positions = torch.arange(span.start_pos, span.end_pos, device=device)[:, None]
+    mask = keys <= positions
+    if windowed:
+        mask &= keys > positions - window
     return PrefillChunk(span.token_start, span.token_end, blocks, mask, span.end_pos)
 
 
@@ -138,10 +164,11 @@ def decode_attention(q: torch.Tensor, cache: KVCache, group: DecodeGroup, block_
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
                       chunk: PrefillChunk, block_size: int, scale: float) -> torch.Tensor:
     qh = q.transpose(0, 1).unsqueeze(0)                  # [1, heads, q_len, head_dim]
-    if chunk.context_blocks is None:
+    if chunk.context_blocks is None:   # its own keys: causal, or masked to a window
         kh = k.transpose(0, 1).unsqueeze(0)
         vh = v.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                           scale=scale, enable_gqa=True)
     else:
         kh, vh = gather_kv(cache, chunk.context_blocks, block_size, q.dtype)  # [kv_heads, len, head_dim]
         o = F.scaled_dot_product_attention(qh, kh.unsqueeze(0), vh.unsqueeze(0), attn_mask=chunk.mask,

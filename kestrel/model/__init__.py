@@ -7,6 +7,7 @@ from torch import nn
 
 from kestrel.attention import AttentionBackend
 from kestrel.config import ModelConfig
+from kestrel.model.gemma3 import Gemma3ForCausalLM
 from kestrel.model.llama import IntermediateTensors, LlamaForCausalLM
 from kestrel.model.quantization import check_quantization
 from kestrel.model.sharding import (
@@ -28,29 +29,41 @@ ARCHITECTURES: dict[str, tuple[type[nn.Module], bool]] = {
     "mistral": (LlamaForCausalLM, False),
     "qwen2": (LlamaForCausalLM, False),
     "qwen3": (LlamaForCausalLM, True),
+    "gemma3_text": (Gemma3ForCausalLM, True),
 }
 # Architectures whose q, k and v projections carry biases whatever the config says (Qwen2's have them,
 # its o_proj has none: the module's attention_bias).
 QKV_BIAS_ARCHITECTURES = ("qwen2",)
+# The MLP gate activation each module runs, where it is not SiLU.
+GATE_ACTIVATIONS = {"gemma3_text": "gelu_pytorch_tanh"}
 
 
-def sliding_window_of(hf_config) -> int | None:
-    """The window of a model whose layers attend to the last W tokens only (Mistral's; Qwen2's where
-    use_sliding_window is set), None for full attention."""
+def sliding_window_of(hf_config) -> tuple[int | None, tuple[str, ...] | None]:
+    """(W, layer types) of a model whose layers, or those of type "sliding_attention", attend to the
+    last W tokens only (Mistral's every layer; Qwen2's where use_sliding_window is set, per its
+    layer_types; Gemma 3's local layers); (None, None) for full attention everywhere."""
     model_type = getattr(hf_config, "model_type", None)
     window = getattr(hf_config, "sliding_window", None)
-    if model_type == "mistral" or (model_type == "qwen2" and getattr(hf_config, "use_sliding_window", False)):
-        return int(window) if window else None
-    return None
+    if not window or not (model_type in ("mistral", "gemma3_text")
+                          or (model_type == "qwen2" and getattr(hf_config, "use_sliding_window", False))):
+        return None, None
+    layer_types = getattr(hf_config, "layer_types", None)
+    return int(window), tuple(layer_types) if layer_types else None
 
 
-def rope_settings(hf_config) -> tuple[float, dict | None]:
-    """(theta, scaling) from either transformers 5's `rope_parameters` or the older fields."""
+def rope_settings(hf_config) -> tuple[float, dict | None, float | None]:
+    """(theta, scaling, the sliding layers' own theta or None) from transformers 5's `rope_parameters`
+    (one dict, or one per layer type as Gemma 3's) or the older fields."""
     params = getattr(hf_config, "rope_parameters", None)
+    local_theta = None
+    if isinstance(params, dict) and "full_attention" in params:
+        local = params.get("sliding_attention")
+        local_theta = float(local["rope_theta"]) if local else None
+        params = params["full_attention"]
     if isinstance(params, dict) and "rope_theta" in params:
         scaling = None if params.get("rope_type", "default") == "default" else dict(params)
-        return float(params["rope_theta"]), scaling
-    return float(getattr(hf_config, "rope_theta", 10000.0)), getattr(hf_config, "rope_scaling", None)
+        return float(params["rope_theta"]), scaling, local_theta
+    return float(getattr(hf_config, "rope_theta", 10000.0)), getattr(hf_config, "rope_scaling", None), local_theta
 
 
 def model_config_from_hf(hf_config, *, model: str | None, dtype: torch.dtype,
@@ -59,7 +72,7 @@ def model_config_from_hf(hf_config, *, model: str | None, dtype: torch.dtype,
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in ARCHITECTURES:
         raise ValueError(f"model type {model_type!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
-    theta, scaling = rope_settings(hf_config)
+    theta, scaling, local_theta = rope_settings(hf_config)
     max_positions = int(getattr(hf_config, "max_position_embeddings", 2048))
     if max_model_len is None:
         max_model_len = max_positions
@@ -67,10 +80,14 @@ def model_config_from_hf(hf_config, *, model: str | None, dtype: torch.dtype,
         raise ValueError(f"max_model_len must be at least 2, got {max_model_len}")
     elif max_model_len > max_positions:
         raise ValueError(f"max_model_len {max_model_len} exceeds the model's maximum of {max_positions} positions")
-    sliding_window = sliding_window_of(hf_config)
-    if sliding_window and max_model_len > sliding_window:
-        raise ValueError(f"sliding-window attention is not supported yet: set --max-model-len to at most "
-                         f"{sliding_window} for this model")
+    sliding_window, layer_types = sliding_window_of(hf_config)
+    if layer_types is not None and len(layer_types) != hf_config.num_hidden_layers:
+        raise ValueError(f"layer_types names {len(layer_types)} layers; the model has {hf_config.num_hidden_layers}")
+    hidden_act = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", "silu")
+    expected_act = GATE_ACTIVATIONS.get(model_type, "silu")
+    if hidden_act != expected_act:
+        raise ValueError(f"activation {hidden_act!r} is not supported for {model_type} "
+                         f"(its module runs {expected_act})")
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     return ModelConfig(
@@ -95,6 +112,11 @@ def model_config_from_hf(hf_config, *, model: str | None, dtype: torch.dtype,
         dtype=dtype,
         max_model_len=max_model_len,
         quantization=check_quantization(quantization),
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        local_rope_theta=local_theta,
+        query_pre_attn_scalar=getattr(hf_config, "query_pre_attn_scalar", None),
+        hidden_act=hidden_act,
     )
 
 

@@ -63,6 +63,7 @@ class LayerPlan:
     down_proj: Projection
     q_norm: torch.Tensor | None = None     # per-head norms of q and k (Qwen3), else None
     k_norm: torch.Tensor | None = None
+    window: int | None = None              # the layer's sliding window, None for full attention
 
 
 class DecodePlan:
@@ -94,6 +95,7 @@ class DecodePlan:
         projections = [p for layer in self.layers for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
                                                             layer.down_proj)]
         return (matmul.address is not None and not model.cfg.qk_norm and not step.kv_int8
+                and all(layer.window is None for layer in self.layers)
                 and all(isinstance(p, BoundMatmul) and p.matmul is matmul.kernel for p in projections)
                 and len({p.weight.dim() for p in projections}) <= 1)   # all packed, or none
 
@@ -120,6 +122,8 @@ class DecodePlan:
         shard = getattr(model, "shard", None)
         if shard is not None and shard.is_sharded:
             return None
+        if not getattr(model, "has_llama_layers", False):
+            return None
         cfg = getattr(model, "cfg", None)
         ops = getattr(model, "ops", None)
         # The elementwise kernels take rows of a multiple of 32 values (the model's forward falls
@@ -129,13 +133,16 @@ class DecodePlan:
         kernels, step = ops.plan_kernels, attn.decode_step_kernels()
         if kernels is None or step is None:
             return None
+        windowed = any(layer.window is not None for layer in model.layers)
+        if model.local_rotary is not None or (windowed and step.kv_int8):
+            return None   # one rope for every layer; the int8 decode kernel takes no window
         matmul = _layers_matmul(model, kernels.matmul)
         kernels = dataclasses.replace(kernels, matmul=matmul)
         layers = [LayerPlan(layer.input_layernorm.weight, _projection(layer.qkv_proj, matmul),
                             _projection(layer.o_proj, matmul), layer.post_attention_layernorm.weight,
                             _projection(layer.gate_up_proj, matmul), _projection(layer.down_proj, matmul),
                             layer.q_norm.weight if cfg.qk_norm else None,
-                            layer.k_norm.weight if cfg.qk_norm else None)
+                            layer.k_norm.weight if cfg.qk_norm else None, layer.window)
                   for layer in model.layers]
         return cls(model, layers, kernels, step)
 
@@ -170,7 +177,8 @@ class DecodePlan:
                                  self.head_rms_norm(qkv[:, heads:heads + kv_heads], layer.k_norm, eps),
                                  qkv[:, heads + kv_heads:]), dim=1)
             rotary_write_kv(qkv, cos, sin, *cache, slots, heads)
-            out = attend(qkv[:, :heads], *cache, table, seq_lens, block_size, scale, True)
+            out = attend(qkv[:, :heads], *cache, table, seq_lens, block_size, scale, True,
+                         *(() if layer.window is None else (layer.window,)))
             h = layer.o_proj(out.view(n, q_size))
             h = rms_norm(h, residual, layer.post_attention_norm, eps)
             x = layer.down_proj(silu_and_mul(layer.gate_up_proj(h)))

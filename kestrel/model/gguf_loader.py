@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 SUPPORTED_GGUF_VERSIONS = (2, 3)
 GGML_MAX_DIMS = 4
 
@@ -315,12 +315,32 @@ def gguf_config(header: GGUFHeader) -> PretrainedConfig:
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    if arch == "gemma3":
+        return Gemma3TextConfig(**_gemma3_settings(header, kwargs))
     if arch == "llama":
         return LlamaConfig(**kwargs)
     if arch == "qwen2":
         return Qwen2Config(**kwargs)
     return Qwen3Config(**kwargs)
+
+
+def _gemma3_settings(header: GGUFHeader, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's settings that its GGUF metadata leaves to the reader, as llama.cpp reads them: every
+    sixth layer global, the local layers' rope base 10000, the attention scale 1/sqrt(head_dim)."""
+    meta = header.metadata
+    window = meta.get("gemma3.attention.sliding_window")
+    layers = kwargs["num_hidden_layers"]
+    global_rope = kwargs.pop("rope_parameters")
+    return dict(
+        kwargs,
+        sliding_window=int(window) if window else None,
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        rope_parameters={"full_attention": global_rope,
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        query_pre_attn_scalar=kwargs["head_dim"],
+        hidden_activation="gelu_pytorch_tanh",
+    )
 
 
 # --------------------------------------------------------------------------- weights
@@ -346,20 +366,33 @@ _BLOCK_TENSOR_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3's four norms a layer: ffn_norm is the one before its MLP.
+_GEMMA3_BLOCK_TENSOR_NAMES = {
+    **_BLOCK_TENSOR_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 # Not model parameters in HF terms (llama3 rope factors are a rope-scaling detail).
 _IGNORED_TENSOR_NAMES = {"rope_freqs.weight"}
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """Map a GGUF tensor name to its Hugging Face state-dict name (None: not a parameter)."""
     if gguf_name in _GLOBAL_TENSOR_NAMES:
         return _GLOBAL_TENSOR_NAMES[gguf_name]
     if gguf_name in _IGNORED_TENSOR_NAMES:
         return None
+    block_names = _GEMMA3_BLOCK_TENSOR_NAMES if arch == "gemma3" else _BLOCK_TENSOR_NAMES
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_TENSOR_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_TENSOR_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block_names:
+        return f"model.layers.{parts[1]}.{block_names[parts[2]]}"
     raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def stores_norms_plus_one(arch: str) -> bool:
+    """Whether llama.cpp's converter stored Gemma's norm weights as 1 + w (the reader gives back w)."""
+    return arch == "gemma3"
 
 
 def unpermute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -483,15 +516,16 @@ class GGUFWeightReader:
 
     def __init__(self, path: str) -> None:
         header = read_gguf_header(path)
-        _check_architecture(header)
+        arch = _check_architecture(header)
         self._permuted = _rotary_head_counts(header)
+        self._norms_plus_one = stores_norms_plus_one(arch)
         # Copy-on-write, so that torch may view it (nothing writes to it; the file is never changed).
         with open(header.path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self._bytes = np.frombuffer(self._map, dtype=np.uint8)
         self._infos: dict[str, GGUFTensorInfo] = {}
         for info in header.tensors.values():
-            name = hf_tensor_name(info.name)
+            name = hf_tensor_name(info.name, arch)
             if name is None:
                 logger.warning("%s: ignoring GGUF tensor %s", header.path, info.name)
                 continue
@@ -516,6 +550,8 @@ class GGUFWeightReader:
                 raise ValueError(f"{name}: slices of dim {dim} of a {len(info.shape)}-D tensor are not supported")
         if n_head is not None:
             array = unpermute_rotary(array, n_head)
+        if self._norms_plus_one and info.name.endswith("norm.weight"):
+            array = array - np.float32(1.0)
         if np.may_share_memory(array, self._bytes):  # F32 data is a view of the read-only mmap
             array = array.copy()
         self._unmap_pages(info)

@@ -43,17 +43,19 @@ class IntermediateTensors:
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops, attn: AttentionBackend, shard: ModelShard,
-                 tp: GroupCoordinator) -> None:
+                 tp: GroupCoordinator, window: int | None = None) -> None:
         """`shard`: the heads and intermediate rows this rank computes; `tp`: the tensor-parallel group
-        over which o_proj's and down_proj's partial sums are all-reduced."""
+        over which o_proj's and down_proj's partial sums are all-reduced; `window`: the layer's sliding
+        window (ModelConfig.window_of), None for full attention."""
         super().__init__()
         dt = cfg.dtype
         self.ops, self.attn, self.tp = ops, attn, tp
+        self.window = window
         self.tp_sharded = shard.tp_size > 1
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
         self.q_size = shard.num_heads * cfg.head_dim
         self.kv_size = shard.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.eps = cfg.rms_norm_eps
         inter = shard.intermediate_size
         # The ops for this layer's shapes, chosen once (kestrel/ops/dispatch.py); the linear layers' are
@@ -111,7 +113,7 @@ class DecoderLayer(nn.Module):
         # q and k heads rotated, k and v written to the cache (in one pass where a kernel can)
         self.attn.write_kv(qkv, heads, *rope, cache, meta)
         out = self.attn.forward(qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:],
-                                cache, meta, self.scale).view(n, self.q_size)
+                                cache, meta, self.scale, self.window).view(n, self.q_size)
         return self.o_proj(out if rows is None else out.index_select(0, rows))
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
@@ -131,6 +133,10 @@ class _Placement:
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder_layer: type[DecoderLayer] = DecoderLayer
+    # Whether the decode plan (kestrel/model/decode_plan.py), which runs the Llama layer, runs this model.
+    has_llama_layers: bool = True
+
     def __init__(self, cfg: ModelConfig, ops: Ops | None = None, attn: AttentionBackend | None = None) -> None:
         """`ops` and `attn`: the op implementations and the attention backend the worker selected for
         the model's device; by default those for the current default device, with the PyTorch
@@ -146,8 +152,12 @@ class LlamaForCausalLM(nn.Module):
         self.shard = shard = shard_of_this_rank(cfg)
         if shard.is_first_stage:
             self.embed_tokens = Embedding(shard.vocab_size, cfg.hidden_size, cfg.dtype, ops.linear_to_float)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, ops, attn, shard, self.tp) for _ in range(shard.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(cfg, ops, attn, shard, self.tp, cfg.window_of(i))
+                                    for i in range(shard.layer_start, shard.layer_end))
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling, cfg.dtype)
+        # The sliding-window layers' own rope (Gemma 3's local base, unscaled), where they have one.
+        self.local_rotary = None if cfg.local_rope_theta is None else RotaryEmbedding(
+            cfg.head_dim, cfg.max_model_len, cfg.local_rope_theta, None, cfg.dtype)
         if shard.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops.norm_for(cfg.hidden_size)[0])
             if cfg.tie_word_embeddings and shard.is_first_stage:
@@ -176,10 +186,12 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"pipeline stage {self.shard.pp_rank} needs the previous stage's tensors")
             x, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary.lookup(positions)
+        local_rope = rope if self.local_rotary is None else self.local_rotary.lookup(positions)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         last = len(layers) - 1 if self.shard.is_last_stage else -1
         for i, layer in enumerate(layers):
-            x, residual = layer(x, residual, rope, kv_caches[i] if kv_caches is not None else None, meta,
+            x, residual = layer(x, residual, rope if layer.window is None else local_rope,
+                                kv_caches[i] if kv_caches is not None else None, meta,
                                 output_rows if i == last else None)
         if not self.shard.is_last_stage:
             return IntermediateTensors(x, residual)

@@ -1,6 +1,8 @@
-"""Greedy parity with transformers on tiny random-weight Llama, Qwen2 and Qwen3 models built here, in
-float32, alone and batched, with chunked prefill, preemption and prefix-cache hits; and the same tokens
-with --async-scheduling as without.
+"""Greedy parity with transformers on tiny random-weight Llama, Qwen2, Qwen3, Mistral (sliding window)
+and Gemma 3 (local and global layers) models built here, in float32, alone and batched, with chunked
+prefill, preemption and prefix-cache hits; and the same tokens with --async-scheduling as without. The
+windowed models' windows (24 tokens) are far shorter than the longer prompts, and their head_dim (64)
+is one the decode kernel takes, so that its window is what runs.
 
 Random weights give flat distributions where float-order noise can swap near-tied tokens, so the
 rule is DESIGN.md's top-5 rule plus a logprob tolerance before the first difference; each test
@@ -19,8 +21,11 @@ NEW_TOKENS = 24
 VOCAB = 49152  # the default model's tokenizer is reused, so the vocabulary matches it
 
 
+WINDOW = 24
+
+
 def _tiny_config(kind: str):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
@@ -34,6 +39,12 @@ def _tiny_config(kind: str):
         return Qwen2Config(**common, tie_word_embeddings=True)
     if kind == "qwen3":
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    windowed = dict(common, num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=WINDOW)
+    if kind == "mistral":
+        return MistralConfig(**windowed, tie_word_embeddings=True)
+    if kind == "gemma3":   # local, global, local; an attention scale other than head_dim's
+        return Gemma3TextConfig(**dict(windowed, num_hidden_layers=3), query_pre_attn_scalar=48, pad_token_id=0,
+                                layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     raise ValueError(kind)
 
 
@@ -54,6 +65,8 @@ def _build(kind: str, folder, tokenizer):
                 p.normal_(0, 0.08)
             elif name.endswith(".bias"):   # zeros by default: a bias misplaced would not show
                 p.normal_(0, 0.5)
+            elif kind == "gemma3" and "norm" in name:   # Gemma's (1 + w) norms start at w = 0
+                p.normal_(0, 0.3)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return model
@@ -65,7 +78,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, VOCAB) for _ in range(L)] for L in lengths]
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3-rope", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "gemma3"])
 def tiny(request, tmp_path_factory, tokenizer):
     folder = tmp_path_factory.mktemp(request.param)
     model = _build(request.param, folder, tokenizer)
@@ -154,3 +167,15 @@ def test_async_scheduling_gives_the_same_tokens(tiny, engine_check):
     assert [o.outputs[0].token_ids for o in again] == [runs[False][-1].token_ids] * 2
     assert all(o.num_cached_tokens >= 144 for o in again), [o.num_cached_tokens for o in again]
     engine_check(llm)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
+def test_the_window_decides_the_longer_prompts_tokens(kind, tmp_path, tokenizer):
+    """The windowed models' references differ from the same weights with full attention on the prompts
+    longer than the window: the parity above checks the window, not only the rest of the model."""
+    model = _build(kind, tmp_path, tokenizer)
+    prompts = _prompts(8)[5:]   # 40, 77 and 150 tokens
+    windowed = hf_greedy(model, prompts, NEW_TOKENS)
+    model.config.sliding_window = 10 ** 6
+    full = hf_greedy(model, prompts, NEW_TOKENS)
+    assert any(list(a.token_ids) != list(b.token_ids) for a, b in zip(windowed, full))

@@ -175,7 +175,7 @@ def test_hf_folder_unknown_model_type(tmp_path: Path) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'.*llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'.*llama, mistral, qwen2, qwen3, gemma3_text"):
         load_config(resolve_model(str(tmp_path)))
 
 
@@ -195,6 +195,63 @@ def test_tiny_gguf_matches_hf_weights(tmp_path: Path, arch: str, tie: bool) -> N
     assert_config_matches(config, model)
     expected = {k: v.float() for k, v in stored_state_dict(model).items()}
     assert_weights_equal(src, expected)  # exact equality proves q/k un-permutation
+
+
+def test_tiny_gemma3_gguf_matches_hf_weights_and_settings(tmp_path: Path) -> None:
+    """A Gemma 3 GGUF as llama.cpp writes one (its own names for the four norms a layer, every norm
+    stored as 1 + w, the window in the metadata, the rest llama.cpp's fixed Gemma 3 settings) reads back
+    as Hugging Face's names and values (w, as transformers' GGUF reader gives it) and config."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    hf = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=7,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                          rms_norm_eps=1e-6, sliding_window=32, query_pre_attn_scalar=16, bos_token_id=2,
+                          eos_token_id=1, pad_token_id=0)
+    model = Gemma3ForCausalLM(hf).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_()
+    to_gguf = {v: k for k, v in gguf_loader._GEMMA3_BLOCK_TENSOR_NAMES.items()}
+    writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
+    writer.add_block_count(hf.num_hidden_layers)
+    writer.add_context_length(hf.max_position_embeddings)
+    writer.add_embedding_length(hf.hidden_size)
+    writer.add_feed_forward_length(hf.intermediate_size)
+    writer.add_head_count(hf.num_attention_heads)
+    writer.add_head_count_kv(hf.num_key_value_heads)
+    writer.add_key_length(hf.head_dim)
+    writer.add_value_length(hf.head_dim)
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(hf.rms_norm_eps)
+    writer.add_uint32("gemma3.attention.sliding_window", 32)
+    expected = {}
+    for name, tensor in stored_state_dict(model).items():
+        w = tensor.numpy().astype(np.float32)
+        if name.endswith("norm.weight"):
+            w = w + np.float32(1.0)
+            expected[name] = torch.from_numpy(w - np.float32(1.0))
+        else:
+            expected[name] = tensor.float()
+        if name in HF_TO_GGUF_GLOBAL:
+            gguf_name = HF_TO_GGUF_GLOBAL[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gguf_name = f"blk.{layer}.{to_gguf[rest]}"
+        writer.add_tensor(gguf_name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    src = resolve_model(str(tmp_path / "g.gguf"))
+    config = load_config(src)
+    assert type(config) is Gemma3TextConfig
+    assert list(config.layer_types) == list(hf.layer_types) and config.sliding_window == 32
+    assert config.query_pre_attn_scalar == 16 and config.hidden_activation == "gelu_pytorch_tanh"
+    assert config.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    assert config.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+    assert_weights_equal(src, expected)
 
 
 def test_tiny_gguf_forward_matches_hf(tmp_path: Path) -> None:
@@ -244,7 +301,7 @@ def test_gguf_unknown_architecture(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
     src = resolve_model(str(tmp_path / "gpt2.gguf"))
-    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'.*llama, qwen2, qwen3"):
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'.*llama, qwen2, qwen3, gemma3"):
         load_config(src)
     with pytest.raises(ValueError, match="unsupported architecture"):
         next(iter_weights(src))
@@ -471,16 +528,33 @@ def test_default_model_tensors_read_as_gguf_decodes_them(default_gguf_path: Path
             assert torch.equal(reader.read(name, dim=1, start=64, size=128), want[:, 64:192]), name
 
 
-def test_qwen2_takes_its_qkv_biases_and_refuses_its_sliding_window_past_the_window() -> None:
+def test_qwen2_takes_its_qkv_biases_and_its_sliding_window_layers() -> None:
     """Qwen2's q, k and v carry biases (its config has no attention_bias); a checkpoint that turns its
-    sliding window on runs only up to the window, as Mistral's does, until sliding-window layers run."""
+    sliding window on gets it on the layers its layer_types names (those from max_window_layers on),
+    at any max_model_len."""
     from transformers import Qwen2Config
 
     from kestrel.model import model_config_from_hf
     kw = dict(model=None, dtype=torch.float32, eos_token_id=2, bos_token_id=1)
     full = model_config_from_hf(Qwen2Config(**TINY), max_model_len=256, **kw)
     assert full.attention_bias and full.max_model_len == 256
-    windowed = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=64, max_window_layers=0)
-    with pytest.raises(ValueError, match="sliding-window attention is not supported yet.*at most 64"):
-        model_config_from_hf(windowed, max_model_len=128, **kw)
-    assert model_config_from_hf(windowed, max_model_len=64, **kw).max_model_len == 64
+    assert [full.window_of(i) for i in range(2)] == [None, None]
+    windowed = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=64, max_window_layers=1)
+    cfg = model_config_from_hf(windowed, max_model_len=256, **kw)
+    assert cfg.max_model_len == 256 and [cfg.window_of(i) for i in range(2)] == [None, 64]
+
+
+def test_gemma3_settings_from_its_config() -> None:
+    """Gemma 3: local layers with the window and the local rope base, every sixth layer global with the
+    global base; its attention scale and GELU."""
+    from transformers import Gemma3TextConfig
+
+    from kestrel.model import model_config_from_hf
+    hf = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=7,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=32,
+                          query_pre_attn_scalar=48)
+    cfg = model_config_from_hf(hf, model=None, dtype=torch.float32, max_model_len=1024, eos_token_id=1,
+                               bos_token_id=2)
+    assert [cfg.window_of(i) for i in range(7)] == [32] * 5 + [None, 32]
+    assert (cfg.rope_theta, cfg.local_rope_theta) == (1e6, 1e4)
+    assert cfg.query_pre_attn_scalar == 48 and cfg.hidden_act == "gelu_pytorch_tanh" and cfg.qk_norm

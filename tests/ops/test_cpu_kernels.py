@@ -44,7 +44,7 @@ def _paged_case(dtype, head_dim, group, kv_heads, lens, block_size=16, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim, group, kv_heads", [(64, 3, 3), (64, 1, 4), (128, 4, 2), (64, 8, 1)])
+@pytest.mark.parametrize("head_dim, group, kv_heads", [(64, 3, 3), (64, 1, 4), (128, 4, 2), (64, 8, 1), (256, 4, 1)])
 def test_paged_decode_attention_matches_sdpa(dtype, head_dim, group, kv_heads):
     lens = [1, 15, 16, 17, 33, 100, 257]  # block boundaries and a one-token context
     q, k, v, table, seq_lens = _paged_case(dtype, head_dim, group, kv_heads, lens)
@@ -92,6 +92,31 @@ def test_paged_decode_attention_bf16_paths(threads, q_dtype, block_size, head_di
     out = kernels.paged_decode_attention(q, k, v, table, seq_lens, block_size, scale)
     torch.testing.assert_close(out, _reference(q, k, v, table, seq_lens, block_size, scale),
                                atol=TOL[torch.float32], rtol=1e-4)
+
+
+# A sliding-window layer's decodes: the kernel reads keys len - W .. len - 1 only, the first in the middle
+# of a block (and of a 16-row tile where blocks are larger), against the reference's window mask.
+@pytest.mark.parametrize("cache_dtype, q_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                  (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("head_dim, group, kv_heads", [(64, 2, 1), (128, 4, 2), (256, 4, 1), (256, 2, 2)])
+@pytest.mark.parametrize("window", [1, 5, 24, 700])
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_paged_decode_attention_with_a_window_matches_the_windowed_reference(threads, cache_dtype, q_dtype,
+                                                                              block_size, head_dim, group,
+                                                                              kv_heads, window, num_threads):
+    from kestrel.attention.torch_sdpa import TorchSDPABackend
+    threads(num_threads)
+    lens = [1000, 1, 15, 16, 17, 24, 25, 63, 130, 2]
+    q, k, v, table, seq_lens = _paged_case(cache_dtype, head_dim, group, kv_heads, lens, block_size, seed=window)
+    q = q.to(q_dtype)
+    scale = head_dim ** -0.5
+    out = kernels.paged_decode_attention(q, k, v, table, seq_lens, block_size, scale, window=window)
+    group_meta = TorchSDPABackend(torch.float32, None)._decode_group(table, seq_lens, 0, len(lens), block_size, window)
+    ref = decode_attention(q.float(), (k.float(), v.float()), group_meta, block_size, scale)
+    torch.testing.assert_close(out, ref, atol=TOL[torch.float32], rtol=1e-4)
+    if window < max(lens):   # the window changed something
+        assert not torch.allclose(out, _reference(q, k, v, table, seq_lens, block_size, scale), atol=1e-3)
 
 
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])

@@ -53,7 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("block_size"), py::arg("scale"), py::arg("in_q_dtype") = false);
+        py::arg("block_size"), py::arg("scale"), py::arg("in_q_dtype") = false, py::arg("window") = 0);
   m.def("rotary_write_kv", &rotary_write_kv, "rotary embedding in place, fused with the KV-cache write (CPU)",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slot_mapping"), py::arg("num_heads"));

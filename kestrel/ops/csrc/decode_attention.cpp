@@ -165,7 +165,7 @@ void attend_segment(const float* q, const T* kp, const T* vp, const std::vector<
 template <typename T, int D, int G>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
-         int64_t block_size, float scale) {
+         int64_t block_size, float scale, int64_t window) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), kv_heads = k_cache.size(1);
   const int64_t max_blocks = block_tables.size(1), stride = kv_heads * D;
   const T* kp = k_cache.data_ptr<T>();
@@ -174,10 +174,13 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   float* op = out.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  // Items in (sequence, segment, KV head) order; first_item[s] is sequence s's first.
-  std::vector<int64_t> first_item(num_seqs + 1, 0);
+  // Items in (sequence, segment, KV head) order; first_item[s] is sequence s's first. Sequence s reads
+  // keys [first_key[s], lens[s]).
+  std::vector<int64_t> first_item(num_seqs + 1, 0), first_key(num_seqs);
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t segments = lens[s] > 0 ? (lens[s] + kSegmentTokens - 1) / kSegmentTokens : 0;
+    first_key[s] = first_visible_key(lens[s], window);
+    const int64_t keys = lens[s] - first_key[s];
+    const int64_t segments = keys > 0 ? (keys + kSegmentTokens - 1) / kSegmentTokens : 0;
     first_item[s + 1] = first_item[s] + segments * kv_heads;
     if (lens[s] <= 0) std::memset(op + s * num_heads * D, 0, sizeof(float) * num_heads * D);
   }
@@ -190,7 +193,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   auto segment_rows = [&](int64_t item, int64_t s, std::vector<int64_t>& rows) {
     while (item >= first_item[s + 1]) ++s;
     const int64_t local = item - first_item[s], seg = local / kv_heads;
-    const int64_t t0 = seg * kSegmentTokens, t1 = std::min(lens[s], t0 + kSegmentTokens);
+    const int64_t t0 = first_key[s] + seg * kSegmentTokens, t1 = std::min(lens[s], t0 + kSegmentTokens);
     const int64_t* table = tables + s * max_blocks;
     // Row offsets walk the block table without a division per key (an integer division is dear next to
     // a key's few FMAs).
@@ -246,13 +249,15 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 // is, in a bf16 model) and whole 16-row tiles in memory; the AVX-512 scores take the rest.
 bool bf16_decode(at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
-                 int64_t block_size, float scale) {
+                 int64_t block_size, float scale, int64_t window) {
 #if defined(KESTREL_VEC_AVX512)
   namespace bd = kestrel_bf16_decode;
   if (k_cache.scalar_type() != at::kBFloat16) return false;
   bool amx = false;
 #ifdef KESTREL_AMX
-  amx = q.scalar_type() == at::kBFloat16 && block_size % 16 == 0 && bd::amx_usable();
+  // A window's first key need not start a tile: AMX loads whole tiles from their first row.
+  amx = q.scalar_type() == at::kBFloat16 && block_size % 16 == 0 && window == 0 && q.size(2) <= 128 &&
+        bd::amx_usable();
 #endif
   bool dot = false;
 #ifdef KESTREL_BF16_DOT
@@ -261,11 +266,15 @@ bool bf16_decode(at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_c
   q = amx || dot ? q.contiguous() : q.to(at::kFloat).contiguous();
   return with_head_shape(q.size(2), q.size(1) / k_cache.size(1), [&](auto d, auto g) {
     constexpr int D = decltype(d)::value, G = decltype(g)::value;
-    if (amx) bd::run_bf16<D, G, true, false>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, scale);
+    if constexpr (D <= 128) {  // the AMX scores' tiles hold head_dim 64 or 128
+      if (amx) return bd::run_bf16<D, G, true, false>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size,
+                                                      scale, 0);
+    }
 #ifdef KESTREL_BF16_DOT
-    else if (dot) bd::run_bf16<D, G, false, true>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, scale);
+    if (dot) return bd::run_bf16<D, G, false, true>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size,
+                                                    scale, window);
 #endif
-    else bd::run_bf16<D, G, false, false>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, scale);
+    bd::run_bf16<D, G, false, false>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, scale, window);
   });
 #else
   return false;
@@ -275,11 +284,12 @@ bool bf16_decode(at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_c
 }  // namespace
 
 // q [num_seqs, num_heads, head_dim] float32 or bfloat16; k_cache, v_cache [num_slots, kv_heads, head_dim] float32 or
-// bfloat16; block_tables [num_seqs, max_blocks] int64; seq_lens [num_seqs] int64 (keys 0..len-1 visible).
+// bfloat16; block_tables [num_seqs, max_blocks] int64; seq_lens [num_seqs] int64 (keys 0..len-1 visible, or
+// with a `window` W > 0 keys len-W..len-1 only: a sliding-window layer).
 // Returns [num_seqs, num_heads, head_dim]: float32, or with `in_q_dtype` q's dtype (see in_dtype).
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                                   at::Tensor block_tables, at::Tensor seq_lens,
-                                  int64_t block_size, double scale, bool in_q_dtype) {
+                                  int64_t block_size, double scale, bool in_q_dtype, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "bad ranks");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V dtypes differ");
@@ -291,12 +301,13 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v
   seq_lens = seq_lens.to(at::kLong).contiguous();
   const float sc = static_cast<float>(scale);
   const int64_t d = q.size(2), g = q.size(1) / k_cache.size(1);
-  const bool done = bf16_decode(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, sc) ||
+  TORCH_CHECK(window >= 0, "the window must be 0 (none) or positive");
+  const bool done = bf16_decode(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, sc, window) ||
                     with_head_shape(d, g, [&](auto dd, auto gg) {
     constexpr int D = decltype(dd)::value, G = decltype(gg)::value;
     q = q.to(at::kFloat).contiguous();
-    if (bf16) run<c10::BFloat16, D, G>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, sc);
-    else run<float, D, G>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, sc);
+    if (bf16) run<c10::BFloat16, D, G>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, sc, window);
+    else run<float, D, G>(q, k_cache, v_cache, block_tables, seq_lens, out, block_size, sc, window);
   });
   TORCH_CHECK(done, "no kernel for head_dim ", d, " with ", g, " query heads per KV head");
   return in_q_dtype ? in_dtype(out, q_dtype) : out;

@@ -435,7 +435,7 @@ struct alignas(64) HeadState {
 template <int D, int G, bool AMX, bool DOT>
 void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& out,
-              int64_t block_size, float scale) {
+              int64_t block_size, float scale, int64_t window) {
   constexpr int C2 = D / 32;
   constexpr int CT = AMX ? kChunkTiles : kAvxChunkTiles;  // tiles per chunk
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), kv_heads = k_cache.size(1);
@@ -446,10 +446,15 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
   float* op = out.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  // Sequence s reads keys [first_key, len): blocks from first_block[s] (a sliding window's first block,
+  // else 0), from row first_key % block_size of that block. AMX tiles start at row 0: no window there.
   std::vector<int64_t> cum(num_seqs + 1, 0);  // units (blocks) before each sequence
+  std::vector<int64_t> first_block(num_seqs);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t len = lens[s];
-    cum[s + 1] = cum[s] + (len > 0 ? (len + block_size - 1) / block_size : 0);
+    first_block[s] = first_visible_key(len, window) / block_size;
+    const int64_t keys = len - first_block[s] * block_size;
+    cum[s + 1] = cum[s] + (len > 0 ? (keys + block_size - 1) / block_size : 0);
     if (len <= 0) std::memset(op + s * num_heads * D, 0, sizeof(float) * num_heads * D);
   }
   const int64_t total = cum[num_seqs];
@@ -478,10 +483,12 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
       const int64_t nb = cum[s + 1] - cum[s], nseg = seg_cum[s + 1] - seg_cum[s];
       for (int64_t seg = 0; seg < nseg; ++seg) {
         if (cum[s] + seg * kSegmentBlocks < lo || cum[s] + seg * kSegmentBlocks >= hi) continue;  // another thread's
-        // Segment seg of sequence s: blocks [b0, b1).
+        // Segment seg of sequence s: blocks [b0, b1) counted from its first block, whose keys are
+        // counted from there too (len) and begin at row first_row.
         const int64_t b0 = seg * kSegmentBlocks, b1 = std::min(nb, b0 + kSegmentBlocks);
-        const int64_t len = lens[s];
-        const int64_t* table = tables + s * max_blocks;
+        const int64_t len = lens[s] - first_block[s] * block_size;
+        const int64_t first_row = b0 == 0 ? first_visible_key(lens[s], window) % block_size : 0;
+        const int64_t* table = tables + s * max_blocks + first_block[s];
         for (int64_t h = 0; h < kv_heads; ++h) {
           PairState<D, G>& st = hs[h].st;
           for (int j = 0; j < G; ++j) {
@@ -527,7 +534,7 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
           while (nt < CT && b < b1) {
             const int64_t off = table[b] * block_size * stride + o * stride;
             const int64_t ntok = std::min(block_size, len - b * block_size);
-            if (o == 0) blocks[nblk++] = table[b];
+            if (o == 0 || (b == b0 && o == first_row)) blocks[nblk++] = table[b];
             tl[nt++] = {kp + off, vp + off, static_cast<int>(std::min<int64_t>(16, ntok - o))};
             o += 16;
             if (o >= ntok) { ++b; o = 0; }
@@ -536,7 +543,7 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
         };
         // Prefetch cursor kPrefetchChunks chunks ahead: each (chunk, head) unit prefetches a
         // kv_heads-th of the blocks of that chunk, all heads' rows (whole blocks, contiguous).
-        int64_t pf_b = b0, pf_o = 0, pf_blocks[CT];
+        int64_t pf_b = b0, pf_o = first_row, pf_blocks[CT];
         int pf_n = 0;
         TileRef scratch[CT];
         for (int d = 0; d <= kPrefetchChunks; ++d) next_chunk(scratch, pf_b, pf_o, pf_blocks, pf_n);
@@ -561,7 +568,7 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
 
         // Units (chunk, head) in order, two in flight: with AMX the next unit's scores are started
         // before this one's softmax and V rows.
-        int64_t cb = b0, co = 0, unused_blocks[CT];
+        int64_t cb = b0, co = first_row, unused_blocks[CT];
         int unused_n;
         TileRef base[CT], tl[2][CT];
         int nbase = next_chunk(base, cb, co, unused_blocks, unused_n);

@@ -143,7 +143,7 @@ class DecodeLayers {
       at::Tensor qkv = matmul_(h, w[1]).view({n, heads_ + 2 * kv_heads, head_dim});
       rotary_write_kv(qkv, cos, sin, k_cache, v_cache, slots, heads_);
       at::Tensor out = paged_decode_attention(qkv.slice(1, 0, heads_), k_cache, v_cache, table, seq_lens,
-                                              block_size, scale_, true);
+                                              block_size, scale_, true, 0);
       h = rms_norm(matmul_(out.view({n, heads_ * head_dim}), w[2]), residual, w[3], eps_);
       x = matmul_(silu_and_mul(matmul_(h, w[4])), w[5]);
     }
@@ -178,7 +178,7 @@ class DecodeLayers {
     });
     for (int64_t l = 0; l < layers; ++l) {
       const at::Tensor out = paged_decode_attention(qkv_heads.slice(1, 0, heads_), caches_[2 * l],
-                                                    caches_[2 * l + 1], table, seq_lens, block_size, scale_, true)
+                                                    caches_[2 * l + 1], table, seq_lens, block_size, scale_, true, 0)
                                     .view({n, heads_ * head_dim});
       const bool last = l + 1 == layers;
       in_one_region([&](Team& team) {

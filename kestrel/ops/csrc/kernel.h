@@ -35,6 +35,11 @@ inline VecF round_to(VecF v, c10::BFloat16*) { return bf16_round_trip(v); }
 
 // The (head_dim, query heads per KV head) pairs the attention kernels are built for: calls
 // f(integral_constant D, integral_constant G) for the pair asked; false where there is none.
+// The first key a decode query at context length `len` sees: 0, or with a sliding window W > 0, len - W.
+inline int64_t first_visible_key(int64_t len, int64_t window) {
+  return window > 0 && len > window ? len - window : 0;
+}
+
 template <typename F>
 bool with_head_shape(int64_t d, int64_t g, const F& f) {
 #define KESTREL_CASE(D, G)                                                            \
@@ -45,6 +50,7 @@ bool with_head_shape(int64_t d, int64_t g, const F& f) {
   KESTREL_CASE(64, 1) KESTREL_CASE(64, 2) KESTREL_CASE(64, 3) KESTREL_CASE(64, 4)
   KESTREL_CASE(64, 5) KESTREL_CASE(64, 8)
   KESTREL_CASE(128, 1) KESTREL_CASE(128, 2) KESTREL_CASE(128, 4) KESTREL_CASE(128, 8)
+  KESTREL_CASE(256, 1) KESTREL_CASE(256, 2) KESTREL_CASE(256, 4)
 #undef KESTREL_CASE
   return false;
 }

@@ -11,7 +11,8 @@
 
 // decode_attention.cpp
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                                  at::Tensor seq_lens, int64_t block_size, double scale, bool in_q_dtype);
+                                  at::Tensor seq_lens, int64_t block_size, double scale, bool in_q_dtype,
+                                  int64_t window);
 bool supports(int64_t head_dim, int64_t group);
 
 // elementwise.cpp

@@ -1,0 +1,108 @@
+"""Gemma 3 (text: model_type gemma3_text, GGUF gemma3), on the Llama module's layers.
+
+What differs from Llama, each as Hugging Face's Gemma3ForCausalLM computes it:
+- every norm is Gemma's: normalised in float32, times (1 + w) in float32, then rounded to the model's
+  dtype (`GemmaRMSNorm`, which holds 1 + w once the weights are loaded);
+- four norms a layer: before and after attention, before and after the MLP, the residual stream
+  added after each block's output norm;
+- q and k are normalised per head (Gemma's norm) before rotary;
+- the MLP's gate activation is GELU (tanh approximation);
+- the embedding is scaled by sqrt(hidden_size), rounded to the model's dtype;
+- attention scale 1/sqrt(query_pre_attn_scalar);
+- local layers attend to a sliding window with their own rope base; every sixth layer is global
+  (ModelConfig.layer_types, .window_of, .local_rope_theta: the Llama module's own machinery).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kestrel.attention import AttentionBackend, KVCache
+from kestrel.config import ModelConfig
+from kestrel.distributed import GroupCoordinator
+from kestrel.model.llama import DecoderLayer, LlamaForCausalLM
+from kestrel.model.sharding import ModelShard
+from kestrel.ops.dispatch import Ops
+
+if TYPE_CHECKING:
+    from kestrel.model.loader import WeightReader
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm over the last dim with `weight` = 1 + w in float32: the product taken in float32
+    and rounded once (Llama's rounds the normalised x first)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Holds the checkpoint's w (float32) as loaded; `GemmaForCausalLM.load_weights` then adds 1."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=torch.float32), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemma_rms_norm(x, self.weight, self.eps)
+
+
+class Gemma3DecoderLayer(DecoderLayer):
+    def __init__(self, cfg: ModelConfig, ops: Ops, attn: AttentionBackend, shard: ModelShard,
+                 tp: GroupCoordinator, window: int | None = None) -> None:
+        super().__init__(cfg, ops, attn, shard, tp, window)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+        self.head_rms_norm = gemma_rms_norm   # the q/k norms of DecoderLayer._attention
+        self.q_norm = GemmaRMSNorm(cfg.head_dim, eps)
+        self.k_norm = GemmaRMSNorm(cfg.head_dim, eps)
+        self.inter = shard.intermediate_size
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                cache: KVCache | None, meta: object, rows: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As DecoderLayer.forward: (the block's output, the residual stream before adding it)."""
+        stream = x if residual is None else residual + x
+        h = self._attention(self.input_layernorm(stream), rope, cache, meta, rows)
+        if rows is not None:
+            stream = stream.index_select(0, rows)
+        if self.tp_sharded:
+            h = self.tp.all_reduce(h)
+        stream = stream + self.post_attention_layernorm(h)
+        h = self._mlp(self.pre_feedforward_layernorm(stream))
+        if self.tp_sharded:
+            h = self.tp.all_reduce(h)
+        return self.post_feedforward_layernorm(h), stream
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(h).split(self.inter, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    decoder_layer = Gemma3DecoderLayer
+    has_llama_layers = False
+
+    def __init__(self, cfg: ModelConfig, ops: Ops | None = None, attn: AttentionBackend | None = None) -> None:
+        super().__init__(cfg, ops, attn)
+        if self.shard.is_last_stage:
+            self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # sqrt(hidden_size) in the model's dtype, as Hugging Face rounds it
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5, dtype=cfg.dtype),
+                             persistent=False)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super()._embed(input_ids) * self.embed_scale
+
+    def load_weights(self, reader: WeightReader) -> None:
+        super().load_weights(reader)
+        for module in self.modules():
+            if isinstance(module, GemmaRMSNorm):
+                module.weight.data += 1.0
