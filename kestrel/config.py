@@ -61,6 +61,12 @@ class ModelConfig:
     local_rope_theta: float | None = None        # the sliding layers' own rope base (Gemma 3), else rope_theta's
     query_pre_attn_scalar: float | None = None   # attention scale 1/sqrt(this) instead of 1/sqrt(head_dim)
     hidden_act: str = "silu"                     # the MLP's gate activation: "silu" or "gelu_pytorch_tanh"
+    # Granite's multipliers: of the embedding, of each block's output before the residual add, the
+    # attention scale (instead of 1/sqrt(head_dim)), and the divisor of the logits.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer` (over the whole model), None for full attention."""

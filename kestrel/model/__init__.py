@@ -30,6 +30,7 @@ ARCHITECTURES: dict[str, tuple[type[nn.Module], bool]] = {
     "qwen2": (LlamaForCausalLM, False),
     "qwen3": (LlamaForCausalLM, True),
     "gemma3_text": (Gemma3ForCausalLM, True),
+    "granite": (LlamaForCausalLM, False),
 }
 # Architectures whose q, k and v projections carry biases whatever the config says (Qwen2's have them,
 # its o_proj has none: the module's attention_bias).
@@ -117,7 +118,15 @@ def model_config_from_hf(hf_config, *, model: str | None, dtype: torch.dtype,
         local_rope_theta=local_theta,
         query_pre_attn_scalar=getattr(hf_config, "query_pre_attn_scalar", None),
         hidden_act=hidden_act,
+        embedding_multiplier=float(getattr(hf_config, "embedding_multiplier", 1.0)),
+        residual_multiplier=float(getattr(hf_config, "residual_multiplier", 1.0)),
+        attention_multiplier=_float_or_none(getattr(hf_config, "attention_multiplier", None)),
+        logits_scaling=float(getattr(hf_config, "logits_scaling", 1.0)),
     )
+
+
+def _float_or_none(value) -> float | None:
+    return None if value is None else float(value)
 
 
 def build_model(cfg: ModelConfig, device: torch.device, attn: AttentionBackend | None = None) -> nn.Module:

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "granite")
 SUPPORTED_GGUF_VERSIONS = (2, 3)
 GGML_MAX_DIMS = 4
 
@@ -315,9 +315,14 @@ def gguf_config(header: GGUFHeader) -> PretrainedConfig:
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, GraniteConfig, LlamaConfig, Qwen2Config, Qwen3Config
     if arch == "gemma3":
         return Gemma3TextConfig(**_gemma3_settings(header, kwargs))
+    if arch == "granite":
+        return GraniteConfig(**kwargs, **{name: float(meta[key]) for name, key in (
+            ("embedding_multiplier", "granite.embedding_scale"), ("residual_multiplier", "granite.residual_scale"),
+            ("attention_multiplier", "granite.attention.scale"), ("logits_scaling", "granite.logit_scale"))
+            if key in meta})
     if arch == "llama":
         return LlamaConfig(**kwargs)
     if arch == "qwen2":
@@ -406,10 +411,11 @@ def unpermute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 def _rotary_head_counts(header: GGUFHeader) -> dict[str, int]:
     """Per GGUF tensor suffix, the head count used to permute it (empty if not permuted)."""
-    if header.architecture != "llama":
-        return {}  # qwen3 GGUFs keep HF's q/k layout
-    n_head = int(header.metadata["llama.attention.head_count"])
-    n_kv = int(header.metadata.get("llama.attention.head_count_kv", n_head))
+    arch = header.architecture
+    if arch not in ("llama", "granite"):
+        return {}  # qwen2/qwen3/gemma3 GGUFs keep HF's q/k layout
+    n_head = int(header.metadata[f"{arch}.attention.head_count"])
+    n_kv = int(header.metadata.get(f"{arch}.attention.head_count_kv", n_head))
     return {"attn_q.weight": n_head, "attn_k.weight": n_kv}
 
 

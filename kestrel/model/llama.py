@@ -55,7 +55,9 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
         self.q_size = shard.num_heads * cfg.head_dim
         self.kv_size = shard.num_kv_heads * cfg.head_dim
-        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.scale = cfg.attention_multiplier or (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        # Granite scales each block's output before the residual add (None: 1)
+        self.residual_multiplier = cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else None
         self.eps = cfg.rms_norm_eps
         inter = shard.intermediate_size
         # The ops for this layer's shapes, chosen once (kestrel/ops/dispatch.py); the linear layers' are
@@ -95,10 +97,14 @@ class DecoderLayer(nn.Module):
             residual = residual.index_select(0, rows)
         if self.tp_sharded:
             h = self.tp.all_reduce(h)
+        if self.residual_multiplier is not None:
+            h = h * self.residual_multiplier
         h, residual = self.add_rms_norm(h, residual, self.post_attention_layernorm.weight, self.eps)
         h = self._mlp(h)
         if self.tp_sharded:
             h = self.tp.all_reduce(h)
+        if self.residual_multiplier is not None:
+            h = h * self.residual_multiplier
         return h, residual
 
     def _attention(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -198,6 +204,10 @@ class LlamaForCausalLM(nn.Module):
         return x + residual
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self._embedding_rows(input_ids)
+        return x if self.cfg.embedding_multiplier == 1.0 else x * self.cfg.embedding_multiplier
+
+    def _embedding_rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shard.tp_size == 1:
             return self.embed_tokens.rows(input_ids)
         # Vocabulary-parallel: ids of other ranks' rows give zero rows here; the sum over ranks is the lookup.
@@ -211,6 +221,8 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits [rows, vocab] for the rows of `hidden` that sample, on the tensor-parallel
         group's first rank; None on the others. Collective: every tensor rank of the last stage calls it."""
         logits = self.lm_head.logits(self.norm(hidden))
+        if self.cfg.logits_scaling != 1.0:
+            logits = logits / self.cfg.logits_scaling
         if self.shard.tp_size == 1:
             return logits
         shard = self.shard

@@ -1,4 +1,4 @@
-"""Greedy parity with transformers on tiny random-weight Llama, Qwen2, Qwen3, Mistral (sliding window)
+"""Greedy parity with transformers on tiny random-weight Llama, Qwen2, Qwen3, Granite, Mistral (sliding window)
 and Gemma 3 (local and global layers) models built here, in float32, alone and batched, with chunked
 prefill, preemption and prefix-cache hits; and the same tokens with --async-scheduling as without. The
 windowed models' windows (24 tokens) are far shorter than the longer prompts, and their head_dim (64)
@@ -25,7 +25,7 @@ WINDOW = 24
 
 
 def _tiny_config(kind: str):
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
@@ -39,6 +39,9 @@ def _tiny_config(kind: str):
         return Qwen2Config(**common, tie_word_embeddings=True)
     if kind == "qwen3":
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    if kind == "granite":   # its four multipliers, as Granite 3's are set
+        return GraniteConfig(**common, tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
+                             attention_multiplier=0.0625, logits_scaling=0.5)
     windowed = dict(common, num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=WINDOW)
     if kind == "mistral":
         return MistralConfig(**windowed, tie_word_embeddings=True)
@@ -78,7 +81,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, VOCAB) for _ in range(L)] for L in lengths]
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3-rope", "qwen2", "qwen3", "mistral", "gemma3"])
+@pytest.fixture(scope="module", params=["llama", "llama3-rope", "qwen2", "qwen3", "granite", "mistral", "gemma3"])
 def tiny(request, tmp_path_factory, tokenizer):
     folder = tmp_path_factory.mktemp(request.param)
     model = _build(request.param, folder, tokenizer)

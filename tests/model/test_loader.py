@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 from transformers import (
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -46,6 +48,8 @@ TINY = dict(
     eos_token_id=2,
 )
 
+GRANITE_MULTIPLIERS = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+                          logits_scaling=8.0)
 HF_TO_GGUF_BLOCK = {v: k for k, v in gguf_loader._BLOCK_TENSOR_NAMES.items()}
 HF_TO_GGUF_GLOBAL = {v: k for k, v in gguf_loader._GLOBAL_TENSOR_NAMES.items()}
 
@@ -56,6 +60,8 @@ def tiny_model(arch: str, tie: bool) -> torch.nn.Module:
         model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=tie))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=tie))
+    elif arch == "granite":
+        model = GraniteForCausalLM(GraniteConfig(**TINY, tie_word_embeddings=tie, **GRANITE_MULTIPLIERS))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**TINY, tie_word_embeddings=tie))
     # Norm weights initialise to ones; randomise them so a name mix-up would show.
@@ -102,11 +108,16 @@ def write_tiny_gguf(model: torch.nn.Module, path: Path, arch: str, matrices=None
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_bos_token_id(cfg.bos_token_id)
     writer.add_eos_token_id(cfg.eos_token_id)
+    if arch == "granite":
+        for key, name in (("granite.embedding_scale", "embedding_multiplier"), ("granite.residual_scale",
+                          "residual_multiplier"), ("granite.attention.scale", "attention_multiplier"),
+                          ("granite.logit_scale", "logits_scaling")):
+            writer.add_float32(key, getattr(cfg, name))
     for name, tensor in stored_state_dict(model).items():
         w = tensor.numpy().astype(np.float32)
-        if arch == "llama" and name.endswith("q_proj.weight"):
+        if arch in ("llama", "granite") and name.endswith("q_proj.weight"):
             w = llama_cpp_permute(w, cfg.num_attention_heads)
-        elif arch == "llama" and name.endswith("k_proj.weight"):
+        elif arch in ("llama", "granite") and name.endswith("k_proj.weight"):
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
         if matrices is not None and w.ndim == 2:
             data, qtype = matrices(name, w)
@@ -138,6 +149,8 @@ def assert_config_matches(config, model: torch.nn.Module) -> None:
     ):
         assert getattr(config, attr) == getattr(ref, attr), attr
     assert config.rope_parameters["rope_theta"] == ref.rope_parameters["rope_theta"]
+    for attr in GRANITE_MULTIPLIERS if ref.model_type == "granite" else ():
+        assert getattr(config, attr) == pytest.approx(getattr(ref, attr), rel=1e-7), attr
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +196,7 @@ def test_hf_folder_unknown_model_type(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("arch,tie", [("llama", False), ("llama", True), ("qwen2", True), ("qwen2", False),
-                                      ("qwen3", True), ("qwen3", False)])
+                                      ("qwen3", True), ("qwen3", False), ("granite", False)])
 def test_tiny_gguf_matches_hf_weights(tmp_path: Path, arch: str, tie: bool) -> None:
     model = tiny_model(arch, tie=tie)
     write_tiny_gguf(model, tmp_path / "tiny.gguf", arch)
