@@ -67,6 +67,9 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    # Gemma 2's soft caps: scores (and logits) s become cap * tanh(s / cap); None: none
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer` (over the whole model), None for full attention."""

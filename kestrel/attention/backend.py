@@ -84,10 +84,11 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None, meta: Any,
-                scale: float, window: int | None = None) -> torch.Tensor:
+                scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """q [N, heads, head_dim], k and v [N, kv_heads, head_dim] of this step's tokens (already in
         the cache) → [N, heads, head_dim]. `window`: a sliding-window layer's W, a token at position p
-        seeing keys p - W + 1 .. p only; None: every key up to its own."""
+        seeing keys p - W + 1 .. p only; None: every key up to its own. `softcap`: scores s become
+        softcap * tanh(s / softcap) before the softmax (Gemma 2); None: as they are."""
 
     def decode_step_kernels(self) -> DecodeStepKernels | None:
         """Raw kernels for a decode plan; None: this backend has none, decode steps run the forward."""

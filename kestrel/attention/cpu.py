@@ -8,6 +8,7 @@ or bf16, head_dim % 16 == 0), else on the reference's SDPA path (selector.py cho
 A sliding-window layer's decodes run on the decode kernel with its window; its prefill chunks that
 reach past the window run on the reference's masked SDPA, as do its decodes over the int8 cache
 (whose kernel has no window). A step whose contexts all fit the window runs such a layer as a full one.
+A soft-capped layer (Gemma 2) runs on the reference's plain-operation attention: no kernel caps scores.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class CpuAttentionMetadata:
     prefills: list[PrefillChunk]          # mask None where the prefill kernel serves them
     common: CommonAttentionMetadata
     longest: int                          # the longest context of the step: keys its last token sees
-    windowed: dict = field(default_factory=dict)   # (what, window) -> built on first use in the step
+    # built on first use in the step: ("chunks", window) -> the chunks for a window; "reference" -> the
+    # reference backend and its metadata
+    windowed: dict = field(default_factory=dict)
 
 
 class CpuKernelsBackend(AttentionBackend):
@@ -98,11 +101,12 @@ class CpuKernelsBackend(AttentionBackend):
             write_qkv(cache, qkv, num_heads, meta.slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
-                meta: CpuAttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                meta: CpuAttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         if window is not None and window >= meta.longest:
             window = None   # every key of the step is inside the window
-        if window is not None and self.kv_int8:
-            return self._windowed_reference(q, k, v, cache, meta, scale, window)
+        if softcap is not None or (window is not None and self.kv_int8):
+            return self._on_reference(q, k, v, cache, meta, scale, window, softcap)
         nd, bs = meta.num_decodes, meta.block_size
         windowed = () if window is None else (window,)
         if not meta.prefills:
@@ -129,15 +133,16 @@ class CpuKernelsBackend(AttentionBackend):
                 for span, chunk in zip(meta.common.prefills, meta.prefills)]
         return meta.windowed[key]
 
-    def _windowed_reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
-                            meta: CpuAttentionMetadata, scale: float, window: int) -> torch.Tensor:
-        """The whole layer on the reference's windowed masks (the int8 decode kernel has no window)."""
-        key = ("reference", window)
-        if key not in meta.windowed:
+    def _on_reference(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
+                      meta: CpuAttentionMetadata, scale: float, window: int | None,
+                      softcap: float | None) -> torch.Tensor:
+        """The whole layer on the reference backend: soft caps (no kernel has them), or a window over the
+        int8 cache (whose decode kernel has none)."""
+        if "reference" not in meta.windowed:
             reference = TorchSDPABackend(q.dtype, self.rotary)
-            meta.windowed[key] = (reference, reference.build_metadata(meta.common))
-        reference, reference_meta = meta.windowed[key]
-        return reference.forward(q, k, v, cache, reference_meta, scale, window)
+            meta.windowed["reference"] = (reference, reference.build_metadata(meta.common))
+        reference, reference_meta = meta.windowed["reference"]
+        return reference.forward(q, k, v, cache, reference_meta, scale, window, softcap)
 
     def _prefill_on_kernel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
                            chunk: PrefillChunk, block_size: int, scale: float) -> torch.Tensor:

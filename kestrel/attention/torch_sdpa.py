@@ -9,7 +9,9 @@ with a bottom-right causal mask.
 
 A sliding-window layer (Mistral, Gemma's local layers) passes its window W to `forward`: a token at
 position p then sees keys p - W + 1 .. p only (Hugging Face's window). Its masks are built on the
-first such layer of a step and shared by the others with the same window.
+first such layer of a step and shared by the others with the same window. A layer with a soft cap
+(Gemma 2) passes it too: its scores s become cap * tanh(s / cap) before the mask and the softmax,
+which SDPA does not do, so such layers compute attention in plain operations (`capped_attention`).
 """
 
 from __future__ import annotations
@@ -115,15 +117,16 @@ class TorchSDPABackend(AttentionBackend):
             write_qkv(cache, qkv, num_heads, meta.slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
-                meta: TorchAttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                meta: TorchAttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         decodes, prefills = (meta.decodes, meta.prefills) if window is None else self.windowed(meta, window)
         out = torch.empty_like(q)
         for group in decodes:
             s, e = group.token_start, group.token_end
-            out[s:e] = decode_attention(q[s:e], cache, group, meta.block_size, scale)
+            out[s:e] = decode_attention(q[s:e], cache, group, meta.block_size, scale, softcap)
         for chunk in prefills:
             s, e = chunk.token_start, chunk.token_end
-            out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], cache, chunk, meta.block_size, scale)
+            out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], cache, chunk, meta.block_size, scale, softcap)
         return out
 
 
@@ -149,28 +152,50 @@ def masked_prefill_chunk(span: PrefillSpan, block_size: int, device: torch.devic
     return PrefillChunk(span.token_start, span.token_end, blocks, mask, span.end_pos)
 
 
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     softcap: float) -> torch.Tensor:
+    """SDPA's result with the scores soft-capped, as Hugging Face's eager Gemma 2 attention computes it:
+    q [..., Lq, D], k and v [..., L, D] (as many heads as q's), mask additive or boolean (True = may
+    attend) broadcasting to [..., Lq, L]; the softmax in float32."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def decode_attention(q: torch.Tensor, cache: KVCache, group: DecodeGroup, block_size: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, softcap: float | None = None) -> torch.Tensor:
     n, heads, head_dim = q.shape
     k, v = gather_kv(cache, group.block_table, block_size, q.dtype)   # [n, kv_heads, len, head_dim]
     kv_heads = k.shape[1]
     # Grouped-query attention without repeating K/V: the query heads that share a KV head become
     # that head's query rows (query head h reads KV head h // group).
     qg = q.view(n, kv_heads, heads // kv_heads, head_dim)
+    if softcap is not None:
+        return capped_attention(qg, k, v, group.mask, scale, softcap).reshape(n, heads, head_dim)
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=scale)
     return o.reshape(n, heads, head_dim)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None,
-                      chunk: PrefillChunk, block_size: int, scale: float) -> torch.Tensor:
+                      chunk: PrefillChunk, block_size: int, scale: float,
+                      softcap: float | None = None) -> torch.Tensor:
     qh = q.transpose(0, 1).unsqueeze(0)                  # [1, heads, q_len, head_dim]
     if chunk.context_blocks is None:   # its own keys: causal, or masked to a window
         kh = k.transpose(0, 1).unsqueeze(0)
         vh = v.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=chunk.mask, is_causal=chunk.mask is None,
-                                           scale=scale, enable_gqa=True)
     else:
         kh, vh = gather_kv(cache, chunk.context_blocks, block_size, q.dtype)  # [kv_heads, len, head_dim]
-        o = F.scaled_dot_product_attention(qh, kh.unsqueeze(0), vh.unsqueeze(0), attn_mask=chunk.mask,
+        kh, vh = kh.unsqueeze(0), vh.unsqueeze(0)
+    if softcap is not None:
+        group = qh.shape[1] // kh.shape[1]
+        mask = chunk.mask
+        if mask is None:   # causal on its own keys
+            mask = torch.ones(qh.shape[2], kh.shape[2], dtype=torch.bool, device=q.device).tril_()
+        o = capped_attention(qh, kh.repeat_interleave(group, dim=1), vh.repeat_interleave(group, dim=1), mask,
+                             scale, softcap)
+    else:
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=chunk.mask, is_causal=chunk.mask is None,
                                            scale=scale, enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)

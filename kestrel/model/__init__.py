@@ -7,7 +7,7 @@ from torch import nn
 
 from kestrel.attention import AttentionBackend
 from kestrel.config import ModelConfig
-from kestrel.model.gemma3 import Gemma3ForCausalLM
+from kestrel.model.gemma import GemmaForCausalLM
 from kestrel.model.llama import IntermediateTensors, LlamaForCausalLM
 from kestrel.model.quantization import check_quantization
 from kestrel.model.sharding import (
@@ -29,14 +29,15 @@ ARCHITECTURES: dict[str, tuple[type[nn.Module], bool]] = {
     "mistral": (LlamaForCausalLM, False),
     "qwen2": (LlamaForCausalLM, False),
     "qwen3": (LlamaForCausalLM, True),
-    "gemma3_text": (Gemma3ForCausalLM, True),
+    "gemma2": (GemmaForCausalLM, False),
+    "gemma3_text": (GemmaForCausalLM, True),
     "granite": (LlamaForCausalLM, False),
 }
 # Architectures whose q, k and v projections carry biases whatever the config says (Qwen2's have them,
 # its o_proj has none: the module's attention_bias).
 QKV_BIAS_ARCHITECTURES = ("qwen2",)
 # The MLP gate activation each module runs, where it is not SiLU.
-GATE_ACTIVATIONS = {"gemma3_text": "gelu_pytorch_tanh"}
+GATE_ACTIVATIONS = {"gemma2": "gelu_pytorch_tanh", "gemma3_text": "gelu_pytorch_tanh"}
 
 
 def sliding_window_of(hf_config) -> tuple[int | None, tuple[str, ...] | None]:
@@ -45,7 +46,7 @@ def sliding_window_of(hf_config) -> tuple[int | None, tuple[str, ...] | None]:
     layer_types; Gemma 3's local layers); (None, None) for full attention everywhere."""
     model_type = getattr(hf_config, "model_type", None)
     window = getattr(hf_config, "sliding_window", None)
-    if not window or not (model_type in ("mistral", "gemma3_text")
+    if not window or not (model_type in ("mistral", "gemma2", "gemma3_text")
                           or (model_type == "qwen2" and getattr(hf_config, "use_sliding_window", False))):
         return None, None
     layer_types = getattr(hf_config, "layer_types", None)
@@ -122,6 +123,8 @@ def model_config_from_hf(hf_config, *, model: str | None, dtype: torch.dtype,
         residual_multiplier=float(getattr(hf_config, "residual_multiplier", 1.0)),
         attention_multiplier=_float_or_none(getattr(hf_config, "attention_multiplier", None)),
         logits_scaling=float(getattr(hf_config, "logits_scaling", 1.0)),
+        attn_logit_softcapping=_float_or_none(getattr(hf_config, "attn_logit_softcapping", None)),
+        final_logit_softcapping=_float_or_none(getattr(hf_config, "final_logit_softcapping", None)),
     )
 
 

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "granite")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "granite")
 SUPPORTED_GGUF_VERSIONS = (2, 3)
 GGML_MAX_DIMS = 4
 
@@ -315,9 +315,11 @@ def gguf_config(header: GGUFHeader) -> PretrainedConfig:
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
     )
-    from transformers import Gemma3TextConfig, GraniteConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    if arch == "gemma2":
+        return Gemma2Config(**_gemma_settings(header, arch, kwargs))
     if arch == "gemma3":
-        return Gemma3TextConfig(**_gemma3_settings(header, kwargs))
+        return Gemma3TextConfig(**_gemma_settings(header, arch, kwargs))
     if arch == "granite":
         return GraniteConfig(**kwargs, **{name: float(meta[key]) for name, key in (
             ("embedding_multiplier", "granite.embedding_scale"), ("residual_multiplier", "granite.residual_scale"),
@@ -330,22 +332,33 @@ def gguf_config(header: GGUFHeader) -> PretrainedConfig:
     return Qwen3Config(**kwargs)
 
 
-def _gemma3_settings(header: GGUFHeader, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's settings that its GGUF metadata leaves to the reader, as llama.cpp reads them: every
-    sixth layer global, the local layers' rope base 10000, the attention scale 1/sqrt(head_dim)."""
+# Layer counts of the 27B models, whose attention scale llama.cpp takes from hidden / heads.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_settings(header: GGUFHeader, arch: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's and 3's settings that their GGUF metadata leaves to the reader, as llama.cpp reads them:
+    every other layer (Gemma 2) or every sixth (Gemma 3) global, Gemma 3's local rope base 10000, the
+    attention scale 1/sqrt(head_dim) (1/sqrt(hidden / heads) in the 27B models), Gemma 2's soft caps."""
     meta = header.metadata
-    window = meta.get("gemma3.attention.sliding_window")
+    window = meta.get(f"{arch}.attention.sliding_window")
     layers = kwargs["num_hidden_layers"]
-    global_rope = kwargs.pop("rope_parameters")
-    return dict(
+    period = 2 if arch == "gemma2" else 6
+    settings = dict(
         kwargs,
         sliding_window=int(window) if window else None,
-        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
-        rope_parameters={"full_attention": global_rope,
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
-        query_pre_attn_scalar=kwargs["head_dim"],
+        layer_types=["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)],
+        query_pre_attn_scalar=(kwargs["hidden_size"] // kwargs["num_attention_heads"]
+                               if layers == _GEMMA_27B_LAYERS[arch] else kwargs["head_dim"]),
         hidden_activation="gelu_pytorch_tanh",
     )
+    if arch == "gemma3":
+        settings["rope_parameters"] = {"full_attention": kwargs["rope_parameters"],
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    else:
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            settings[key] = float(meta[f"gemma2.{key}"]) if f"gemma2.{key}" in meta else None
+    return settings
 
 
 # --------------------------------------------------------------------------- weights
@@ -371,8 +384,8 @@ _BLOCK_TENSOR_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# Gemma 3's four norms a layer: ffn_norm is the one before its MLP.
-_GEMMA3_BLOCK_TENSOR_NAMES = {
+# Gemma's four norms a layer: ffn_norm is the one before its MLP.
+_GEMMA_BLOCK_TENSOR_NAMES = {
     **_BLOCK_TENSOR_NAMES,
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
@@ -388,7 +401,7 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
         return _GLOBAL_TENSOR_NAMES[gguf_name]
     if gguf_name in _IGNORED_TENSOR_NAMES:
         return None
-    block_names = _GEMMA3_BLOCK_TENSOR_NAMES if arch == "gemma3" else _BLOCK_TENSOR_NAMES
+    block_names = _GEMMA_BLOCK_TENSOR_NAMES if arch in ("gemma2", "gemma3") else _BLOCK_TENSOR_NAMES
     parts = gguf_name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block_names:
         return f"model.layers.{parts[1]}.{block_names[parts[2]]}"
@@ -397,7 +410,7 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
 
 def stores_norms_plus_one(arch: str) -> bool:
     """Whether llama.cpp's converter stored Gemma's norm weights as 1 + w (the reader gives back w)."""
-    return arch == "gemma3"
+    return arch in ("gemma2", "gemma3")
 
 
 def unpermute_rotary(weight: np.ndarray, n_head: int) -> np.ndarray:

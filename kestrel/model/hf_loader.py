@@ -15,7 +15,8 @@ from safetensors import safe_open
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "granite")  # kestrel.model.ARCHITECTURES
+# kestrel.model.ARCHITECTURES' keys
+SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "granite")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 

@@ -51,6 +51,7 @@ class DecoderLayer(nn.Module):
         dt = cfg.dtype
         self.ops, self.attn, self.tp = ops, attn, tp
         self.window = window
+        self.softcap = cfg.attn_logit_softcapping
         self.tp_sharded = shard.tp_size > 1
         self.num_heads, self.num_kv_heads, self.head_dim = shard.num_heads, shard.num_kv_heads, cfg.head_dim
         self.q_size = shard.num_heads * cfg.head_dim
@@ -119,7 +120,7 @@ class DecoderLayer(nn.Module):
         # q and k heads rotated, k and v written to the cache (in one pass where a kernel can)
         self.attn.write_kv(qkv, heads, *rope, cache, meta)
         out = self.attn.forward(qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:],
-                                cache, meta, self.scale, self.window).view(n, self.q_size)
+                                cache, meta, self.scale, self.window, self.softcap).view(n, self.q_size)
         return self.o_proj(out if rows is None else out.index_select(0, rows))
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:

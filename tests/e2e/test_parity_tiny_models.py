@@ -1,5 +1,5 @@
-"""Greedy parity with transformers on tiny random-weight Llama, Qwen2, Qwen3, Granite, Mistral (sliding window)
-and Gemma 3 (local and global layers) models built here, in float32, alone and batched, with chunked
+"""Greedy parity with transformers on tiny random-weight Llama, Qwen2, Qwen3, Granite, Mistral (sliding window),
+Gemma 2 (soft caps) and Gemma 3 (local and global layers) models built here, in float32, alone and batched, with chunked
 prefill, preemption and prefix-cache hits; and the same tokens with --async-scheduling as without. The
 windowed models' windows (24 tokens) are far shorter than the longer prompts, and their head_dim (64)
 is one the decode kernel takes, so that its window is what runs.
@@ -25,7 +25,15 @@ WINDOW = 24
 
 
 def _tiny_config(kind: str):
-    from transformers import Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        GraniteConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
@@ -45,6 +53,9 @@ def _tiny_config(kind: str):
     windowed = dict(common, num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=WINDOW)
     if kind == "mistral":
         return MistralConfig(**windowed, tie_word_embeddings=True)
+    if kind == "gemma2":   # local, global; soft caps low enough to change scores and logits
+        return Gemma2Config(**windowed, query_pre_attn_scalar=48, pad_token_id=0, attn_logit_softcapping=0.3,
+                            final_logit_softcapping=4.0)
     if kind == "gemma3":   # local, global, local; an attention scale other than head_dim's
         return Gemma3TextConfig(**dict(windowed, num_hidden_layers=3), query_pre_attn_scalar=48, pad_token_id=0,
                                 layer_types=["sliding_attention", "full_attention", "sliding_attention"])
@@ -68,7 +79,7 @@ def _build(kind: str, folder, tokenizer):
                 p.normal_(0, 0.08)
             elif name.endswith(".bias"):   # zeros by default: a bias misplaced would not show
                 p.normal_(0, 0.5)
-            elif kind == "gemma3" and "norm" in name:   # Gemma's (1 + w) norms start at w = 0
+            elif kind.startswith("gemma") and "norm" in name:   # Gemma's (1 + w) norms start at w = 0
                 p.normal_(0, 0.3)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -81,7 +92,10 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, VOCAB) for _ in range(L)] for L in lengths]
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3-rope", "qwen2", "qwen3", "granite", "mistral", "gemma3"])
+KINDS = ["llama", "llama3-rope", "qwen2", "qwen3", "granite", "mistral", "gemma2", "gemma3"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
 def tiny(request, tmp_path_factory, tokenizer):
     folder = tmp_path_factory.mktemp(request.param)
     model = _build(request.param, folder, tokenizer)
@@ -172,13 +186,22 @@ def test_async_scheduling_gives_the_same_tokens(tiny, engine_check):
     engine_check(llm)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
-def test_the_window_decides_the_longer_prompts_tokens(kind, tmp_path, tokenizer):
-    """The windowed models' references differ from the same weights with full attention on the prompts
-    longer than the window: the parity above checks the window, not only the rest of the model."""
+@pytest.mark.parametrize("kind, setting, off", [("mistral", "sliding_window", 10 ** 6),
+                                               ("gemma2", "sliding_window", 10 ** 6),
+                                               ("gemma3", "sliding_window", 10 ** 6),
+                                               ("gemma2", "attn_logit_softcapping", None),
+                                               ("gemma2", "final_logit_softcapping", None)])
+def test_the_window_and_the_caps_decide_tokens(kind, setting, off, tmp_path, tokenizer):
+    """The references differ from the same weights without the window (or a soft cap) on the prompts
+    longer than the window: the parity above checks them, not only the rest of the model."""
     model = _build(kind, tmp_path, tokenizer)
     prompts = _prompts(8)[5:]   # 40, 77 and 150 tokens
-    windowed = hf_greedy(model, prompts, NEW_TOKENS)
-    model.config.sliding_window = 10 ** 6
-    full = hf_greedy(model, prompts, NEW_TOKENS)
-    assert any(list(a.token_ids) != list(b.token_ids) for a, b in zip(windowed, full))
+    with_it = hf_greedy(model, prompts, NEW_TOKENS)
+    for holder in (model.config, *model.modules()):   # the attention layers keep their own copy of the cap
+        if hasattr(holder, setting) and not isinstance(getattr(holder, setting), torch.nn.Module):
+            setattr(holder, setting, off)
+    without = hf_greedy(model, prompts, NEW_TOKENS)
+    # (the logits' cap is monotonic: it changes the logprobs, not the greedy tokens)
+    assert any(list(a.token_ids) != list(b.token_ids)
+               or abs(a.top[0][a.token_ids[0]] - b.top[0][b.token_ids[0]]) > 0.01
+               for a, b in zip(with_it, without))

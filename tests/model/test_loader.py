@@ -188,7 +188,7 @@ def test_hf_folder_unknown_model_type(tmp_path: Path) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'.*llama, mistral, qwen2, qwen3, gemma3_text"):
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'.*llama, mistral, qwen2, qwen3, gemma2"):
         load_config(resolve_model(str(tmp_path)))
 
 
@@ -210,24 +210,30 @@ def test_tiny_gguf_matches_hf_weights(tmp_path: Path, arch: str, tie: bool) -> N
     assert_weights_equal(src, expected)  # exact equality proves q/k un-permutation
 
 
-def test_tiny_gemma3_gguf_matches_hf_weights_and_settings(tmp_path: Path) -> None:
-    """A Gemma 3 GGUF as llama.cpp writes one (its own names for the four norms a layer, every norm
-    stored as 1 + w, the window in the metadata, the rest llama.cpp's fixed Gemma 3 settings) reads back
-    as Hugging Face's names and values (w, as transformers' GGUF reader gives it) and config."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_tiny_gemma_gguf_matches_hf_weights_and_settings(tmp_path: Path, arch: str) -> None:
+    """A Gemma 2 / 3 GGUF as llama.cpp writes one (its own names for the four norms a layer, every norm
+    stored as 1 + w, the window and Gemma 2's soft caps in the metadata, the rest llama.cpp's fixed
+    settings) reads back as Hugging Face's names and values (w, as transformers' GGUF reader gives it)
+    and config."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(0)
-    hf = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=7,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                          rms_norm_eps=1e-6, sliding_window=32, query_pre_attn_scalar=16, bos_token_id=2,
-                          eos_token_id=1, pad_token_id=0)
-    model = Gemma3ForCausalLM(hf).eval()
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=7, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  sliding_window=32, query_pre_attn_scalar=16, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    if arch == "gemma2":
+        hf = Gemma2Config(**common, attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+        model = Gemma2ForCausalLM(hf).eval()
+    else:
+        hf = Gemma3TextConfig(**common)
+        model = Gemma3ForCausalLM(hf).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_()
-    to_gguf = {v: k for k, v in gguf_loader._GEMMA3_BLOCK_TENSOR_NAMES.items()}
-    writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
+    to_gguf = {v: k for k, v in gguf_loader._GEMMA_BLOCK_TENSOR_NAMES.items()}
+    writer = gguf.GGUFWriter(str(tmp_path / "g.gguf"), arch)
     writer.add_block_count(hf.num_hidden_layers)
     writer.add_context_length(hf.max_position_embeddings)
     writer.add_embedding_length(hf.hidden_size)
@@ -236,9 +242,12 @@ def test_tiny_gemma3_gguf_matches_hf_weights_and_settings(tmp_path: Path) -> Non
     writer.add_head_count_kv(hf.num_key_value_heads)
     writer.add_key_length(hf.head_dim)
     writer.add_value_length(hf.head_dim)
-    writer.add_rope_freq_base(1e6)
+    writer.add_rope_freq_base(1e6 if arch == "gemma3" else 1e4)
     writer.add_layer_norm_rms_eps(hf.rms_norm_eps)
-    writer.add_uint32("gemma3.attention.sliding_window", 32)
+    writer.add_uint32(f"{arch}.attention.sliding_window", 32)
+    if arch == "gemma2":
+        writer.add_float32("gemma2.attn_logit_softcapping", 50.0)
+        writer.add_float32("gemma2.final_logit_softcapping", 30.0)
     expected = {}
     for name, tensor in stored_state_dict(model).items():
         w = tensor.numpy().astype(np.float32)
@@ -259,11 +268,14 @@ def test_tiny_gemma3_gguf_matches_hf_weights_and_settings(tmp_path: Path) -> Non
     writer.close()
     src = resolve_model(str(tmp_path / "g.gguf"))
     config = load_config(src)
-    assert type(config) is Gemma3TextConfig
+    assert type(config) is type(hf)
     assert list(config.layer_types) == list(hf.layer_types) and config.sliding_window == 32
     assert config.query_pre_attn_scalar == 16 and config.hidden_activation == "gelu_pytorch_tanh"
-    assert config.rope_parameters["full_attention"]["rope_theta"] == 1e6
-    assert config.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+    if arch == "gemma3":
+        assert config.rope_parameters["full_attention"]["rope_theta"] == 1e6
+        assert config.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+    else:
+        assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (50.0, 30.0)
     assert_weights_equal(src, expected)
 
 
@@ -314,7 +326,7 @@ def test_gguf_unknown_architecture(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
     src = resolve_model(str(tmp_path / "gpt2.gguf"))
-    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'.*llama, qwen2, qwen3, gemma3"):
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'.*llama, qwen2, qwen3, gemma2, gemma3, gran"):
         load_config(src)
     with pytest.raises(ValueError, match="unsupported architecture"):
         next(iter_weights(src))

@@ -1,16 +1,18 @@
-"""Gemma 3 (text: model_type gemma3_text, GGUF gemma3), on the Llama module's layers.
+"""Gemma 2 (model_type gemma2) and Gemma 3 (text: model_type gemma3_text, GGUF gemma3), on the Llama
+module's layers.
 
-What differs from Llama, each as Hugging Face's Gemma3ForCausalLM computes it:
+What differs from Llama, each as Hugging Face's Gemma2ForCausalLM / Gemma3ForCausalLM computes it:
 - every norm is Gemma's: normalised in float32, times (1 + w) in float32, then rounded to the model's
   dtype (`GemmaRMSNorm`, which holds 1 + w once the weights are loaded);
 - four norms a layer: before and after attention, before and after the MLP, the residual stream
   added after each block's output norm;
-- q and k are normalised per head (Gemma's norm) before rotary;
+- Gemma 3: q and k are normalised per head (Gemma's norm) before rotary;
+- Gemma 2: attention scores soft-capped (cap * tanh(s / cap)) before the softmax, and the logits too;
 - the MLP's gate activation is GELU (tanh approximation);
 - the embedding is scaled by sqrt(hidden_size), rounded to the model's dtype;
 - attention scale 1/sqrt(query_pre_attn_scalar);
-- local layers attend to a sliding window with their own rope base; every sixth layer is global
-  (ModelConfig.layer_types, .window_of, .local_rope_theta: the Llama module's own machinery).
+- local layers attend to a sliding window (Gemma 2: every other layer; Gemma 3: five in six, with their
+  own rope base): ModelConfig.layer_types, .window_of, .local_rope_theta, the Llama module's machinery.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class GemmaRMSNorm(nn.Module):
         return gemma_rms_norm(x, self.weight, self.eps)
 
 
-class Gemma3DecoderLayer(DecoderLayer):
+class GemmaDecoderLayer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, ops: Ops, attn: AttentionBackend, shard: ModelShard,
                  tp: GroupCoordinator, window: int | None = None) -> None:
         super().__init__(cfg, ops, attn, shard, tp, window)
@@ -60,9 +62,10 @@ class Gemma3DecoderLayer(DecoderLayer):
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.head_rms_norm = gemma_rms_norm   # the q/k norms of DecoderLayer._attention
-        self.q_norm = GemmaRMSNorm(cfg.head_dim, eps)
-        self.k_norm = GemmaRMSNorm(cfg.head_dim, eps)
+        self.head_rms_norm = gemma_rms_norm   # the q/k norms of DecoderLayer._attention (Gemma 3)
+        if cfg.qk_norm:
+            self.q_norm = GemmaRMSNorm(cfg.head_dim, eps)
+            self.k_norm = GemmaRMSNorm(cfg.head_dim, eps)
         self.inter = shard.intermediate_size
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
@@ -86,8 +89,8 @@ class Gemma3DecoderLayer(DecoderLayer):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
-    decoder_layer = Gemma3DecoderLayer
+class GemmaForCausalLM(LlamaForCausalLM):
+    decoder_layer = GemmaDecoderLayer
     has_llama_layers = False
 
     def __init__(self, cfg: ModelConfig, ops: Ops | None = None, attn: AttentionBackend | None = None) -> None:
@@ -100,6 +103,14 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super()._embed(input_ids) * self.embed_scale
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden)
+        cap = self.cfg.final_logit_softcapping
+        if cap is None or logits is None:
+            return logits
+        return torch.tanh(logits / cap) * cap
 
     def load_weights(self, reader: WeightReader) -> None:
         super().load_weights(reader)
