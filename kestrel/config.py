@@ -67,9 +67,15 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    partial_rotary_factor: float = 1.0           # the share of each head's dimensions rotated (Phi-4: 0.75)
     # Gemma 2's soft caps: scores (and logits) s become cap * tanh(s / cap); None: none
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each q/k head that rotary rotates: the first ones, as Hugging Face's."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer` (over the whole model), None for full attention."""

@@ -34,7 +34,7 @@ def select_attention_backend(config: EngineConfig) -> AttentionBackend:
         if name == "cpu":
             raise ValueError(f"attention backend 'cpu' cannot serve this configuration: {why_not}; "
                              f"use --attention-backend torch or auto")
-    return TorchSDPABackend(dtype, select_rotary(device, dtype, config.model.head_dim))
+    return TorchSDPABackend(dtype, select_rotary(device, dtype, config.model.head_dim, config.model.rotary_dim))
 
 
 def cpu_backend_unavailable(config: EngineConfig) -> str | None:
@@ -57,8 +57,8 @@ def cpu_backend_unavailable(config: EngineConfig) -> str | None:
 def _cpu_backend(config: EngineConfig) -> CpuKernelsBackend:
     m = config.model
     return CpuKernelsBackend(cpu_kernels(), _prefill_kernel(config), config.cache.kv_cache_dtype == "int8",
-                             select_rotary(config.device.device, m.dtype, m.head_dim),
-                             fused_rotary=rotary_kernel_serves(m.dtype, m.head_dim))
+                             select_rotary(config.device.device, m.dtype, m.head_dim, m.rotary_dim),
+                             fused_rotary=rotary_kernel_serves(m.dtype, m.head_dim, m.rotary_dim))
 
 
 def _prefill_kernel(config: EngineConfig):

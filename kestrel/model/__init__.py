@@ -32,6 +32,7 @@ ARCHITECTURES: dict[str, tuple[type[nn.Module], bool]] = {
     "gemma2": (GemmaForCausalLM, False),
     "gemma3_text": (GemmaForCausalLM, True),
     "granite": (LlamaForCausalLM, False),
+    "phi3": (LlamaForCausalLM, False),   # its fused qkv_proj and gate_up_proj: LlamaForCausalLM.placements
 }
 # Architectures whose q, k and v projections carry biases whatever the config says (Qwen2's have them,
 # its o_proj has none: the module's attention_bias).
@@ -46,7 +47,7 @@ def sliding_window_of(hf_config) -> tuple[int | None, tuple[str, ...] | None]:
     layer_types; Gemma 3's local layers); (None, None) for full attention everywhere."""
     model_type = getattr(hf_config, "model_type", None)
     window = getattr(hf_config, "sliding_window", None)
-    if not window or not (model_type in ("mistral", "gemma2", "gemma3_text")
+    if not window or not (model_type in ("mistral", "gemma2", "gemma3_text", "phi3")
                           or (model_type == "qwen2" and getattr(hf_config, "use_sliding_window", False))):
         return None, None
     layer_types = getattr(hf_config, "layer_types", None)
@@ -75,7 +76,13 @@ def model_config_from_hf(hf_config, *, model: str | None, dtype: torch.dtype,
     if model_type not in ARCHITECTURES:
         raise ValueError(f"model type {model_type!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
     theta, scaling, local_theta = rope_settings(hf_config)
+    partial_rotary_factor = _partial_rotary_factor(hf_config)
     max_positions = int(getattr(hf_config, "max_position_embeddings", 2048))
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "longrope":
+        # its default attention factor comes from the ratio of the two context lengths
+        original = scaling.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings
+        scaling = dict(scaling, rope_type="longrope", original_max_position_embeddings=int(original),
+                       max_position_embeddings=max_positions)
     if max_model_len is None:
         max_model_len = max_positions
     elif max_model_len < 2:
@@ -123,9 +130,19 @@ def model_config_from_hf(hf_config, *, model: str | None, dtype: torch.dtype,
         residual_multiplier=float(getattr(hf_config, "residual_multiplier", 1.0)),
         attention_multiplier=_float_or_none(getattr(hf_config, "attention_multiplier", None)),
         logits_scaling=float(getattr(hf_config, "logits_scaling", 1.0)),
+        partial_rotary_factor=partial_rotary_factor,
         attn_logit_softcapping=_float_or_none(getattr(hf_config, "attn_logit_softcapping", None)),
         final_logit_softcapping=_float_or_none(getattr(hf_config, "final_logit_softcapping", None)),
     )
+
+
+def _partial_rotary_factor(hf_config) -> float:
+    """The share of each head's dimensions that rotary rotates: transformers 5 keeps it in
+    rope_parameters, older configs beside it."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and params.get("partial_rotary_factor") is not None:
+        return float(params["partial_rotary_factor"])
+    return float(getattr(hf_config, "partial_rotary_factor", None) or 1.0)
 
 
 def _float_or_none(value) -> float | None:

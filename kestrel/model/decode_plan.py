@@ -136,6 +136,8 @@ class DecodePlan:
         if (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_multiplier,
                 cfg.query_pre_attn_scalar) != (1.0, 1.0, None, None):
             return None   # the plan runs Llama's arithmetic: no multipliers, scale 1/sqrt(head_dim)
+        if cfg.rotary_dim != cfg.head_dim:
+            return None   # its fused rotary kernel rotates whole heads
         windowed = any(layer.window is not None for layer in model.layers)
         if model.local_rotary is not None or (windowed and step.kv_int8):
             return None   # one rope for every layer; the int8 decode kernel takes no window

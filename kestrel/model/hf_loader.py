@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 # kestrel.model.ARCHITECTURES' keys
-SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "granite")
+SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "granite", "phi3")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 

@@ -151,7 +151,25 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[to
         return inv_freq / scaling["factor"], 1.0
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling), 1.0
-    raise ValueError(f"rope type {rope_type!r} is not supported (supported: default, linear, llama3)")
+    if rope_type == "longrope":   # the short factors' frequencies (longrope_tables has both)
+        return longrope_tables(head_dim, theta, scaling)[0], _longrope_attention_factor(scaling)
+    raise ValueError(f"rope type {rope_type!r} is not supported (supported: default, linear, llama3, longrope)")
+
+
+def longrope_tables(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """LongRoPE's (Phi-3's) inverse frequencies with its short and its long factors, as Hugging Face
+    computes them."""
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return tuple(1.0 / (torch.tensor(s[key], dtype=torch.float32) * theta ** shape)
+                 for key in ("short_factor", "long_factor"))
+
+
+def _longrope_attention_factor(s: dict) -> float:
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    original = s["original_max_position_embeddings"]
+    factor = s.get("factor") or s["max_position_embeddings"] / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -167,7 +185,13 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Cos/sin tables for every position up to `max_positions`, looked up per token."""
+    """Cos/sin tables for every position up to `max_positions`, looked up per token.
+
+    LongRoPE: positions before the original context length take the short factors' rows, later ones
+    the long factors'. Hugging Face uses one set for a whole sequence: the short one up to the original
+    length, the long one past it, recomputing the cached keys when a generation crosses it; vLLM picks
+    one set per batch. Both agree with these tables on sequences within the original length; past it
+    the keys before it differ (Kestrel computes no key twice)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
                  dtype: torch.dtype) -> None:
@@ -175,6 +199,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq, attention_scaling = rope_inv_freq(head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
+        if (scaling or {}).get("rope_type") == "longrope":
+            original = scaling["original_max_position_embeddings"]
+            freqs[original:] = torch.outer(positions[original:], longrope_tables(head_dim, theta, scaling)[1])
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * attention_scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * attention_scaling).to(dtype), persistent=False)

@@ -15,6 +15,7 @@ on the first stage, the final norm and output head on the last.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -153,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
         if ops is None:
             ops = select_ops(torch.get_default_device(), cfg.dtype)
         if attn is None:
-            attn = TorchSDPABackend(cfg.dtype, ops.rotary_for(cfg.head_dim))
+            attn = TorchSDPABackend(cfg.dtype, ops.rotary_for(cfg.head_dim, cfg.rotary_dim))
         self.cfg, self.ops, self.attn = cfg, ops, attn
         self.tp = get_tp_group()
         self.shard = shard = shard_of_this_rank(cfg)
@@ -161,10 +162,10 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = Embedding(shard.vocab_size, cfg.hidden_size, cfg.dtype, ops.linear_to_float)
         self.layers = nn.ModuleList(self.decoder_layer(cfg, ops, attn, shard, self.tp, cfg.window_of(i))
                                     for i in range(shard.layer_start, shard.layer_end))
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling, cfg.dtype)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling, cfg.dtype)
         # The sliding-window layers' own rope (Gemma 3's local base, unscaled), where they have one.
         self.local_rotary = None if cfg.local_rope_theta is None else RotaryEmbedding(
-            cfg.head_dim, cfg.max_model_len, cfg.local_rope_theta, None, cfg.dtype)
+            cfg.rotary_dim, cfg.max_model_len, cfg.local_rope_theta, None, cfg.dtype)
         if shard.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, ops.norm_for(cfg.hidden_size)[0])
             if cfg.tie_word_embeddings and shard.is_first_stage:
@@ -245,32 +246,61 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         rows_filled = dict.fromkeys(params, 0)
         for name in reader.names():
-            placement = self.placement(name)
-            if placement is None:
-                continue
-            if placement.param not in params:
-                raise ValueError(f"weight {name!r} has no place in the {self.cfg.architecture} model")
-            param = params[placement.param]
-            dst = param.data if placement.rows is None else param.data.narrow(0, placement.row, placement.rows)
-            if param.dtype == torch.uint8:
-                # A GGUFLinear (kestrel/model/quantization.py) holds the file's blocks, each part's rows
-                # from column 0 of a row as wide as its widest type's.
-                tensor = reader.read_blocks(name, placement.dim, placement.start, placement.size)
-                dst = dst[:, :tensor.shape[1]]
-            else:
-                tensor = reader.read(name, placement.dim, placement.start, placement.size)
-            if dst.shape != tensor.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)} on this rank, "
-                                 f"expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
-            rows_filled[placement.param] += dst.shape[0]
+            for placement in self.placements(name):
+                self._load_one(reader, name, placement, params, rows_filled)
         missing = sorted(n for n, p in params.items() if rows_filled[n] < p.shape[0])
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
 
+    def _load_one(self, reader: WeightReader, name: str, placement: _Placement, params: dict[str, nn.Parameter],
+                  rows_filled: dict[str, int]) -> None:
+        """One placement of checkpoint tensor `name`: its rows read (or its GGUF blocks) into the parameter."""
+        if placement.param not in params:
+            raise ValueError(f"weight {name!r} has no place in the {self.cfg.architecture} model")
+        param = params[placement.param]
+        dst = param.data if placement.rows is None else param.data.narrow(0, placement.row, placement.rows)
+        if param.dtype == torch.uint8:
+            # A GGUFLinear (kestrel/model/quantization.py) holds the file's blocks, each part's rows
+            # from column 0 of a row as wide as its widest type's.
+            tensor = reader.read_blocks(name, placement.dim, placement.start, placement.size)
+            dst = dst[:, :tensor.shape[1]]
+        else:
+            tensor = reader.read(name, placement.dim, placement.start, placement.size)
+        if dst.shape != tensor.shape:
+            raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)} on this rank, "
+                             f"expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        rows_filled[placement.param] += dst.shape[0]
+
+    def placements(self, name: str) -> list[_Placement]:
+        """Where the parts of checkpoint tensor `name` go on this rank: one place, or three for a
+        checkpoint's fused q|k|v (two for gate|up), each part's rows of this rank; none where it has no
+        part here (another stage's layers, the untied copy of a tied output head)."""
+        parts = name.removeprefix("model.").split(".")
+        if len(parts) > 3 and parts[0] == "layers" and parts[3] in self.FUSED_IN_CHECKPOINT:
+            layer = int(parts[1])
+            if not self.shard.layer_start <= layer < self.shard.layer_end:
+                return []
+            prefix, rest = f"layers.{layer - self.shard.layer_start}", ".".join(parts[4:])
+            return [self._fused_part(prefix, parts[3], part, rest) for part in self.FUSED_IN_CHECKPOINT[parts[3]]]
+        placement = self.placement(name)
+        return [] if placement is None else [placement]
+
+    # A checkpoint's fused projections (Phi-3's): their parts in order, each as the unfused name.
+    FUSED_IN_CHECKPOINT = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+    def _fused_part(self, prefix: str, fused: str, part: str, rest: str) -> _Placement:
+        """Part `part` of a checkpoint's fused projection: the unfused part's placement, read from the
+        part's rows of the fused tensor."""
+        cfg, hd = self.cfg, self.cfg.head_dim
+        offsets = {"q_proj": 0, "k_proj": cfg.num_heads * hd, "v_proj": (cfg.num_heads + cfg.num_kv_heads) * hd,
+                   "gate_proj": 0, "up_proj": cfg.intermediate_size}
+        unfused = self._projection_placement(prefix, part, rest)
+        return dataclasses.replace(unfused, start=unfused.start + offsets[part])
+
     def placement(self, name: str) -> _Placement | None:
-        """Where checkpoint tensor `name` goes on this rank; None where it has no part here (another
-        stage's layers, the untied copy of a tied output head)."""
+        """Where checkpoint tensor `name` (not a fused one) goes on this rank; None where it has no part
+        here (another stage's layers, the untied copy of a tied output head)."""
         cfg, shard = self.cfg, self.shard
         name = name.removeprefix("model.")
         vocab_rows = dict(dim=0, start=shard.vocab_start, size=shard.vocab_size)

@@ -294,9 +294,8 @@ def keep_gguf_blocks_(model: nn.Module, reader: object, quantization: str | None
         return 0
     types = block_types()
     sources: dict[str, list[tuple[int, int, GGUFFormat | None]]] = {}   # module -> (row, rows, format) per tensor
-    for name in reader.names():
-        placement = model.placement(name)
-        if placement is None or not placement.param.endswith(".weight"):
+    for name, placement in ((tensor, p) for tensor in reader.names() for p in model.placements(tensor)):
+        if not placement.param.endswith(".weight"):
             continue
         module = placement.param.removesuffix(".weight")
         if module in targets:

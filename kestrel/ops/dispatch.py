@@ -89,9 +89,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def rotary_reference(qkv: torch.Tensor, num_heads: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate the q and k heads of qkv [tokens, num_heads + 2 kv_heads, head_dim] in place."""
+    """Rotate the q and k heads of qkv [tokens, num_heads + 2 kv_heads, head_dim] in place: their first
+    cos.shape[-1] dimensions (all of them, or a partial rotary's share, Phi-4's), the rest as they are."""
     num_kv_heads = (qkv.shape[1] - num_heads) // 2
-    qk = qkv[:, :num_heads + num_kv_heads]
+    qk = qkv[:, :num_heads + num_kv_heads, :cos.shape[-1]]
     qk.copy_(apply_rotary(qk, cos, sin))
 
 
@@ -220,14 +221,16 @@ def select_activation(device: torch.device, dtype: torch.dtype, width: int | Non
     return silu_and_mul
 
 
-def select_rotary(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> Rotary:
+def select_rotary(device: torch.device, dtype: torch.dtype, head_dim: int | None = None,
+                  rotary_dim: int | None = None) -> Rotary:
     """rotary(qkv, num_heads, cos, sin): the q and k heads rotated in place (the rotary half of the
     fused rotary + KV-write kernel, its caches unused). `head_dim`: the model's, for its attention
     backend: the kernel or the reference chosen here, with no check per call (a model's qkv is a
     contiguous view of its projection's output, its cos/sin tables in its dtype); None: the generic
-    op, which checks each call (rotary_kernel_takes)."""
+    op, which checks each call (rotary_kernel_takes). `rotary_dim`: the dimensions rotated where fewer
+    than head_dim (a partial rotary: the reference, which the kernels do not do)."""
     kernels = elementwise_kernels(device, dtype)
-    if kernels is None or (head_dim is not None and not rotary_kernel_serves(dtype, head_dim)):
+    if kernels is None or (head_dim is not None and not rotary_kernel_serves(dtype, head_dim, rotary_dim)):
         return rotary_reference
     kernel = kernels.rotary_write_kv
 
@@ -246,15 +249,18 @@ def select_rotary(device: torch.device, dtype: torch.dtype, head_dim: int | None
     return rotary
 
 
-def rotary_kernel_serves(dtype: torch.dtype, head_dim: int) -> bool:
+def rotary_kernel_serves(dtype: torch.dtype, head_dim: int, rotary_dim: int | None = None) -> bool:
     """Build time: whether the rotary kernels (alone, or fused with the KV write) serve a model of
-    `dtype` with `head_dim`; the model's qkv and cos/sin then always meet rotary_kernel_takes."""
-    return dtype in (torch.float32, torch.bfloat16) and width_for_kernel(head_dim)
+    `dtype` with `head_dim` (all of it rotated: `rotary_dim` None or head_dim); the model's qkv and
+    cos/sin then always meet rotary_kernel_takes."""
+    return (dtype in (torch.float32, torch.bfloat16) and width_for_kernel(head_dim)
+            and rotary_dim in (None, head_dim))
 
 
 def rotary_kernel_takes(qkv: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether the rotary kernels take this call's qkv and cos (the generic op's check of each call)."""
-    return rotary_kernel_serves(qkv.dtype, qkv.shape[-1]) and qkv.is_contiguous() and cos.dtype == qkv.dtype
+    return (rotary_kernel_serves(qkv.dtype, qkv.shape[-1]) and qkv.is_contiguous() and cos.dtype == qkv.dtype
+            and cos.shape[-1] == qkv.shape[-1])
 
 
 @dataclass(frozen=True)
@@ -614,7 +620,7 @@ class Ops:
     pack_weight: PackWeight | None     # LinearOps.pack_weight
     norm_for: Callable[[int], tuple[RmsNorm, AddRmsNorm]]   # row length -> select_norm(..., dim)
     silu_and_mul_for: Callable[[int], Activation]          # gate | up width -> select_activation(..., width)
-    rotary_for: Callable[[int], Rotary]                    # head_dim -> select_rotary(..., head_dim)
+    rotary_for: Callable[..., Rotary]                      # head_dim[, rotary_dim] -> select_rotary(...)
     linear_for: LinearFor                                  # LinearOps.linear_for
     linear_to_float_for: LinearToFloatFor                  # LinearOps.linear_to_float_for
 
@@ -630,5 +636,5 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> Ops:
                linear.linear, linear.linear_to_float, plan, linear.pack_weight,
                norm_for=lambda dim: select_norm(device, dtype, dim),
                silu_and_mul_for=lambda width: select_activation(device, dtype, width),
-               rotary_for=lambda head_dim: select_rotary(device, dtype, head_dim),
+               rotary_for=lambda head_dim, rotary_dim=None: select_rotary(device, dtype, head_dim, rotary_dim),
                linear_for=linear.linear_for, linear_to_float_for=linear.linear_to_float_for)

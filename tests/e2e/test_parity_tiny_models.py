@@ -1,5 +1,6 @@
-"""Greedy parity with transformers on tiny random-weight Llama, Qwen2, Qwen3, Granite, Mistral (sliding window),
-Gemma 2 (soft caps) and Gemma 3 (local and global layers) models built here, in float32, alone and batched, with chunked
+"""Greedy parity with transformers on tiny random-weight models of each family built here: Llama,
+Qwen2, Qwen3, Granite, Phi-3 (and Phi-4's partial rotary and LongRoPE), Mistral (sliding window),
+Gemma 2 (soft caps) and Gemma 3 (local and global layers); in float32, alone and batched, with chunked
 prefill, preemption and prefix-cache hits; and the same tokens with --async-scheduling as without. The
 windowed models' windows (24 tokens) are far shorter than the longer prompts, and their head_dim (64)
 is one the decode kernel takes, so that its window is what runs.
@@ -31,6 +32,7 @@ def _tiny_config(kind: str):
         GraniteConfig,
         LlamaConfig,
         MistralConfig,
+        Phi3Config,
         Qwen2Config,
         Qwen3Config,
     )
@@ -50,6 +52,17 @@ def _tiny_config(kind: str):
     if kind == "granite":   # its four multipliers, as Granite 3's are set
         return GraniteConfig(**common, tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
                              attention_multiplier=0.0625, logits_scaling=0.5)
+    if kind == "phi3":   # q|k|v and gate|up fused in the checkpoint
+        return Phi3Config(**dict(common, hidden_size=128, num_attention_heads=2, num_key_value_heads=1),
+                          tie_word_embeddings=False, pad_token_id=0)
+    if kind == "phi4-longrope":   # Phi-4-mini's partial rotary and LongRoPE (its short factors: see layers.py)
+        return Phi3Config(**dict(common, hidden_size=128, num_attention_heads=2, num_key_value_heads=1),
+                          tie_word_embeddings=True, pad_token_id=0, original_max_position_embeddings=200,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                           "partial_rotary_factor": 0.75,
+                                           "short_factor": [1.0 + i / 24 for i in range(24)],
+                                           "long_factor": [2.0 + i / 6 for i in range(24)],
+                                           "original_max_position_embeddings": 200})
     windowed = dict(common, num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=WINDOW)
     if kind == "mistral":
         return MistralConfig(**windowed, tie_word_embeddings=True)
@@ -92,7 +105,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(100, VOCAB) for _ in range(L)] for L in lengths]
 
 
-KINDS = ["llama", "llama3-rope", "qwen2", "qwen3", "granite", "mistral", "gemma2", "gemma3"]
+KINDS = ["llama", "llama3-rope", "qwen2", "qwen3", "granite", "phi3", "phi4-longrope", "mistral", "gemma2", "gemma3"]
 
 
 @pytest.fixture(scope="module", params=KINDS)

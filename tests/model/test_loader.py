@@ -583,3 +583,30 @@ def test_gemma3_settings_from_its_config() -> None:
     assert [cfg.window_of(i) for i in range(7)] == [32] * 5 + [None, 32]
     assert (cfg.rope_theta, cfg.local_rope_theta) == (1e6, 1e4)
     assert cfg.query_pre_attn_scalar == 48 and cfg.hidden_act == "gelu_pytorch_tanh" and cfg.qk_norm
+
+
+def test_longrope_tables_are_transformers_short_and_long_frequencies() -> None:
+    """Phi-3's LongRoPE with a partial rotary: the rows before the original length are Hugging Face's
+    (short factors, attention factor), the rows from it on its long factors', as Hugging Face computes
+    them for a sequence past the original length."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from kestrel.model import model_config_from_hf
+    from kestrel.model.layers import RotaryEmbedding
+    hf = Phi3Config(vocab_size=128, hidden_size=128, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
+                    num_key_value_heads=1, max_position_embeddings=512, original_max_position_embeddings=160,
+                    pad_token_id=0, rope_parameters={
+                        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                        "short_factor": [1.0 + i / 24 for i in range(24)],
+                        "long_factor": [2.0 + i / 6 for i in range(24)],
+                        "original_max_position_embeddings": 160})
+    cfg = model_config_from_hf(hf, model=None, dtype=torch.float32, max_model_len=512, eos_token_id=2, bos_token_id=1)
+    assert cfg.rotary_dim == 48
+    ours = RotaryEmbedding(cfg.rotary_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling, torch.float32)
+    reference = Phi3ForCausalLM(hf).model.rotary_emb
+    x = torch.zeros(1, 1, 64)
+    for position in (0, 100, 159, 160, 300, 511):
+        cos, sin = reference(x, torch.tensor([[position]]))   # long factors from position 160 on
+        got_cos, got_sin = ours.lookup(torch.tensor([position]))
+        torch.testing.assert_close(got_cos[0, 0], cos[0, 0], rtol=0, atol=0)
+        torch.testing.assert_close(got_sin[0, 0], sin[0, 0], rtol=0, atol=0)
