@@ -9,8 +9,9 @@ Nothing here loads weights; `ModelConfig` is filled from the model's config once
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,10 @@ class ModelConfig:
         """The dimensions of each q/k head that rotary rotates: the first ones, as Hugging Face's."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @functools.cached_property
+    def kv_groups(self) -> KVCacheGroups:
+        return kv_cache_groups([self.window_of(layer) for layer in range(self.num_layers)])
+
     def window_of(self, layer: int) -> int | None:
         """The sliding window of decoder layer `layer` (over the whole model), None for full attention."""
         if self.sliding_window is None:
@@ -92,6 +97,53 @@ class ModelConfig:
             return 2 * self.num_layers * self.num_kv_heads * (self.head_dim + 4)
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class KVCacheGroups:
+    """The model's layers grouped by attention type for the KV cache (vLLM's hybrid KV-cache manager).
+
+    Each group has its own block table per request over the one block pool, and a block holds
+    `group_size` layer slots: layer l keeps its K and V in slot layer_slots[l] of the blocks of group
+    layer_groups[l]. A model of one attention type is one group of every layer (as if there were no
+    groups); a model mixing full and sliding-window layers (Gemma 2 and 3) has groups of equal size
+    (the fewest layers of a type; a type's last group may be short, its spare slots unused), so that
+    a sliding-window group can let go of the blocks that fall wholly out of its window while the full
+    groups keep a request's every block.
+
+    Invariant: every group of a type has that type's window; groups are numbered full types first."""
+    windows: tuple[int | None, ...]   # per group: its sliding window, None for full attention
+    layer_groups: tuple[int, ...]     # per layer of the whole model
+    layer_slots: tuple[int, ...]      # per layer: its slot in its group's blocks, 0 .. group_size - 1
+    group_size: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    def max_blocks_held(self, num_tokens: int, block_size: int, max_chunk: int) -> int:
+        """The most blocks one sequence of `num_tokens` holds at once over all groups, its prompt in
+        chunks of at most `max_chunk` tokens: all its blocks in a full group, in a sliding one those of
+        its window and of the chunk being computed."""
+        whole = -(-num_tokens // block_size)
+        return sum(whole if w is None else min(whole, -(-(w + max_chunk) // block_size) + 1) for w in self.windows)
+
+
+def kv_cache_groups(windows_by_layer: Sequence[int | None]) -> KVCacheGroups:
+    """The groups for layers with these windows (None: full attention)."""
+    types = sorted(set(windows_by_layer), key=lambda w: (w is not None, w or 0))
+    layers_of = {t: [i for i, w in enumerate(windows_by_layer) if w == t] for t in types}
+    group_size = min(len(layers) for layers in layers_of.values())
+    windows: list[int | None] = []
+    layer_groups = [0] * len(windows_by_layer)
+    layer_slots = [0] * len(windows_by_layer)
+    for t in types:
+        layers = layers_of[t]
+        for start in range(0, len(layers), group_size):
+            for slot, layer in enumerate(layers[start:start + group_size]):
+                layer_groups[layer], layer_slots[layer] = len(windows), slot
+            windows.append(t)
+    return KVCacheGroups(tuple(windows), tuple(layer_groups), tuple(layer_slots), group_size)
 
 
 @dataclass(frozen=True)

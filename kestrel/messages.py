@@ -160,14 +160,14 @@ class NewRequestData(msgspec.Struct, array_like=True):
     output_token_ids: list[int]  # non-empty when resuming after a preemption
     sampling_params: SamplingParams
     eos_token_id: int | None  # masked while fewer than min_tokens are generated
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV-cache group (kestrel.config.KVCacheGroups), its block table
     num_computed_tokens: int
 
 
 class CachedRequestData(msgspec.Struct, array_like=True):
     """Only what changed for requests the worker already holds."""
     req_ids: list[str] = msgspec.field(default_factory=list)
-    new_block_ids: list[list[int]] = msgspec.field(default_factory=list)
+    new_block_ids: list[list[list[int]]] = msgspec.field(default_factory=list)   # per request, per group
     num_computed_tokens: list[int] = msgspec.field(default_factory=list)
     # The sampled tokens among the ones this step computes (positions num_computed_tokens onward that
     # are past the prompt): a decode's input token. The rank that sampled it has it already; the

@@ -38,7 +38,8 @@ class EngineCore:
         self.num_kv_blocks = num_blocks
         cache = config.cache
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, cache.block_size)
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
+                                               config.model.kv_groups.windows)
         model = config.model
         self.structured_output = StructuredOutputManager(
             lambda: load_tokenizer(resolve_model(model.tokenizer or model.model)), model.vocab_size,

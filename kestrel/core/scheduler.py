@@ -184,7 +184,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             cached.req_ids.append(request.request_id)
-            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.new_block_ids.append([[b.block_id for b in group] for group in new_blocks])
             cached.num_computed_tokens.append(request.num_computed_tokens)
             cached.new_token_ids.append(
                 request.all_token_ids[max(request.num_computed_tokens, request.num_prompt_tokens):

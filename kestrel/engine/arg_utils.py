@@ -327,6 +327,9 @@ def draft_model_config(speculative: SpeculativeConfig | None, target: ModelConfi
         raise ValueError("speculative_config: the draft_model method runs with one worker per engine core; "
                          f"tensor_parallel_size {parallel.tensor_parallel_size} x pipeline_parallel_size "
                          f"{parallel.pipeline_parallel_size} is not supported with it yet")
+    if target.kv_groups.num_groups > 1:
+        raise ValueError("speculative_config: the draft_model method is not supported yet for a model that mixes "
+                         "full and sliding-window attention layers; use the ngram method")
     try:
         source = resolve_model(speculative.model)
         hf_config = load_config(source)

@@ -162,6 +162,8 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = Embedding(shard.vocab_size, cfg.hidden_size, cfg.dtype, ops.linear_to_float)
         self.layers = nn.ModuleList(self.decoder_layer(cfg, ops, attn, shard, self.tp, cfg.window_of(i))
                                     for i in range(shard.layer_start, shard.layer_end))
+        for i, layer in enumerate(self.layers):
+            layer.kv_group = cfg.kv_groups.layer_groups[shard.layer_start + i]
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling, cfg.dtype)
         # The sliding-window layers' own rope (Gemma 3's local base, unscaled), where they have one.
         self.local_rotary = None if cfg.local_rope_theta is None else RotaryEmbedding(
@@ -197,10 +199,12 @@ class LlamaForCausalLM(nn.Module):
         local_rope = rope if self.local_rotary is None else self.local_rotary.lookup(positions)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         last = len(layers) - 1 if self.shard.is_last_stage else -1
+        # One metadata per KV-cache group (a list, each layer taking its group's), or one for all.
+        metas = meta if isinstance(meta, list) else None
         for i, layer in enumerate(layers):
             x, residual = layer(x, residual, rope if layer.window is None else local_rope,
-                                kv_caches[i] if kv_caches is not None else None, meta,
-                                output_rows if i == last else None)
+                                kv_caches[i] if kv_caches is not None else None,
+                                meta if metas is None else metas[layer.kv_group], output_rows if i == last else None)
         if not self.shard.is_last_stage:
             return IntermediateTensors(x, residual)
         return x + residual

@@ -57,8 +57,10 @@ class ModelShard:
         return self.tp_size > 1 or self.pp_size > 1
 
     def kv_bytes_per_token(self, cfg: ModelConfig, kv_cache_dtype: str = "auto") -> int:
-        """K and V of one token in this rank's layers and KV heads (what its KV cache holds)."""
-        local = dataclasses.replace(cfg, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads)
+        """K and V of one token in this rank's KV heads, in as many layers as a block has slots for
+        this rank's layers (KVCacheGroups: its layers, where the model has one group)."""
+        slots = len(set(cfg.kv_groups.layer_slots[self.layer_start:self.layer_end]))
+        local = dataclasses.replace(cfg, num_layers=slots, num_kv_heads=self.num_kv_heads)
         return local.kv_bytes_per_token(kv_cache_dtype)
 
 

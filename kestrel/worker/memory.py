@@ -115,7 +115,8 @@ def num_blocks_for(config: EngineConfig, profile: MemoryProfile, kv_bytes_per_to
         num_blocks = cache.num_kv_blocks
     else:
         num_blocks = profile.kv_budget_bytes // bytes_per_block
-    needed = -(-config.scheduler.max_model_len // cache.block_size) + 1
+    needed = config.model.kv_groups.max_blocks_held(config.scheduler.max_model_len, cache.block_size,
+                                                    config.scheduler.max_num_batched_tokens) + 1
     if num_blocks < needed:
         knob = ("--num-kv-blocks" if cache.num_kv_blocks is not None
                 else "--kv-cache-memory" if cache.kv_cache_memory is not None or config.device.device.type == "cpu"

@@ -79,7 +79,7 @@ class CachedRequestState:
     num_prompt_tokens: int
     sampling_params: SamplingParams
     eos_token_id: int | None
-    block_ids: list[int]
+    block_ids: list[list[int]]      # per KV-cache group, its block table
     num_computed_tokens: int
     # Whether this request wants prompt logprobs from the worker. A request resumed after a
     # preemption with tokens already sampled has sent all of them, so it does not.
@@ -94,7 +94,7 @@ class CachedRequestState:
     def from_new(cls, new: NewRequestData) -> CachedRequestState:
         return cls(new.req_id, list(new.prompt_token_ids) + list(new.output_token_ids),
                    len(new.prompt_token_ids), new.sampling_params, new.eos_token_id,
-                   list(new.block_ids), new.num_computed_tokens,
+                   [list(ids) for ids in new.block_ids], new.num_computed_tokens,
                    new.sampling_params.prompt_logprobs is not None and not new.output_token_ids)
 
     @property
@@ -114,7 +114,8 @@ class CachedRequestState:
 class BatchInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn: CommonAttentionMetadata
+    attn: CommonAttentionMetadata    # the batch over the first KV-cache group's block tables
+    group_attn: list[CommonAttentionMetadata]   # over each group's (a model of one group: [attn])
     sample_req_ids: list[str]        # requests that sample this step, in logits-row order
     sample_rows: torch.Tensor        # their last token's row in the flattened batch (with k drafts: k + 1 rows)
     sample_drafts: list[list[int]]   # per sampling request, the drafts it verifies (mostly none)
@@ -141,6 +142,7 @@ class ModelRunner:
         self.attn = attn
         self.device = config.device.device
         self.block_size = config.cache.block_size
+        self.num_kv_groups = config.model.kv_groups.num_groups
         self.vocab_size = config.model.vocab_size
         self.sampler = Sampler(self.device)
         self.rejection_sampler = RejectionSampler(self.sampler.argmax_rows)
@@ -156,7 +158,9 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = []
         # Decode-only steps run as a plan of pre-bound kernel calls where the model and backend have
         # one (bit-identical to the model's forward); never under --enforce-eager.
-        self.decode_plan = None if config.enforce_eager else DecodePlan.build(model, attn)
+        # (one KV-cache group: the plan takes one block table per request)
+        self.decode_plan = (None if config.enforce_eager or self.num_kv_groups > 1
+                            else DecodePlan.build(model, attn))
 
     # ---- KV memory ---------------------------------------------------------------------------
 
@@ -166,9 +170,15 @@ class ModelRunner:
         return target + (self.drafter.kv_bytes_per_token() if self.drafter is not None else 0)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """One cache per block slot this rank's layers use (KVCacheGroups), each layer given its slot's:
+        the layers of a slot in different groups share its memory, apart by their groups' block ids."""
         m, shard = self.config.model, self.shard
-        self.kv_caches = new_kv_caches(shard.num_layers, num_blocks, self.block_size, shard.num_kv_heads,
-                                       m.head_dim, m.dtype, self.config.cache.kv_cache_dtype == "int8", self.device)
+        layer_slots = m.kv_groups.layer_slots[shard.layer_start:shard.layer_end]
+        slots = sorted(set(layer_slots))
+        caches = new_kv_caches(len(slots), num_blocks, self.block_size, shard.num_kv_heads,
+                               m.head_dim, m.dtype, self.config.cache.kv_cache_dtype == "int8", self.device)
+        of_slot = dict(zip(slots, caches))
+        self.kv_caches = [of_slot[slot] for slot in layer_slots]
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks)
 
@@ -289,7 +299,7 @@ class ModelRunner:
         """The next step's drafts of the requests that sampled (n-gram lookup or the draft model)."""
         if self.proposer is not None:
             return [self.proposer.propose(s.token_ids) for s in states]
-        drafts, probs = self.drafter.propose([s.token_ids for s in states], [s.block_ids for s in states],
+        drafts, probs = self.drafter.propose([s.token_ids for s in states], [s.block_ids[0] for s in states],
                                              [s.sampling_params for s in states])
         for state, state_probs in zip(states, probs):
             state.draft_probs = state_probs
@@ -361,7 +371,10 @@ class ModelRunner:
         plan = self.decode_plan
         if plan is not None and plan.covers(batch.attn):
             return plan(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
-        meta = self.attn.build_metadata(batch.attn)
+        if len(batch.group_attn) == 1:
+            meta = self.attn.build_metadata(batch.attn)
+        else:   # one per KV-cache group: each layer takes its group's (LlamaForCausalLM.forward)
+            meta = [self.attn.build_metadata(common) for common in batch.group_attn]
         return self.model(batch.input_ids, batch.positions, self.kv_caches, meta, intermediate, batch.hidden_rows)
 
     # ---- between pipeline stages ---------------------------------------------------------------
@@ -391,7 +404,8 @@ class ModelRunner:
         for req_id, new_blocks, num_computed, new_tokens in zip(cached.req_ids, cached.new_block_ids,
                                                                 cached.num_computed_tokens, cached.new_token_ids):
             state = self.requests[req_id]
-            state.block_ids.extend(new_blocks)
+            for table, added in zip(state.block_ids, new_blocks):
+                table.extend(added)
             state.num_computed_tokens = num_computed
             if state.num_pending_drafts:  # the last step's drafts: those before num_computed were accepted
                 del state.token_ids[max(num_computed, state.num_prompt_tokens):]
@@ -421,15 +435,16 @@ class ModelRunner:
         bs = self.block_size
         scheduled = so.num_scheduled_tokens
         decodes, prefills_ids = self._batch_order(so)
+        num_groups = self.num_kv_groups
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
+        slots: list[list[np.ndarray]] = [[] for _ in range(num_groups)]   # per group
         sample_req_ids: list[str] = []
         sample_rows: list[int] = []
         sample_drafts: list[list[int]] = []
         spec_tokens = so.scheduled_spec_decode_tokens
         prompt_logprob_spans: list[tuple[str, int, int, int]] = []
-        prefills: list[PrefillSpan] = []
+        prefills: list[list[PrefillSpan]] = [[] for _ in range(num_groups)]
         row = 0
         decode_rows = [(self.requests[r], scheduled[r]) for r in decodes]
         num_decode_rows = sum(n for _, n in decode_rows)
@@ -442,10 +457,11 @@ class ModelRunner:
             input_ids.extend(drafts)
             pos = np.arange(start, end)
             positions.append(pos)
-            table = np.asarray(state.block_ids, dtype=np.int64)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            if row >= num_decode_rows:
-                prefills.append(PrefillSpan(row, row + n, start, table))
+            for g, ids in enumerate(state.block_ids):
+                table = np.asarray(ids, dtype=np.int64)
+                slots[g].append(table[pos // bs] * bs + pos % bs)
+                if row >= num_decode_rows:
+                    prefills[g].append(PrefillSpan(row, row + n, start, table))
             if end - len(drafts) == len(state.token_ids):
                 sample_req_ids.append(req_id)
                 sample_rows.extend(range(row + n - 1 - len(drafts), row + n))
@@ -460,11 +476,13 @@ class ModelRunner:
                     prompt_logprob_spans.append((req_id, row, start + 1, num_scored))
             row += n
         dev = self.device
-        attn = self._describe(torch.from_numpy(np.concatenate(slots)).to(dev), decode_rows, prefills)
+        group_attn = [self._describe(torch.from_numpy(np.concatenate(slots[g])).to(dev), decode_rows, prefills[g], g)
+                      for g in range(num_groups)]
         return BatchInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
-            attn=attn,
+            attn=group_attn[0],
+            group_attn=group_attn,
             sample_req_ids=sample_req_ids,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
             sample_drafts=sample_drafts,
@@ -472,11 +490,12 @@ class ModelRunner:
         )
 
     def _describe(self, slot_mapping: torch.Tensor, decode_rows: list[tuple[CachedRequestState, int]],
-                  prefills: list[PrefillSpan]) -> CommonAttentionMetadata:
-        """The step's batch for the attention backend: a context length and block ids per decode row
-        (a request's n rows at consecutive positions), and the prefill chunks."""
+                  prefills: list[PrefillSpan], group: int = 0) -> CommonAttentionMetadata:
+        """The step's batch for the attention backend, over KV-cache group `group`'s block tables: a
+        context length and block ids per decode row (a request's n rows at consecutive positions), and
+        the prefill chunks."""
         seq_lens = np.array([s.num_computed_tokens + 1 + i for s, n in decode_rows for i in range(n)], dtype=np.int64)
-        block_ids = [s.block_ids for s, n in decode_rows for _ in range(n)]
+        block_ids = [s.block_ids[group] for s, n in decode_rows for _ in range(n)]
         return describe_batch(slot_mapping, seq_lens, block_ids, prefills, self.block_size, self.device)
 
     def _compute_prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[str, int, int, int]]

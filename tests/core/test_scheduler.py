@@ -32,28 +32,47 @@ def const_token(value: int):
 
 
 class FakeWorker:
-    def __init__(self, block_size: int, token_fn=hash_token) -> None:
+    """`windows`: per KV-cache group, its sliding window (None: full attention). A group's table may
+    hold the null block 0 only where its window has passed (no later token reads it), and the tokens a
+    group's attention reads (a window's last W, or all) must be in its blocks."""
+
+    def __init__(self, block_size: int, token_fn=hash_token, windows=(None,)) -> None:
         self.bs = block_size
         self.token_fn = token_fn
+        self.windows = windows
         self.kv: dict[tuple[int, int], int] = {}
         self.reqs: dict[str, dict] = {}
+
+    def _first_read(self, start: int, window: int | None) -> int:
+        return 0 if window is None else max(0, start - window + 1)
+
+    def _check_nulls(self, tables: list[list[int]], start: int) -> None:
+        for table, window in zip(tables, self.windows):
+            first = self._first_read(start, window) // self.bs
+            assert 0 not in table[first:], (table, start, window)
+            live = [b for b in table if b != 0]
+            assert len(set(live)) == len(live)
+        every = [b for table in tables for b in table if b != 0]
+        assert len(set(every)) == len(every), "a block in two groups of one request"
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for rid in so.finished_req_ids | so.preempted_req_ids:
             self.reqs.pop(rid, None)
         for nr in so.scheduled_new_reqs:
             assert nr.req_id not in self.reqs, f"{nr.req_id} sent as new while the worker holds it"
-            assert 0 not in nr.block_ids
+            assert len(nr.block_ids) == len(self.windows)
+            self._check_nulls(nr.block_ids, nr.num_computed_tokens)
             self.reqs[nr.req_id] = {"tokens": list(nr.prompt_token_ids) + list(nr.output_token_ids),
-                                    "blocks": list(nr.block_ids),
+                                    "blocks": [list(ids) for ids in nr.block_ids],
                                     "computed": nr.num_computed_tokens}
         cached = so.scheduled_cached_reqs
         for rid, new_blocks, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                  cached.num_computed_tokens):
             st = self.reqs[rid]
             assert st["computed"] == num_computed, (rid, st["computed"], num_computed)
-            assert 0 not in new_blocks
-            st["blocks"].extend(new_blocks)
+            for table, added, window in zip(st["blocks"], new_blocks, self.windows):
+                assert 0 not in added[self._first_read(num_computed, window) // self.bs - len(table):]
+                table.extend(added)
         assert set(so.num_scheduled_tokens) == (
             {nr.req_id for nr in so.scheduled_new_reqs} | set(cached.req_ids))
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
@@ -61,14 +80,15 @@ class FakeWorker:
         req_ids, sampled = [], []
         for rid, n in so.num_scheduled_tokens.items():
             st = self.reqs[rid]
-            start, tokens, blocks = st["computed"], st["tokens"], st["blocks"]
+            start, tokens = st["computed"], st["tokens"]
             assert n > 0 and start + n <= len(tokens), (rid, start, n, len(tokens))
-            assert len(blocks) >= -(-(start + n) // self.bs), "block table too short"
-            assert len(set(blocks)) == len(blocks)
-            seen = [self.kv.get((blocks[p // self.bs], p % self.bs)) for p in range(start)]
-            assert seen == tokens[:start], f"{rid}: KV of its computed prefix is wrong"
-            for p in range(start, start + n):
-                self.kv[(blocks[p // self.bs], p % self.bs)] = tokens[p]
+            for g, (blocks, window) in enumerate(zip(st["blocks"], self.windows)):
+                assert len(blocks) >= -(-(start + n) // self.bs), "block table too short"
+                first = self._first_read(start, window)
+                seen = [self.kv.get((blocks[p // self.bs], p % self.bs)) for p in range(first, start)]
+                assert seen == tokens[first:start], f"{rid}: KV of its computed prefix is wrong in group {g}"
+                for p in range(start, start + n):
+                    self.kv[(blocks[p // self.bs], p % self.bs)] = tokens[p]
             st["computed"] = start + n
             if st["computed"] == len(tokens):
                 token = self.token_fn(tokens)
@@ -82,14 +102,14 @@ class FakeWorker:
 class Harness:
     def __init__(self, num_blocks=64, block_size=4, max_num_seqs=16, max_num_batched_tokens=64,
                  max_model_len=256, enable_caching=True, enable_chunked_prefill=True,
-                 token_fn=hash_token) -> None:
-        self.kv = KVCacheManager(num_blocks, block_size, enable_caching)
+                 token_fn=hash_token, windows=(None,)) -> None:
+        self.kv = KVCacheManager(num_blocks, block_size, enable_caching, windows)
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
                                       enable_chunked_prefill=enable_chunked_prefill)
         self.sched = Scheduler(self.config, self.kv)
-        self.worker = FakeWorker(block_size, token_fn)
+        self.worker = FakeWorker(block_size, token_fn, windows)
         self.tokens: dict[str, list[int]] = {}
         self.finish: dict[str, tuple[FinishReason, int | str | None]] = {}
         self.num_cached: dict[str, int] = {}
@@ -121,7 +141,7 @@ class Harness:
             assert req.status == RequestStatus.RUNNING
             assert req.num_computed_tokens <= req.num_tokens
             # The KV manager holds room for every token computed after this step.
-            assert len(self.kv.get_block_ids(rid)) * self.kv.block_size >= req.num_computed_tokens
+            assert len(self.kv.get_block_ids(rid)[0]) * self.kv.block_size >= req.num_computed_tokens
         self.sched_outputs.append(so)
         return so
 
@@ -143,7 +163,7 @@ class Harness:
                 self.finish[o.request_id] = (o.finish_reason, o.stop_reason)
                 self.num_cached[o.request_id] = o.num_cached_tokens
                 assert o.request_id not in self.sched.requests
-                assert self.kv.get_block_ids(o.request_id) == []
+                assert self.kv.get_block_ids(o.request_id)[0] == []
         self.core_outputs.append(out)
         return out
 
@@ -336,11 +356,18 @@ def test_duplicate_request_id_rejected():
 # ---- preemption --------------------------------------------------------------------------------
 
 
+# KV-cache groups: one full-attention group (Llama); one sliding-window group (Mistral); a full group
+# and two sliding ones (Gemma 3's mix), windows of 6 tokens over blocks of 4.
+GROUPS = {"full": (None,), "sliding": (6,), "mixed": (None, 6, 6)}
+
+
 @pytest.mark.parametrize("enable_caching", [True, False])
-def test_preemption_recomputes_and_every_request_finishes(enable_caching):
-    # 5 usable blocks of 4 tokens; each request needs 3 blocks (5 + 8 tokens): 9 in all.
-    h = Harness(num_blocks=6, block_size=4, max_num_batched_tokens=32,
-                enable_caching=enable_caching)
+@pytest.mark.parametrize("groups", ["full", "mixed"])
+def test_preemption_recomputes_and_every_request_finishes(enable_caching, groups):
+    # 5 usable blocks of 4 tokens; each request needs 3 blocks (5 + 8 tokens): 9 in all (mixed: a full
+    # and a sliding group, 8 usable blocks, a request holding up to 4 + 3).
+    h = Harness(num_blocks=6 if groups == "full" else 9, block_size=4, max_num_batched_tokens=32,
+                enable_caching=enable_caching, windows=(None,) if groups == "full" else (None, 6))
     prompts = {f"r{i}": prompt(5, 100 * (i + 1)) for i in range(3)}
     for rid, p in prompts.items():
         h.add(rid, p, max_tokens=8)
@@ -358,7 +385,7 @@ def test_preemption_recomputes_and_every_request_finishes(enable_caching):
                 assert req.status == RequestStatus.PREEMPTED
                 assert req.num_computed_tokens == 0
                 assert req.num_preemptions >= 1
-                assert h.kv.get_block_ids(rid) == []
+                assert h.kv.get_block_ids(rid)[0] == []
                 assert rid not in so.num_scheduled_tokens
                 assert req not in h.sched.running
             assert not so.scheduled_new_reqs  # no admission in a step that preempted
@@ -406,13 +433,13 @@ def test_abort_frees_blocks():
     h.add("wait", prompt(6, 500), max_tokens=20)
     h.step()
     h.step()
-    assert h.kv.get_block_ids("run")
+    assert h.kv.get_block_ids("run")[0]
     assert h.sched.waiting[0].request_id == "wait"
     free_before = h.kv.pool.num_free_blocks
-    n_blocks = len(h.kv.get_block_ids("run"))
+    n_blocks = len(h.kv.get_block_ids("run")[0])
     h.sched.finish_requests(["run", "wait", "no-such-id"], RequestStatus.FINISHED_ABORTED)
     h.kv.check_invariants()
-    assert h.kv.get_block_ids("run") == []
+    assert h.kv.get_block_ids("run")[0] == []
     assert h.kv.pool.num_free_blocks == free_before + n_blocks
     assert "run" not in h.sched.requests and "wait" not in h.sched.requests
     assert list(h.sched.waiting) == [] and [r.request_id for r in h.sched.running] == ["other"]
@@ -434,7 +461,7 @@ def test_abort_while_step_runs_drops_its_output():
     out = h.sched.update_from_output(so, ro)
     h.kv.check_invariants()
     assert [o.request_id for o in out.outputs] == ["b"]
-    assert h.kv.get_block_ids("a") == []
+    assert h.kv.get_block_ids("a")[0] == []
     so = h.schedule()
     assert "a" in so.finished_req_ids
     h.update(so, h.worker.execute(so))
@@ -467,8 +494,9 @@ def test_prefix_cache_hits_for_repeated_prompt():
     assert h.tokens["again"] == h.tokens["first"]
 
 
-def test_prefix_cache_shared_by_concurrent_requests():
-    h = Harness(block_size=4, num_blocks=64, max_num_batched_tokens=16)
+@pytest.mark.parametrize("groups", list(GROUPS))
+def test_prefix_cache_shared_by_concurrent_requests(groups):
+    h = Harness(block_size=4, num_blocks=64, max_num_batched_tokens=16, windows=GROUPS[groups])
     shared = prompt(24)
     prompts = {f"r{i}": shared + prompt(3, 1000 * (i + 1)) for i in range(4)}
     for rid, pr in prompts.items():
@@ -491,11 +519,13 @@ def test_no_prefix_hits_when_caching_disabled():
     assert h.num_cached["again"] == 0
 
 
-def test_random_workload_invariants():
+@pytest.mark.parametrize("groups", list(GROUPS))
+def test_random_workload_invariants(groups):
     import random
 
     rng = random.Random(1234)
-    h = Harness(num_blocks=24, block_size=4, max_num_batched_tokens=20, max_num_seqs=5)
+    h = Harness(num_blocks=24 if groups == "full" else 30, block_size=4, max_num_batched_tokens=20, max_num_seqs=5,
+                windows=GROUPS[groups])
     prompts = {}
     base = [rng.randrange(10, 100) for _ in range(16)]
     for i in range(14):

@@ -117,14 +117,14 @@ def test_a_draft_model_gets_lookahead_slots_that_are_never_hashed():
     r = Request("a", list(range(10, 20)), SamplingParams(max_tokens=50), None)
     s.add_request(r)
     so = s.schedule()  # 6 of 10 prompt tokens: no sample, no lookahead
-    assert so.num_scheduled_tokens == {"a": 6} and len(kv.get_block_ids("a")) == 2
+    assert so.num_scheduled_tokens == {"a": 6} and len(kv.get_block_ids("a")[0]) == 2
     s.update_from_output(so, ModelRunnerOutput([], [], []))
     so = s.schedule()  # the last 4: samples, so 4 more slots (positions 10..13)
-    assert so.num_scheduled_tokens == {"a": 4} and len(kv.get_block_ids("a")) == 4
+    assert so.num_scheduled_tokens == {"a": 4} and len(kv.get_block_ids("a")[0]) == 4
     s.update_from_output(so, ModelRunnerOutput(["a"], [[50]], [None], spec_token_ids=[[60, 61]]))
     assert len(kv.num_cached_blocks) == 1 and kv.num_cached_blocks["a"] == 2  # the 8 known tokens' blocks
     so = s.schedule()  # 50 and two drafts: positions 10..12, lookahead to 16
-    assert so.num_scheduled_tokens == {"a": 3} and len(kv.get_block_ids("a")) == 5
+    assert so.num_scheduled_tokens == {"a": 3} and len(kv.get_block_ids("a")[0]) == 5
     assert kv.num_cached_blocks["a"] == 2
     s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     kv.check_invariants()

@@ -141,11 +141,22 @@ def test_alone_and_batched(tiny, kernel_mode, engine_check):
     engine_check(llm)
 
 
+def _tight_pool(folder) -> int:
+    """Blocks that barely hold one 256-token sequence prefilled in chunks of 20: 17 blocks of 16 for a
+    model of one KV-cache group; with sliding-window groups, their windows' blocks added."""
+    from transformers import AutoConfig
+
+    from kestrel.model import model_config_from_hf
+    cfg = model_config_from_hf(AutoConfig.from_pretrained(folder), model=None, dtype=torch.float32,
+                               max_model_len=256, eos_token_id=2, bos_token_id=1)
+    return cfg.kv_groups.max_blocks_held(256, 16, 20) + 1
+
+
 def test_chunked_prefill_and_preemption(tiny, kernel_mode, engine_check):
     folder, prompts, reference, _ = tiny
-    # A 20-token budget splits every long prompt; 17 blocks of 16 barely hold one 256-token sequence.
+    # A 20-token budget splits every long prompt; the pool barely holds one 256-token sequence.
     llm = LLM(str(folder), dtype="float32", max_model_len=256, max_num_batched_tokens=20,
-              num_kv_blocks=17, enable_prefix_caching=False)
+              num_kv_blocks=_tight_pool(folder), enable_prefix_caching=False)
     ours = kestrel_greedy(llm, prompts, NEW_TOKENS)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions_total > 0
     assert assert_greedy_close(reference, ours, exact=False) >= len(prompts) - 2
@@ -177,7 +188,7 @@ def test_async_scheduling_gives_the_same_tokens(tiny, engine_check):
     """Each step planned while the one before runs: token-identical to the synchronous engine, batched,
     with chunked prefill and preemption, and with prefix-cache hits."""
     folder, prompts, reference, _ = tiny
-    tight = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=20, num_kv_blocks=17,
+    tight = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=20, num_kv_blocks=_tight_pool(folder),
                  enable_prefix_caching=False)
     for kw in (KW, tight):
         runs = {}

@@ -79,3 +79,26 @@ def test_qwen25_coder_as_served_answers_a_chat_question(engine_check):
     text = out[0].outputs[0].text
     assert "def " in text and "return" in text, text
     engine_check(llm)
+
+
+def test_gemma3_270m_holds_its_windows_kv_not_its_whole_length(engine_check):
+    """One ~4k-token request on Gemma 3 270M (15 local layers with a 512-token window, 3 global; KV-cache
+    groups of 3 layers): after its prompt, the global group holds a block per 16 tokens, each of the
+    five local groups the 33 blocks of its window, not 250."""
+    llm = LLM(str(gemma3_270m()), max_model_len=8192)
+    engine = llm.llm_engine
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer((LONG + " ") * 6)["input_ids"][:4000]
+    assert len(ids) == 4000
+    engine.add_request("long", {"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    kv = engine.engine_core.kv_cache_manager
+    assert kv.windows == (None, 512, 512, 512, 512, 512)
+    held = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        (request_id,) = kv.req_to_blocks or (None,)
+        if request_id is not None and engine.engine_core.scheduler.requests[request_id].num_computed_tokens > 4000:
+            held = [sum(1 for b in ids if b) for ids in kv.get_block_ids(request_id)]
+    assert held is not None
+    assert held[0] == 251 and held[1:] == [33] * 5, held
+    engine_check(llm)

@@ -121,7 +121,7 @@ def test_one_rank_holds_everything_and_the_decode_plan_only_then() -> None:
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str              # llama | qwen2 | qwen3
+    kind: str              # llama | qwen2 | qwen3 | granite | phi3 | gemma2 | gemma3
     heads: int
     kv_heads: int
     tie: bool = True
@@ -130,11 +130,30 @@ class Case:
 
 
 def _hf_config(case: Case):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        GraniteConfig,
+        LlamaConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
     common = dict(vocab_size=VOCAB, hidden_size=144, intermediate_size=100, num_hidden_layers=3,
                   num_attention_heads=case.heads, num_key_value_heads=case.kv_heads, head_dim=16,
                   max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
                   tie_word_embeddings=case.tie)
+    windowed = dict(common, sliding_window=8, pad_token_id=0)   # shorter than the prefill spans
+    if case.kind == "gemma3":
+        return Gemma3TextConfig(**windowed, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    if case.kind == "gemma2":
+        return Gemma2Config(**windowed, attn_logit_softcapping=5.0, final_logit_softcapping=10.0)
+    if case.kind == "phi3":   # the checkpoint's fused qkv_proj and gate_up_proj, read in per-rank parts
+        del common["head_dim"]
+        return Phi3Config(**common, pad_token_id=0)
+    if case.kind == "granite":
+        return GraniteConfig(**common, embedding_multiplier=12.0, residual_multiplier=0.22,
+                             attention_multiplier=0.0625, logits_scaling=2.0)
     if case.kind == "qwen3":
         return Qwen3Config(**common)
     if case.kind == "qwen2":   # q, k and v with biases, sharded with their rows
@@ -273,6 +292,10 @@ TP2_CASES = [
     Case("qwen3-6-2", "qwen3", 6, 2, tie=False),
     Case("gguf-llama-6-2", "llama", 6, 2, gguf=True),               # q/k rows read per head, unpermuted locally
     Case("gguf-qwen2-6-2", "qwen2", 6, 2, gguf=True),               # the biases from the file, per rank
+    Case("granite-6-2", "granite", 6, 2),
+    Case("phi3-6-2", "phi3", 6, 2, tie=False),
+    Case("gemma2-6-2", "gemma2", 6, 2),
+    Case("gemma3-6-2", "gemma3", 6, 2),
 ]
 TP3_CASES = [
     Case("llama-6-2", "llama", 6, 2, tie=False),                     # heads (2, 2, 2), the middle rank's KV (0, 1)
