@@ -106,6 +106,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="runs (rounds) per --launch server; medians are reported (default: 1 for W2, 3 for "
                              "W1 / W3)")
     parser.add_argument("--kestrel-flags", default="", help="extra flags for a launched `kestrel serve`, as one string")
+    parser.add_argument("--launch-model", metavar="PATH", default=None,
+                        help="the model every launched server runs: a GGUF file (llama-server reads it too; with "
+                             "--kestrel-weights native both engines run its blocks) (default: the embedded model)")
     # launch.KESTREL_WEIGHTS, spelled out: this parser does not import launch (and torch) for --base-url runs.
     parser.add_argument("--kestrel-weights", choices=("bf16", "native"), default="bf16",
                         help="a launched Kestrel's weights, and a bare launched llama-server's: bf16 (a GGUF "

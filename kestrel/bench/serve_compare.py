@@ -139,7 +139,8 @@ def start_server(stack: ExitStack, spec: str, args: argparse.Namespace, kestrel_
     parallel, ctx = server_shape(workloads)
     # The default model for every engine (Kestrel's --model may come in --kestrel-flags; serve's own
     # --model is the name sent to a --base-url server, not a path).
-    server = launch.launch_server(spec, parallel=parallel, ctx_per_slot=ctx, kestrel_flags=kestrel_flags)
+    server = launch.launch_server(spec, parallel=parallel, ctx_per_slot=ctx, kestrel_flags=kestrel_flags,
+                                  model=getattr(args, "launch_model", None))
     log(f"{spec}: starting")
     started = time.monotonic()
     stack.enter_context(server)
@@ -218,7 +219,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     specs = peer_specs(args, kestrel_flags)
     if len(set(specs)) != len(specs):
         raise ValueError(f"--launch names a server twice: {', '.join(specs)}")
-    id_range = prompt_id_range(None)
+    id_range = prompt_id_range(getattr(args, "launch_model", None))
     started = datetime.now(UTC)
     load_average = os.getloadavg()
     warn_if_busy(load_average[0])
@@ -251,6 +252,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
                             "sent": "streamed"},
                      "sampling": "greedy, ignore_eos, max_tokens = output length"},
         "kestrel_flags": kestrel_flags, "kestrel_weights": args.kestrel_weights,
+        "model": getattr(args, "launch_model", None) or "the embedded default model",
         "command": getattr(args, "command_line", "kestrel bench serve"),
         "date": started.isoformat(timespec="seconds"),
         "load_average_at_start": list(load_average), "load_average_at_end": list(os.getloadavg()),
@@ -335,7 +337,8 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"- Every engine a server started by the benchmark and driven over HTTP by the same client, greedy, "
         f"ignore_eos; {report['runs']} rounds, each running every workload on every engine in turn; figures are "
         f"medians over rounds ({servers})",
-        f"- Kestrel's flags: `{' '.join(report['kestrel_flags'])}`",
+        f"- Model: {report.get('model', 'the embedded default model')}; Kestrel's flags: "
+        f"`{' '.join(report['kestrel_flags'])}`",
         "", *markdown_table(HEADER, rows(report)), "",
         "Ratio rows: the first server's figure over the other's (W1 tok/s above 1 and TPOT below 1: the first is "
         "faster).",

@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kestrel.attention import AttentionBackend, KVCache
@@ -28,45 +27,41 @@ from kestrel.config import ModelConfig
 from kestrel.distributed import GroupCoordinator
 from kestrel.model.llama import DecoderLayer, LlamaForCausalLM
 from kestrel.model.sharding import ModelShard
-from kestrel.ops.dispatch import Ops
+from kestrel.ops.dispatch import Ops, RmsNorm, gemma_rms_norm_reference
 
 if TYPE_CHECKING:
     from kestrel.model.loader import WeightReader
 
 
-def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma's RMSNorm over the last dim with `weight` = 1 + w in float32: the product taken in float32
-    and rounded once (Llama's rounds the normalised x first)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
-
-
 class GemmaRMSNorm(nn.Module):
-    """Holds the checkpoint's w (float32) as loaded; `GemmaForCausalLM.load_weights` then adds 1."""
+    """Holds the checkpoint's w (float32) as loaded; `GemmaForCausalLM.load_weights` then adds 1.
+    `norm`: the model's Gemma norm op for rows of `dim` (ops.gemma_norm_for)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, norm: RmsNorm = gemma_rms_norm_reference) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim, dtype=torch.float32), requires_grad=False)
         self.eps = eps
+        self.norm = norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gemma_rms_norm(x, self.weight, self.eps)
+        return self.norm(x, self.weight, self.eps)
 
 
 class GemmaDecoderLayer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, ops: Ops, attn: AttentionBackend, shard: ModelShard,
                  tp: GroupCoordinator, window: int | None = None) -> None:
         super().__init__(cfg, ops, attn, shard, tp, window)
-        eps = cfg.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.head_rms_norm = gemma_rms_norm   # the q/k norms of DecoderLayer._attention (Gemma 3)
+        eps, norm = cfg.rms_norm_eps, ops.gemma_norm_for(cfg.hidden_size)
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, norm)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, norm)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, norm)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps, norm)
+        # the q/k norms of DecoderLayer._attention (Gemma 3), over the strided heads of qkv
+        self.head_rms_norm = ops.gemma_norm_for(cfg.head_dim)
         if cfg.qk_norm:
-            self.q_norm = GemmaRMSNorm(cfg.head_dim, eps)
-            self.k_norm = GemmaRMSNorm(cfg.head_dim, eps)
-        self.inter = shard.intermediate_size
+            self.q_norm = GemmaRMSNorm(cfg.head_dim, eps, self.head_rms_norm)
+            self.k_norm = GemmaRMSNorm(cfg.head_dim, eps, self.head_rms_norm)
+        self.gelu_and_mul = ops.gelu_and_mul_for(2 * shard.intermediate_size)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                 cache: KVCache | None, meta: object, rows: torch.Tensor | None = None
@@ -85,8 +80,7 @@ class GemmaDecoderLayer(DecoderLayer):
         return self.post_feedforward_layernorm(h), stream
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(h).split(self.inter, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(self.gelu_and_mul(self.gate_up_proj(h)))
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
@@ -96,7 +90,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, ops: Ops | None = None, attn: AttentionBackend | None = None) -> None:
         super().__init__(cfg, ops, attn)
         if self.shard.is_last_stage:
-            self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops.gemma_norm_for(cfg.hidden_size))
         # sqrt(hidden_size) in the model's dtype, as Hugging Face rounds it
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5, dtype=cfg.dtype),
                              persistent=False)

@@ -69,6 +69,13 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
 
 
+def gemma_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm over the last dim with `weight` = 1 + w in float32, as Hugging Face computes it:
+    the product taken in float32 and rounded once (Llama's rounds the normalised x first)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
 def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     residual = residual + x
@@ -204,6 +211,42 @@ def select_norm(device: torch.device, dtype: torch.dtype, dim: int | None = None
         return add_rms_norm_reference(x, residual, weight, eps)
 
     return rms_norm, add_rms_norm
+
+
+def select_gemma_norm(device: torch.device, dtype: torch.dtype, dim: int) -> RmsNorm:
+    """gemma_norm(x, weight, eps) over rows of `dim` values, `weight` float32 (1 + w): the norm kernel
+    (it takes a float32 weight and rounds the product once, Gemma's arithmetic) where it serves, else
+    the reference. x may be [tokens, dim] or a strided [tokens, heads, dim] view (q/k heads), copied
+    into rows for the kernel."""
+    kernels = elementwise_kernels(device, dtype)
+    if kernels is None or not width_for_kernel(dim):
+        return gemma_rms_norm_reference
+    kernel = kernels.rms_norm
+
+    def gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rows = x.reshape(-1, dim)
+        return kernel(rows if rows.is_contiguous() else rows.contiguous(), None, weight, eps).view(x.shape)
+
+    return gemma_norm
+
+
+def gelu_tanh_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """x = gate | up along the last dim → gelu_tanh(gate) * up (Gemma's MLP, as Hugging Face's)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def select_gelu_and_mul(device: torch.device, dtype: torch.dtype, width: int) -> Activation:
+    """gelu_tanh_and_mul(x) for x of `width` (gate | up): the kernel where it serves, else the reference."""
+    kernels = elementwise_kernels(device, dtype)
+    if kernels is None or not width_for_kernel(width):
+        return gelu_tanh_and_mul_reference
+    kernel = kernels.gelu_tanh_and_mul
+
+    def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+        return kernel(x) if _kernel_layout(x) else gelu_tanh_and_mul_reference(x)
+
+    return gelu_and_mul
 
 
 def select_activation(device: torch.device, dtype: torch.dtype, width: int | None = None) -> Activation:
@@ -619,6 +662,8 @@ class Ops:
     plan_kernels: PlanKernels | None   # None: decode steps of this model run its forward
     pack_weight: PackWeight | None     # LinearOps.pack_weight
     norm_for: Callable[[int], tuple[RmsNorm, AddRmsNorm]]   # row length -> select_norm(..., dim)
+    gemma_norm_for: Callable[[int], RmsNorm]               # row length -> select_gemma_norm(..., dim)
+    gelu_and_mul_for: Callable[[int], Activation]          # gate | up width -> select_gelu_and_mul(...)
     silu_and_mul_for: Callable[[int], Activation]          # gate | up width -> select_activation(..., width)
     rotary_for: Callable[..., Rotary]                      # head_dim[, rotary_dim] -> select_rotary(...)
     linear_for: LinearFor                                  # LinearOps.linear_for
@@ -635,6 +680,8 @@ def select_ops(device: torch.device, dtype: torch.dtype) -> Ops:
     return Ops(rms_norm, add_rms_norm, select_activation(device, dtype), select_rotary(device, dtype),
                linear.linear, linear.linear_to_float, plan, linear.pack_weight,
                norm_for=lambda dim: select_norm(device, dtype, dim),
+               gemma_norm_for=lambda dim: select_gemma_norm(device, dtype, dim),
+               gelu_and_mul_for=lambda width: select_gelu_and_mul(device, dtype, width),
                silu_and_mul_for=lambda width: select_activation(device, dtype, width),
                rotary_for=lambda head_dim, rotary_dim=None: select_rotary(device, dtype, head_dim, rotary_dim),
                linear_for=linear.linear_for, linear_to_float_for=linear.linear_to_float_for)

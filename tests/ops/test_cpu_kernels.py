@@ -213,6 +213,32 @@ def test_rms_norm_and_fused_residual(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, dim", [(1, 640), (37, 256), (300, 1152)])
+def test_rms_norm_with_a_float32_weight_is_gemmas_norm(dtype, rows, dim):
+    """Gemma's norm: the kernel takes its float32 1 + w with a bf16 x and rounds the product once, as
+    Hugging Face's Gemma3RMSNorm (gemma_rms_norm_reference); the selected op takes q/k head views too."""
+    from kestrel.ops.dispatch import gemma_rms_norm_reference, select_gemma_norm
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, dim, generator=g) * 3).to(dtype)
+    w = 1.0 + torch.randn(dim, generator=g) * 0.5
+    ref = gemma_rms_norm_reference(x, w, 1e-6)
+    torch.testing.assert_close(kernels.rms_norm(x, None, w, 1e-6), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    heads = (torch.randn(rows, 6, dim, generator=g)).to(dtype)[:, 1:5]   # strided, as qkv's q heads
+    norm = select_gemma_norm(torch.device("cpu"), dtype, dim)
+    torch.testing.assert_close(norm(heads, w, 1e-6), gemma_rms_norm_reference(heads, w, 1e-6),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_and_mul(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(33, 2 * 2048, generator=g) * 4).to(dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    ref = F.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(kernels.gelu_tanh_and_mul(x).float(), ref, atol=TOL[dtype] * 4, rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(dtype):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(33, 2 * 1536, generator=g) * 4).to(dtype)
@@ -274,9 +300,9 @@ def test_argmax_rows_ties_infinities_and_nan_follow_torch():
 
 def test_every_build_exports_the_same_functions():
     """Callers never ask which build they got: both have every kernel, at their own vector width."""
-    for name in ("argmax_rows", "rms_norm", "silu_and_mul", "paged_decode_attention", "rotary_write_kv",
-                 "rotary_write_kv_int8", "paged_decode_attention_int8", "supports", "linear_f32", "DecodeLayers",
-                 "matmul_address", "linear_int8", "int8_linear", "linear_bf16", "matmul_slice_address"):
+    for name in ("argmax_rows", "rms_norm", "silu_and_mul", "gelu_tanh_and_mul", "paged_decode_attention",
+                 "rotary_write_kv", "rotary_write_kv_int8", "paged_decode_attention_int8", "supports", "linear_f32",
+                 "DecodeLayers", "matmul_address", "linear_int8", "int8_linear", "linear_bf16", "matmul_slice_address"):
         assert hasattr(kernels, name), name
     assert kernels.lanes == {"avx512": 16, "avx2": 8}[cpu_kernels_isa()]
     assert kernels.supports(64, 3) and not kernels.supports(64, 6)

@@ -35,9 +35,9 @@ def test_the_avx2_build_passes_its_kernel_and_plan_tests():
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *TEST_FILES,
          "-k", "linear_f32 or float32_plan or native_layer_loop or decode_layers or paged_decode or rms_norm or silu"
-               " or rotary or argmax or decode_attention_int8 or engine_runs_on_the_int8_cache or same_functions"
-               " or cpu_int8 or engine_gives_the_same_tokens_with_the_kernel or linear_bf16 or portable or gguf"
-               " or q5 or same_bits_alone_cached"],
+               " or gelu or rotary or argmax or decode_attention_int8 or engine_runs_on_the_int8_cache"
+               " or same_functions or cpu_int8 or engine_gives_the_same_tokens_with_the_kernel or linear_bf16"
+               " or portable or gguf or q5 or same_bits_alone_cached"],
         env=env, capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     # The float32 plan's and the int8 matmul's tests ran: none may skip for want of the AVX2 build (or

@@ -51,6 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (CPU)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up (CPU)");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "GELU-tanh(gate) * up (CPU)");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("block_size"), py::arg("scale"), py::arg("in_q_dtype") = false, py::arg("window") = 0);

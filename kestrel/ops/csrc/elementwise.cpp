@@ -7,13 +7,13 @@
 
 namespace {
 
-template <typename T>
+template <typename T, typename W>
 void rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                    at::Tensor& out, double eps) {
   const int64_t rows = x.size(0), hidden = x.size(1);
   const T* xp = x.data_ptr<T>();
   T* rp = residual.defined() ? residual.data_ptr<T>() : nullptr;
-  const T* wp = weight.data_ptr<T>();
+  const W* wp = weight.data_ptr<W>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(hidden);
@@ -36,8 +36,15 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& residual, const at::Te
   });
 }
 
-template <typename T>
-void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+// GELU with the tanh approximation: 0.5 g (1 + tanh(u)) = g / (1 + exp(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3).
+inline VecF gelu_tanh(VecF g) {
+  const VecF u = mul(splat(0.7978845608028654f), fma(mul(splat(0.044715f), mul(g, g)), g, g));
+  return div(g, add(splat(1.f), exp_clamped(mul(splat(-2.f), u))));
+}
+
+// act(gate) * up, act SiLU or (GELU) GELU-tanh, computed in float32 and rounded once.
+template <typename T, bool GELU>
+void gate_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0), d = out.size(1);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -47,8 +54,8 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
       const T* up = gate + d;
       for (int64_t i = 0; i < d; i += kLanes) {
         const VecF g = load_chunk(gate + i);
-        const VecF silu = div(g, add(splat(1.f), exp_clamped(sub(zero(), g))));
-        store_row_chunk(op + r * d + i, mul(silu, load_chunk(up + i)));
+        const VecF act = GELU ? gelu_tanh(g) : div(g, add(splat(1.f), exp_clamped(sub(zero(), g))));
+        store_row_chunk(op + r * d + i, mul(act, load_chunk(up + i)));
       }
     }
   });
@@ -57,14 +64,21 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
 
 
 // out = rms_norm(x) * weight, or with `residual` given: residual += x, out = rms_norm(residual) * weight.
-// x, residual, out [rows, hidden] contiguous, hidden % kLanes == 0; float32 or bfloat16, all one dtype.
+// x, residual, out [rows, hidden] contiguous, hidden % kLanes == 0; float32 or bfloat16, all one dtype, but
+// for the weight, which may be float32 with a bfloat16 x (Gemma's 1 + w: the product is rounded once).
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % kLanes == 0, "rms_norm: bad input");
   at::Tensor res = residual.has_value() ? residual.value() : at::Tensor();
   if (res.defined()) TORCH_CHECK(res.is_contiguous() && res.sizes() == x.sizes(), "rms_norm: bad residual");
   weight = weight.contiguous();
   auto out = at::empty_like(x);
-  with_float_dtype(x.scalar_type(), "rms_norm", [&](auto t) { rms_norm_impl<decltype(t)>(x, res, weight, out, eps); });
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() || weight.scalar_type() == at::kFloat,
+              "rms_norm: the weight must be x's dtype or float32");
+  with_float_dtype(x.scalar_type(), "rms_norm", [&](auto t) {
+    using T = decltype(t);
+    if (weight.scalar_type() == at::kFloat) rms_norm_impl<T, float>(x, res, weight, out, eps);
+    else rms_norm_impl<T, T>(x, res, weight, out, eps);
+  });
   return out;
 }
 
@@ -72,7 +86,15 @@ at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor
 at::Tensor silu_and_mul(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % (2 * kLanes) == 0, "silu_and_mul: bad input");
   auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  with_float_dtype(x.scalar_type(), "silu_and_mul", [&](auto t) { silu_and_mul_impl<decltype(t)>(x, out); });
+  with_float_dtype(x.scalar_type(), "silu_and_mul", [&](auto t) { gate_and_mul_impl<decltype(t), false>(x, out); });
+  return out;
+}
+
+// x [rows, 2 d] = gate | up → gelu_tanh(gate) * up [rows, d] (Gemma's MLP); d % kLanes == 0.
+at::Tensor gelu_tanh_and_mul(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % (2 * kLanes) == 0, "gelu_tanh_and_mul: bad input");
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  with_float_dtype(x.scalar_type(), "gelu_tanh_and_mul", [&](auto t) { gate_and_mul_impl<decltype(t), true>(x, out); });
   return out;
 }
 

@@ -18,6 +18,7 @@ bool supports(int64_t head_dim, int64_t group);
 // elementwise.cpp
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
 at::Tensor silu_and_mul(at::Tensor x);
+at::Tensor gelu_tanh_and_mul(at::Tensor x);
 void rotary_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor k_cache, at::Tensor v_cache,
                      c10::optional<at::Tensor> slot_mapping, int64_t num_heads);
 at::Tensor argmax_rows(at::Tensor x);
