@@ -114,7 +114,8 @@ def threads(request):
 
 @needs_kernels
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim, group, kv_heads", [(64, 3, 3), (64, 1, 2), (128, 4, 2), (64, 8, 1)])
+@pytest.mark.parametrize("head_dim, group, kv_heads", [(64, 3, 3), (64, 1, 2), (128, 4, 2), (64, 8, 1), (64, 7, 2),
+                                                     (128, 6, 1)])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 def test_decode_attention_int8_matches_the_dequantized_reference(q_dtype, head_dim, group, kv_heads, threads):
     q, cache, table, seq_lens = _int8_batch([1, 15, 16, 17, 100, 257, 700], kv_heads, head_dim, group, q_dtype,

@@ -44,7 +44,8 @@ def _paged_case(dtype, head_dim, group, kv_heads, lens, block_size=16, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim, group, kv_heads", [(64, 3, 3), (64, 1, 4), (128, 4, 2), (64, 8, 1), (256, 4, 1)])
+@pytest.mark.parametrize("head_dim, group, kv_heads", [(64, 3, 3), (64, 1, 4), (128, 4, 2), (64, 8, 1), (256, 4, 1),
+                                                     (64, 7, 2), (64, 6, 1), (128, 3, 2), (128, 6, 2), (128, 7, 1)])
 def test_paged_decode_attention_matches_sdpa(dtype, head_dim, group, kv_heads):
     lens = [1, 15, 16, 17, 33, 100, 257]  # block boundaries and a one-token context
     q, k, v, table, seq_lens = _paged_case(dtype, head_dim, group, kv_heads, lens)
@@ -81,7 +82,8 @@ def threads():
 # into segments of a fixed number of blocks (4), spread across the threads, whose partial results are merged.
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_size", [16, 32, 8])
-@pytest.mark.parametrize("head_dim, group, kv_heads", [(64, 3, 3), (64, 1, 2), (64, 5, 1), (128, 8, 1), (128, 2, 2)])
+@pytest.mark.parametrize("head_dim, group, kv_heads", [(64, 3, 3), (64, 1, 2), (64, 5, 1), (128, 8, 1), (128, 2, 2),
+                                                     (64, 7, 2), (128, 6, 1)])
 @pytest.mark.parametrize("num_threads", [1, 2, 3])
 def test_paged_decode_attention_bf16_paths(threads, q_dtype, block_size, head_dim, group, kv_heads, num_threads):
     threads(num_threads)

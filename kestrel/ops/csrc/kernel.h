@@ -47,9 +47,12 @@ bool with_head_shape(int64_t d, int64_t g, const F& f) {
     f(std::integral_constant<int, D>{}, std::integral_constant<int, G>{});            \
     return true;                                                                      \
   }
+  // The query heads per KV head of the models Kestrel runs: Qwen2.5 0.5B (64, 7), 1.5B (128, 6), 7B
+  // (128, 7); Phi-4-mini (128, 3); Gemma 3 (256, 4), Gemma 2 (256, 2); Llama, Mistral, Granite the rest.
   KESTREL_CASE(64, 1) KESTREL_CASE(64, 2) KESTREL_CASE(64, 3) KESTREL_CASE(64, 4)
-  KESTREL_CASE(64, 5) KESTREL_CASE(64, 8)
-  KESTREL_CASE(128, 1) KESTREL_CASE(128, 2) KESTREL_CASE(128, 4) KESTREL_CASE(128, 8)
+  KESTREL_CASE(64, 5) KESTREL_CASE(64, 6) KESTREL_CASE(64, 7) KESTREL_CASE(64, 8)
+  KESTREL_CASE(128, 1) KESTREL_CASE(128, 2) KESTREL_CASE(128, 3) KESTREL_CASE(128, 4) KESTREL_CASE(128, 6)
+  KESTREL_CASE(128, 7) KESTREL_CASE(128, 8)
   KESTREL_CASE(256, 1) KESTREL_CASE(256, 2) KESTREL_CASE(256, 4)
 #undef KESTREL_CASE
   return false;
