@@ -579,13 +579,15 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
         alignas(64) float pbuf[2][CT][16 * G];
 #ifdef KESTREL_AMX
         auto start_scores = [&](const TileRef* tiles, int nt, int64_t h, float* p) {
-          _tile_loadd(4, hs[h].qt[0], G * 4);
-          _tile_loadd(5, hs[h].qt[1], G * 4);
-          if constexpr (D == 128) {
-            _tile_loadd(6, hs[h].qt[2], G * 4);
-            _tile_loadd(7, hs[h].qt[3], G * 4);
+          if constexpr (AMX) {   // (head_dim 64 or 128: bf16_decode takes no AMX for others)
+            _tile_loadd(4, hs[h].qt[0], G * 4);
+            _tile_loadd(5, hs[h].qt[1], G * 4);
+            if constexpr (D == 128) {
+              _tile_loadd(6, hs[h].qt[2], G * 4);
+              _tile_loadd(7, hs[h].qt[3], G * 4);
+            }
+            amx_chunk_scores<D, G>(tiles, nt, stride, p);
           }
-          amx_chunk_scores<D, G>(tiles, nt, stride, p);
         };
 #endif
         int cur = 0, ntl[2];
